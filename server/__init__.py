@@ -1,0 +1,1 @@
+"""qasr.server"""
