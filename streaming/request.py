@@ -1,0 +1,50 @@
+"""What a session asks of the engine, and what it gets back.
+
+The server and the sessions speak only these types; the engine (eager on the CPU, CUDA graphs on a GPU) turns a
+`DecodeRequest` into a `DecodeResult`. See `qasr.streaming.engine.AsyncEngine` for the asyncio face.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class Priority(enum.IntEnum):
+    """Lower runs first: finals outrank partials, so under load partials thin out before finals slow down."""
+
+    FINAL = 0
+    PARTIAL = 1
+
+
+class Superseded(Exception):
+    """A queued partial was replaced by a newer partial of the same stream before it ran."""
+
+
+class EngineClosed(Exception):
+    """The engine is shutting down (or failed) and takes no more work."""
+
+
+@dataclass(frozen=True, eq=False)
+class DecodeRequest:
+    audio: np.ndarray  # float32, 16 kHz mono: the whole segment (so far, for a partial)
+    context: str = ""  # system text: names, topic, spelling hints
+    language: str | None = None  # forced language (canonical name, e.g. "English"); None = automatic
+    text_prefix: str = ""  # partials: the previous hypothesis minus its last tokens, decoded as a given prefix
+    priority: Priority = Priority.FINAL
+    stream_id: str | None = None  # requests of one stream may reuse encoder windows and decoder KV; a newer
+    # queued PARTIAL of the same stream supersedes an older queued one
+    max_new_tokens: int | None = None  # None: the engine's budget for this audio length
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    text: str  # the transcript (language tag stripped, repetition guard applied)
+    language: str  # canonical language name, "" when the model heard no speech
+    raw_text: str  # the decoded output as the model wrote it, including the text prefix
+    token_ids: tuple[int, ...]  # generated tokens (without the prompt or prefix, without EOS)
+    finish_reason: str  # "eos" | "length" | "repetition"
+    num_audio_tokens: int
+    timings: dict[str, float] = field(default_factory=dict)  # queue_ms, encode_ms, prefill_ms, decode_ms
