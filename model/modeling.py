@@ -1,0 +1,366 @@
+"""Qwen3-ASR in plain PyTorch: the audio encoder and the Qwen3 text decoder over a static per-slot KV cache.
+
+The encoder packs the fixed 8 s attention windows of many clips into one padded batch (block-diagonal attention by
+construction). The decoder has two entry points over one cache: `prefill` (many new tokens for a few slots) and
+`decode` (one token for every row, row i = slot i, fixed shapes so a CUDA graph can replay it).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import AudioEncoderConfig, ModelConfig, TextDecoderConfig
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Audio encoder
+
+
+def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
+    """Whisper-style positions, computed exactly as the official encoder does (float32)."""
+    log_timescale_increment = math.log(max_timescale) / (channels // 2 - 1)
+    inv_timescales = torch.exp(-log_timescale_increment * torch.arange(channels // 2).float())
+    scaled_time = torch.arange(length)[:, None] * inv_timescales[None, :]
+    return torch.cat([torch.sin(scaled_time), torch.cos(scaled_time)], dim=1)
+
+
+class EncoderAttention(nn.Module):
+    def __init__(self, cfg: AudioEncoderConfig):
+        super().__init__()
+        d = cfg.d_model
+        self.num_heads = cfg.encoder_attention_heads
+        self.q_proj = nn.Linear(d, d)
+        self.k_proj = nn.Linear(d, d)
+        self.v_proj = nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        # x: [W, T, D] windows; key_mask: [W, 1, 1, T] True where the key is a real token
+        W, T, D = x.shape
+        q, k, v = (p(x).view(W, T, self.num_heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        return self.out_proj(out.transpose(1, 2).reshape(W, T, D))
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, cfg: AudioEncoderConfig):
+        super().__init__()
+        self.self_attn = EncoderAttention(cfg)
+        self.self_attn_layer_norm = nn.LayerNorm(cfg.d_model)
+        self.fc1 = nn.Linear(cfg.d_model, cfg.encoder_ffn_dim)
+        self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
+        self.final_layer_norm = nn.LayerNorm(cfg.d_model)
+
+    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
+        x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
+        if x.dtype == torch.float16:  # as the official encoder: keep fp16 activations finite
+            clamp = torch.finfo(x.dtype).max - 1000
+            x = x.clamp(-clamp, clamp)
+        return x
+
+
+class AudioEncoder(nn.Module):
+    """Mel chunks -> convs -> windowed transformer -> projector into the decoder's hidden size."""
+
+    def __init__(self, cfg: AudioEncoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        c = cfg.downsample_hidden_size
+        self.conv2d1 = nn.Conv2d(1, c, 3, 2, padding=1)
+        self.conv2d2 = nn.Conv2d(c, c, 3, 2, padding=1)
+        self.conv2d3 = nn.Conv2d(c, c, 3, 2, padding=1)
+        self.conv_out = nn.Linear(cfg.conv_out_features, cfg.d_model, bias=False)
+        self.register_buffer("positions", sinusoids(cfg.tokens_per_chunk, cfg.d_model), persistent=False)
+        self.layers = nn.ModuleList(EncoderLayer(cfg) for _ in range(cfg.encoder_layers))
+        self.ln_post = nn.LayerNorm(cfg.d_model)
+        self.proj1 = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
+
+    def embed_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
+        # chunks: [N, mels, chunk_frames] (the last chunk of a clip zero-padded) -> [N, tokens_per_chunk, D]
+        x = F.gelu(self.conv2d1(chunks.unsqueeze(1)))
+        x = F.gelu(self.conv2d2(x))
+        x = F.gelu(self.conv2d3(x))
+        n, c, f, t = x.shape
+        x = self.conv_out(x.permute(0, 3, 1, 2).reshape(n, t, c * f))
+        return x + self.positions[:t].to(x.dtype)
+
+    def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        # windows: [W, window_tokens, D] zero-padded; lengths: [W] real tokens per window -> [W, window_tokens, out]
+        T = windows.shape[1]
+        key_mask = (torch.arange(T, device=windows.device)[None, :] < lengths[:, None])[:, None, None, :]
+        x = windows
+        for layer in self.layers:
+            x = layer(x, key_mask)
+        return self.proj2(F.gelu(self.proj1(self.ln_post(x))))
+
+    def forward(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Encode whole clips. mels: list of [mels, F_i] -> list of [num_tokens(F_i), out]."""
+        windows, lengths, owners = self.pack_windows(self.embed_clips(mels))
+        out = self.encode_windows(windows, lengths)
+        return self.unpack_windows(out, lengths, owners, len(mels))
+
+    # -- packing helpers: plain tensor bookkeeping, shared with the engine's incremental encoder ------------------
+
+    def embed_clips(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Conv front end for whole clips: list of [mels, F_i] -> list of [num_tokens(F_i), D].
+
+        A clip's last chunk is zero-padded to the chunk length, except in a clip shorter than one chunk, which the
+        official encoder convolves unpadded (the padding would leak into its edge tokens through the convs).
+        Full-length chunks of all clips share one conv call.
+        """
+        size, dtype = self.cfg.chunk_frames, self.conv_out.weight.dtype
+        full, counts, short = [], [], {}
+        for i, mel in enumerate(mels):
+            frames = mel.shape[-1]
+            if frames == 0:
+                raise ValueError("cannot encode an empty clip (0 mel frames)")
+            if frames < size:
+                short[i] = self.embed_chunks(mel[None].to(dtype))[0, : self.cfg.num_tokens(frames)]
+                continue
+            n = -(-frames // size)
+            full.append(F.pad(mel, (0, n * size - frames)).view(mel.shape[0], n, size).transpose(0, 1))
+            counts.append([self.cfg.tokens_per_chunk] * (n - 1) + [self.cfg.num_tokens(frames - (n - 1) * size)])
+        embedded = self.embed_chunks(torch.cat(full).to(dtype)) if full else None
+        out, row, k = [], 0, 0
+        for i in range(len(mels)):
+            if i in short:
+                out.append(short[i])
+                continue
+            out.append(torch.cat([embedded[row + j, :c] for j, c in enumerate(counts[k])]))
+            row += len(counts[k])
+            k += 1
+        return out
+
+    def pack_windows(self, clips: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Cut every clip's tokens into fixed windows and stack them: -> ([W, window, D], lengths [W], owner per window)."""
+        size = self.cfg.window_tokens
+        pieces, lengths, owners = [], [], []
+        for i, x in enumerate(clips):
+            for start in range(0, x.shape[0], size):
+                piece = x[start : start + size]
+                lengths.append(piece.shape[0])
+                pieces.append(F.pad(piece, (0, 0, 0, size - piece.shape[0])))
+                owners.append(i)
+        windows = torch.stack(pieces)
+        return windows, torch.tensor(lengths, device=windows.device), owners
+
+    @staticmethod
+    def unpack_windows(out: torch.Tensor, lengths: torch.Tensor, owners: list[int], num_clips: int) -> list[torch.Tensor]:
+        parts: list[list[torch.Tensor]] = [[] for _ in range(num_clips)]
+        for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
+            parts[owner].append(out[w, :n])
+        return [torch.cat(p) for p in parts]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Text decoder
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: TextDecoderConfig) -> torch.Tensor:
+    """Default RoPE frequencies (float32). The checkpoint's mRoPE gives every axis the same position: plain 1-D RoPE."""
+    return 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.int64).float() / cfg.head_dim))
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class KVCache(nn.Module):
+    """Static per-slot cache: k, v [layers, slots, kv_heads, max_len + 1, head_dim].
+
+    The extra last position is scratch: rows that must not write (padding rows of a graph bucket, padded prompt
+    positions) write there, and no mask ever admits it.
+    """
+
+    def __init__(self, cfg: TextDecoderConfig, num_slots: int, max_len: int, device=None, dtype=None):
+        super().__init__()
+        shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_len + 1, cfg.head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    @property
+    def scratch(self) -> int:
+        return self.max_len
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: TextDecoderConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        # q, k and v projections fused into one matmul (the loader fills the three row blocks)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        # x: [B, T, D], cos/sin: [B, T, head_dim] -> q [B, H, T, hd], k/v [B, KVH, T, hd]
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(B, T, self.num_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(B, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # q: [B, H, T, hd]; keys/values: [B, KVH, L, hd]; mask: [B, T, L] bool -> [B, T, H * hd]
+        # Grouped-query attention without copying K/V: fold each KV head's query heads into the query axis.
+        B, H, T, hd = q.shape
+        group = H // self.num_kv_heads
+        q = q.reshape(B, self.num_kv_heads, group * T, hd)
+        mask = mask[:, None].repeat(1, 1, group, 1) if group > 1 else mask[:, None]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        return out.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: TextDecoderConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextDecoderConfig, layer: int):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, layer)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class TextDecoder(nn.Module):
+    def __init__(self, cfg: TextDecoderConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [B, T] -> cos, sin [B, T, head_dim], computed in float32 then cast (as the official)
+        freqs = positions.float()[..., None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def run_layers(self, x, positions, write_slots, write_pos, read_keys, mask, cache: KVCache):
+        """The shared layer loop.
+
+        x: [B, T, D] new tokens; positions: [B, T] their rope positions; write_slots [B] / write_pos [B, T]: where
+        their K/V go in the cache; read_keys(layer) -> the [B, KVH, L, hd] K/V views to attend over; mask [B, T, L].
+        """
+        cos, sin = self.rope(positions, x.dtype)
+        slot_index = write_slots[:, None].expand_as(write_pos)
+        for i, layer in enumerate(self.layers):
+            attn = layer.self_attn
+            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
+            # k/v: [B, KVH, T, hd] -> cache[layer, slot, :, pos, :]
+            cache.k[i][slot_index, :, write_pos] = k.transpose(1, 2)
+            cache.v[i][slot_index, :, write_pos] = v.transpose(1, 2)
+            keys, values = read_keys(i)
+            x = x + attn.o_proj(attn.attend(q, keys, values, mask))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x
+
+    def prefill(self, embeds, slots, starts, lengths, cache: KVCache) -> torch.Tensor:
+        """Append `lengths[b]` new tokens to slot `slots[b]` after its first `starts[b]` cached positions.
+
+        embeds: [B, T, D] (row b valid for t < lengths[b]); slots, starts, lengths: [B] long -> hidden [B, T, D].
+        Reading the cache through `slots` copies those rows: fine for prefill, which is not on the per-token path.
+        """
+        B, T, _ = embeds.shape
+        t = torch.arange(T, device=embeds.device)
+        positions = starts[:, None] + t[None, :]
+        valid = t[None, :] < lengths[:, None]
+        write_pos = torch.where(valid, positions, torch.full_like(positions, cache.scratch))
+        L = int((starts + lengths).max())
+        keys_at = torch.arange(L, device=embeds.device)
+        # a new token sees every cached position of its slot up to itself; padded rows see position 0 (no NaN)
+        mask = (keys_at[None, None, :] <= positions[:, :, None]) | (keys_at[None, None, :] == 0)
+        read = lambda i: (cache.k[i][slots, :, :L], cache.v[i][slots, :, :L])
+        return self.run_layers(embeds, positions, slots, write_pos, read, mask, cache)
+
+    def decode(self, tokens, positions, cache: KVCache) -> torch.Tensor:
+        """One new token for each of the first B slots (row b = slot b): fixed shapes, CUDA-graph friendly.
+
+        tokens: [B] long; positions: [B] long, -1 for a padding row (writes only scratch, output ignored) -> logits [B, V].
+        """
+        B = tokens.shape[0]
+        x = self.embed_tokens(tokens)[:, None]
+        live = positions >= 0
+        pos = positions.clamp(min=0)[:, None]
+        write_pos = torch.where(live[:, None], pos, torch.full_like(pos, cache.scratch))
+        keys_at = torch.arange(cache.max_len + 1, device=tokens.device)
+        mask = (keys_at[None, None, :] <= pos[:, :, None]) & (keys_at[None, None, :] < cache.max_len)
+        slots = torch.arange(B, device=tokens.device)
+        read = lambda i: (cache.k[i][:B], cache.v[i][:B])
+        h = self.run_layers(x, pos, slots, write_pos, read, mask, cache)
+        return self.logits(h[:, 0])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class Qwen3ASR(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = AudioEncoder(cfg.audio)
+        self.decoder = TextDecoder(cfg.text)
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return KVCache(self.cfg.text, num_slots, max_len, device=self.device, dtype=self.dtype)
+
+    def embed_prompt(self, input_ids: torch.Tensor, audio: torch.Tensor, audio_offset: int) -> torch.Tensor:
+        # input_ids: [T]; audio: [N, D] placed at positions audio_offset .. audio_offset + N -> [T, D]
+        x = self.decoder.embed_tokens(input_ids)
+        n = audio.shape[0]
+        return torch.cat([x[:audio_offset], audio.to(x.dtype), x[audio_offset + n :]])
