@@ -107,11 +107,12 @@ class AudioEncoder(nn.Module):
 
     # -- packing helpers: plain tensor bookkeeping, shared with the engine's incremental encoder ------------------
 
-    def embed_clips(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
+    def embed_clips(self, mels: list[torch.Tensor], tails: list[bool] | None = None) -> list[torch.Tensor]:
         """Conv front end for whole clips: list of [mels, F_i] -> list of [num_tokens(F_i), D].
 
         A clip's last chunk is zero-padded to the chunk length, except in a clip shorter than one chunk, which the
         official encoder convolves unpadded (the padding would leak into its edge tokens through the convs).
+        `tails[i]` marks mel i as the tail of a longer clip (whose earlier windows are cached): padded like a long clip.
         Full-length chunks of all clips share one conv call.
         """
         size, dtype = self.cfg.chunk_frames, self.conv_out.weight.dtype
@@ -120,7 +121,7 @@ class AudioEncoder(nn.Module):
             frames = mel.shape[-1]
             if frames == 0:
                 raise ValueError("cannot encode an empty clip (0 mel frames)")
-            if frames < size:
+            if frames < size and not (tails and tails[i]):
                 short[i] = self.embed_chunks(mel[None].to(dtype))[0, : self.cfg.num_tokens(frames)]
                 continue
             n = -(-frames // size)

@@ -1,0 +1,427 @@
+"""The engine: continuous batching of many streams' requests on one model.
+
+`Engine.step()` is three calls, as in nano-vllm: admit (schedule + encode + prefill new sequences into free slots),
+decode (one step for every running slot), postprocess (finish sequences, free slots). `AsyncEngine` runs that loop
+on its own thread and hands results to asyncio futures; the event loop never waits on the GPU and the GPU never
+waits on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from qasr.model import audio as qaudio
+from qasr.model.checkpoint import load_model, resolve_model_dir
+from qasr.model.modeling import Qwen3ASR
+from qasr.model.prompt import build_prompt, parse_output
+from qasr.model.tokenizer import Tokenizer
+
+from .request import DecodeRequest, DecodeResult, EngineClosed, Priority
+from .runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import Sequence
+from .stream_cache import StreamCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    num_slots: int = 64  # sequences decoded together at most (the largest CUDA graph bucket)
+    max_len: int = 1024  # prompt + generated tokens per sequence (a 30 s segment is ~410 prompt tokens)
+    num_retained: int = 64  # extra KV slots keeping streams' reusable prefixes for their next partial
+    max_prefill_tokens: int = 16384  # prompt tokens prefilled in one admission round
+    max_audio_seconds: float = 60.0  # longest audio one request may carry
+    tokens_per_second: float = 12.0  # default token budget: 24 + this x audio seconds (speech is ~3-5 tok/s)
+    cuda_graphs: bool | None = None  # None: on a CUDA device
+    compile: bool = False  # torch.compile the decode step before capture
+    repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (token guard)
+
+    def __post_init__(self):
+        if self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1:
+            raise ValueError(f"invalid engine options: {self}")
+
+
+class Engine:
+    """Synchronous core. `add()` is thread-safe; `step()` must be called from one thread only."""
+
+    def __init__(self, model: Qwen3ASR, tokenizer: Tokenizer, options: EngineOptions = EngineOptions(), name: str = ""):
+        self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.model_name = name
+        self.device = model.device
+        self.runner = ModelRunner(
+            model,
+            num_slots=options.num_slots,
+            max_len=options.max_len,
+            num_retained=options.num_retained,
+            eos_ids=tokenizer.eos_ids,
+            cuda_graphs=options.cuda_graphs,
+            compile=options.compile,
+        )
+        self.scheduler = Scheduler()
+        self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
+        self.running: dict[int, Sequence] = {}  # slot -> sequence
+        self._free_slots = list(range(options.num_slots))  # min-heap: low slots first keeps the bucket small
+        self._lock = threading.Lock()  # guards the stream cache's release from other threads
+        self._released: list[str] = []
+        self.stats_batch_sizes: list[int] = []
+        self.steps = 0
+
+    @classmethod
+    def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
+        model_dir = resolve_model_dir(model)
+        return cls(load_model(model_dir, device=device, dtype=dtype), Tokenizer.from_pretrained(model_dir), options,
+                   name=str(model))
+
+    # -- submitting ------------------------------------------------------------------------------------------------
+
+    def add(self, request: DecodeRequest, on_done) -> Sequence:
+        """Queue a request; `on_done(result or exception)` is called once, on the engine thread (or here on error)."""
+        seq = Sequence(request, on_done)
+        try:
+            self._validate(request)
+        except ValueError as e:
+            seq.finish(e)
+            return seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _validate(self, req: DecodeRequest) -> None:
+        audio = req.audio
+        if not isinstance(audio, np.ndarray) or audio.ndim != 1:
+            raise ValueError("request audio must be a 1-D float32 numpy array of 16 kHz samples")
+        if audio.size < qaudio.HOP_LENGTH:
+            raise ValueError(f"audio too short: {audio.size} samples (at least {qaudio.HOP_LENGTH}, 10 ms)")
+        if audio.size > self.options.max_audio_seconds * qaudio.SAMPLE_RATE:
+            raise ValueError(f"audio too long: {audio.size / qaudio.SAMPLE_RATE:.1f} s "
+                             f"(the engine takes at most {self.options.max_audio_seconds:g} s per request)")
+        if not np.isfinite(audio).all():
+            raise ValueError("audio contains NaN or infinite samples")
+
+    def release_stream(self, stream_id: str) -> None:
+        """Forget a stream's cached windows and retained KV (thread-safe; applied before the next step)."""
+        with self._lock:
+            self._released.append(stream_id)
+
+    # -- the loop --------------------------------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return bool(self.running) or len(self.scheduler) > 0
+
+    @torch.inference_mode()
+    def step(self) -> None:
+        self._apply_releases()
+        self._drop_cancelled()
+        if self._free_slots and len(self.scheduler):
+            self._admit()
+        if self.running:
+            self._decode()
+
+    def run_until_done(self) -> None:
+        while self.has_work():
+            self.step()
+
+    def transcribe(self, requests: list[DecodeRequest]) -> list[DecodeResult]:
+        """Offline use: run `requests` to completion on this thread (batched as slots allow), results in order."""
+        results: list = [None] * len(requests)
+        for i, req in enumerate(requests):
+            self.add(req, lambda r, i=i: results.__setitem__(i, r))
+        self.run_until_done()
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        return results
+
+    def stats(self) -> dict:
+        return {
+            "queue": self.scheduler.depths(),
+            "running": len(self.running),
+            "free_slots": len(self._free_slots),
+            "streams_cached": len(self.streams),
+            "steps": self.steps,
+            "batch_sizes": list(self.stats_batch_sizes[-64:]),
+        }
+
+    # -- admit: prompt, encoder, prefill -----------------------------------------------------------------------------
+
+    def _admit(self) -> None:
+        t0 = time.perf_counter()
+        seqs = self.scheduler.take(len(self._free_slots), self.options.max_prefill_tokens, self._prefill_cost)
+        if not seqs:
+            return
+        try:
+            embeds, starts = self._encode(seqs)
+        except Exception as e:  # a bad request must not take the batch down: fail them one by one
+            log.exception("encoding failed for %d sequences", len(seqs))
+            for seq in seqs:
+                seq.finish(e)
+            return
+        t1 = time.perf_counter()
+        slots = [heapq.heappop(self._free_slots) for _ in seqs]
+        for seq, slot, start in zip(seqs, slots, starts):
+            seq.slot = slot
+            self.running[slot] = seq
+            if start:  # copy the stream's retained prompt + audio KV instead of prefilling it again
+                self.runner.copy_prefix(self.streams.peek(seq.stream_id).retained_slot, slot, start)
+        first = self.runner.prefill([e[s:] for e, s in zip(embeds, starts)], slots, starts)
+        self._retain_prefixes(seqs)
+        t2 = time.perf_counter()
+        live_slots, live_first, live_pos, live_budget = [], [], [], []
+        for seq, tok in zip(seqs, first):
+            seq.timings.update(queue_ms=(t0 - seq.t_submit) * 1e3, encode_ms=(t1 - t0) * 1e3,
+                               prefill_ms=(t2 - t1) * 1e3)
+            seq.t_decode = t2
+            if self._accept(seq, tok):
+                live_slots.append(seq.slot)
+                live_first.append(tok)
+                live_pos.append(seq.prompt.num_tokens)
+                live_budget.append(seq.budget)
+        if live_slots:
+            self.runner.start_rows(live_slots, live_first, live_pos, live_budget)
+
+    def _prefill_cost(self, seq: Sequence) -> int:
+        frames = qaudio.num_frames(seq.request.audio.size)
+        return int(qaudio.num_audio_tokens(frames)) + 32
+
+    def _encode(self, seqs: list[Sequence]) -> tuple[list[torch.Tensor], dict[int, int]]:
+        """Mel + encoder for the admitted sequences (windows of all of them in one call) -> prompt embeddings.
+
+        Returns each sequence's full prompt embeddings [T, D] and, per seq_id, how many leading positions can be
+        copied from a retained KV prefix instead of prefilled.
+        """
+        enc = self.model.encoder
+        feats, frames = qaudio.log_mel_batch([torch.from_numpy(s.request.audio) for s in seqs], device=self.device)
+        frames = frames.tolist()
+        tails, tail_flags, reused = [], [], []
+        for seq, f, mel in zip(seqs, frames, feats):
+            state = self._stream_state(seq)
+            # windows wholly inside the audio (plus 2 frames of margin for the STFT's edge) never change
+            whole = max(0, f - 2) // qaudio.WINDOW_FRAMES
+            keep = min(len(state.windows), whole) if state else 0
+            reused.append(keep)
+            tails.append(mel[:, keep * qaudio.WINDOW_FRAMES : f])
+            tail_flags.append(keep > 0)
+        clips = enc.embed_clips(tails, tail_flags)
+        windows, lengths, owners = enc.pack_windows(clips)
+        out = enc.encode_windows(windows, lengths)
+        per_seq: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
+            per_seq[owner].append(out[w, :n])
+        embeds, starts = [], {}
+        for seq, f, keep, new in zip(seqs, frames, reused, per_seq):
+            state = self._stream_state(seq)
+            if state is not None:
+                whole = max(0, f - 2) // qaudio.WINDOW_FRAMES
+                state.windows = state.windows[:keep] + [w for w in new[: whole - keep] if w.shape[0] == enc.cfg.window_tokens]
+                audio = torch.cat(state.windows[:keep] + new)
+            else:
+                audio = torch.cat(new)
+            req = seq.request
+            seq.prompt = build_prompt(self.tokenizer, context=req.context, language=req.language,
+                                      num_audio_tokens=audio.shape[0], text_prefix=req.text_prefix)
+            room = self.options.max_len - seq.prompt.num_tokens
+            if room < 1:
+                raise ValueError(f"prompt of {seq.prompt.num_tokens} tokens does not fit max_len {self.options.max_len}")
+            seconds = req.audio.size / qaudio.SAMPLE_RATE
+            default_budget = 24 + math.ceil(self.options.tokens_per_second * seconds)
+            seq.budget = max(1, min(room, req.max_new_tokens or default_budget))
+            ids = torch.tensor(seq.prompt.input_ids, device=self.device)
+            embeds.append(self.model.embed_prompt(ids, audio, seq.prompt.audio_offset))
+            starts[seq.seq_id] = self._reusable_positions(seq, keep)
+        return embeds, [starts[s.seq_id] for s in seqs]
+
+    def _stream_state(self, seq: Sequence):
+        """Partials of a stream share cached state; finals never read it (they must equal offline decoding)."""
+        if seq.request.priority is Priority.PARTIAL and seq.stream_id is not None:
+            return self.streams.get(seq.stream_id)
+        return None
+
+    def _reusable_positions(self, seq: Sequence, windows: int) -> int:
+        state = self._stream_state(seq)
+        if state is None or state.retained_slot < 0 or state.prefix_ids != seq.prompt.prefix_ids:
+            return 0
+        n = min(windows, state.kv_windows)
+        return len(seq.prompt.prefix_ids) + n * qaudio.WINDOW_TOKENS if n > 0 else 0
+
+    def _retain_prefixes(self, seqs: list[Sequence]) -> None:
+        """After prefill: keep each partial's prompt prefix + whole-window audio KV for the stream's next partial."""
+        busy = {s.stream_id for s in self.running.values() if s.stream_id}
+        for seq in seqs:
+            state = self._stream_state(seq)
+            if state is None or not state.windows:
+                continue
+            slot = self.streams.retained_slot(seq.stream_id, busy)
+            if slot < 0:
+                continue
+            length = len(seq.prompt.prefix_ids) + len(state.windows) * qaudio.WINDOW_TOKENS
+            self.runner.copy_prefix(seq.slot, slot, length)
+            state.prefix_ids, state.kv_windows = seq.prompt.prefix_ids, len(state.windows)
+
+    # -- decode and postprocess ------------------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        rows = max(self.running) + 1
+        self.stats_batch_sizes.append(len(self.running))
+        out = self.runner.decode(rows).numpy()
+        self.steps += 1
+        stopped = []
+        for slot, seq in list(self.running.items()):
+            tok, finished = int(out[0, slot]), bool(out[1, slot])
+            if tok < 0:
+                continue
+            if not self._accept(seq, tok, finished):
+                continue
+            if self._repeating(seq.generated):
+                stopped.append(slot)
+                self._complete(seq, "repetition")
+        self.runner.stop_rows(stopped)
+
+    def _accept(self, seq: Sequence, tok: int, device_finished: bool | None = None) -> bool:
+        """Record one generated token; returns whether the sequence keeps running."""
+        if tok in self.tokenizer.eos_ids:
+            self._complete(seq, "eos")
+            return False
+        seq.generated.append(tok)
+        if device_finished or len(seq.generated) >= seq.budget:
+            self._complete(seq, "length")
+            return False
+        return True
+
+    def _repeating(self, tokens: list[int]) -> bool:
+        """Token-level runaway guard: the last `repetition_window` tokens are one pattern of <= 8 tokens repeated."""
+        w = self.options.repetition_window
+        if len(tokens) < w:
+            return False
+        tail = tokens[-w:]
+        return any(all(tail[i] == tail[i - p] for i in range(p, w)) for p in range(1, 9))
+
+    def _complete(self, seq: Sequence, reason: str) -> None:
+        seq.finish_reason = reason
+        self.running.pop(seq.slot, None)
+        heapq.heappush(self._free_slots, seq.slot)
+        req = seq.request
+        raw = req.text_prefix + self.tokenizer.decode(seq.generated)
+        language, text = parse_output(raw, seq.prompt.language)
+        seq.timings["decode_ms"] = (time.perf_counter() - getattr(seq, "t_decode", time.perf_counter())) * 1e3
+        seq.finish(DecodeResult(text=text, language=language, raw_text=raw, token_ids=tuple(seq.generated),
+                                finish_reason=reason, num_audio_tokens=seq.prompt.num_audio_tokens,
+                                timings=dict(seq.timings)))
+
+    def _drop_cancelled(self) -> None:
+        dropped = [slot for slot, seq in self.running.items() if seq.cancelled]
+        for slot in dropped:
+            seq = self.running.pop(slot)
+            heapq.heappush(self._free_slots, slot)
+            seq.finish(asyncio.CancelledError())
+        self.runner.stop_rows(dropped)
+
+    def _apply_releases(self) -> None:
+        with self._lock:
+            released, self._released = self._released, []
+        for stream_id in released:
+            self.streams.release(stream_id)
+
+    def fail_all(self, error: BaseException) -> None:
+        for seq in self.scheduler.drain() + list(self.running.values()):
+            seq.finish(error)
+        self.runner.stop_rows(list(self.running))
+        self._free_slots = list(range(self.options.num_slots))
+        self.running.clear()
+
+
+class AsyncEngine:
+    """The engine on its own thread, awaited from asyncio.
+
+    `await transcribe(req)` returns the result; cancelling the awaiting task cancels the work (a queued request is
+    dropped, a running one frees its slot at the next step). Raises `Superseded` when a newer partial of the same
+    stream replaced a queued one, `EngineClosed` once the engine stops.
+    """
+
+    def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05):
+        self.engine = engine
+        self.model_name = engine.model_name
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._idle_wait_s = idle_wait_s
+        self.ready = False
+        self.error: BaseException | None = None
+
+    @classmethod
+    def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
+        return cls(Engine.from_pretrained(model, device=device, dtype=dtype, options=options))
+
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="qasr-engine", daemon=True)
+            self._thread.start()
+        self.ready = True
+
+    async def close(self) -> None:
+        self.ready = False
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    async def transcribe(self, request: DecodeRequest) -> DecodeResult:
+        if self._stop.is_set() or self.error is not None:
+            raise EngineClosed("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def on_done(result):  # engine thread (or this one, for a request refused at once)
+            loop.call_soon_threadsafe(_settle, future, result)
+
+        seq = self.engine.add(request, on_done)
+        self._wake.set()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            seq.cancelled = True
+            self._wake.set()
+            raise
+
+    def release_stream(self, stream_id: str) -> None:
+        self.engine.release_stream(stream_id)
+        self._wake.set()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stop.is_set():
+                if engine.has_work():
+                    engine.step()
+                else:
+                    engine.step()  # applies releases and drops cancelled work even when idle
+                    self._wake.wait(self._idle_wait_s)
+                    self._wake.clear()
+        except BaseException as e:  # a broken engine fails every waiter instead of leaving them hanging
+            log.exception("engine loop failed")
+            self.error = e
+            self.ready = False
+            engine.fail_all(EngineClosed(f"engine failed: {type(e).__name__}: {e}"))
+            return
+        engine.fail_all(EngineClosed("the engine was closed"))
+
+
+def _settle(future: asyncio.Future, result) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

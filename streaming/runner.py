@@ -1,0 +1,141 @@
+"""The model runner: turns admitted sequences into tokens on one device.
+
+It owns the KV cache, the per-slot decode state that lives on the device, and one CUDA graph per batch-size bucket.
+The decode step feeds its own argmax back and checks EOS and token budgets on the device; the host reads one small
+[2, B] tensor per step (tokens, finished flags), never one scalar per row. On the CPU the same step runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from qasr.model.modeling import Qwen3ASR
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: Qwen3ASR,
+        *,
+        num_slots: int,
+        max_len: int,
+        num_retained: int = 0,
+        eos_ids: tuple[int, ...] = (151645, 151643),
+        cuda_graphs: bool | None = None,
+        compile: bool = False,
+        buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+    ):
+        self.model = model
+        self.device = model.device
+        self.num_slots = num_slots  # decode rows; slots [num_slots, num_slots + num_retained) hold retained prefixes
+        self.max_len = max_len
+        self.cache = model.new_cache(num_slots + num_retained, max_len)
+        self.eos = torch.tensor(eos_ids, device=self.device)
+        # per-slot decode state (device): the token to feed, its position (-1 = idle), tokens made, token budget
+        S = num_slots
+        self.tokens = torch.zeros(S, dtype=torch.long, device=self.device)
+        self.positions = torch.full((S,), -1, dtype=torch.long, device=self.device)
+        self.counts = torch.zeros(S, dtype=torch.long, device=self.device)
+        self.budgets = torch.zeros(S, dtype=torch.long, device=self.device)
+        self.out = torch.zeros(2, S, dtype=torch.long, device=self.device)  # [token or -1, finished] per row
+        self.out_host = torch.zeros(2, S, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.buckets = tuple(b for b in buckets if b < S) + (S,)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._step_fn = torch.compile(self._step, dynamic=False, fullgraph=True) if compile else self._step
+        use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        if use_graphs:
+            self.capture_graphs()
+
+    # -- decode ----------------------------------------------------------------------------------------------------
+
+    def _step(self, B: int) -> None:
+        """One decode step for rows [0, B): pure tensor ops on persistent buffers, so it can be graphed."""
+        pos = self.positions[:B]
+        live = pos >= 0
+        logits = self.model.decoder.decode(self.tokens[:B], pos, self.cache)
+        nxt = logits.argmax(dim=-1)
+        counts = self.counts[:B] + live.long()
+        finished = live & ((nxt[:, None] == self.eos[None, :]).any(-1) | (counts >= self.budgets[:B]))
+        self.out[0, :B] = torch.where(live, nxt, -1)
+        self.out[1, :B] = finished.long()
+        self.tokens[:B] = torch.where(live, nxt, self.tokens[:B])
+        self.positions[:B] = torch.where(live & ~finished, pos + 1, -1)
+        self.counts[:B] = counts
+
+    def bucket_for(self, rows: int) -> int:
+        return next(b for b in self.buckets if b >= rows)
+
+    @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        """Capture one graph per bucket, largest first, all in one memory pool. Needs every slot idle."""
+        pool = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for B in reversed(self.buckets):
+                for _ in range(2):  # warm-up (and compile) outside the graph
+                    self._step_fn(B)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    self._step_fn(B)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[B] = graph
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        log.info("captured decode graphs for buckets %s", list(self.graphs))
+
+    @torch.inference_mode()
+    def decode(self, rows: int) -> torch.Tensor:
+        """Run one step over the first `rows` slots (padded up to a bucket) -> host [2, rows] (token|-1, finished)."""
+        B = self.bucket_for(rows)
+        if B in self.graphs:
+            self.graphs[B].replay()
+        else:
+            self._step_fn(B)
+        host = self.out_host[:, :B]
+        host.copy_(self.out[:, :B], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
+        return host[:, :rows]
+
+    def start_rows(self, slots: list[int], first_tokens: list[int], positions: list[int], budgets: list[int]) -> None:
+        """Put freshly prefilled sequences into decode: they continue from their first generated token."""
+        idx = torch.tensor(slots, device=self.device)
+        self.tokens[idx] = torch.tensor(first_tokens, device=self.device)
+        self.positions[idx] = torch.tensor(positions, device=self.device)
+        self.counts[idx] = 1
+        self.budgets[idx] = torch.tensor(budgets, device=self.device)
+
+    def stop_rows(self, slots: list[int]) -> None:
+        """Idle these rows (cancelled, or stopped by the host's repetition guard)."""
+        if slots:
+            self.positions[torch.tensor(slots, device=self.device)] = -1
+
+    # -- prefill ---------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, embeds: list[torch.Tensor], slots: list[int], starts: list[int]) -> list[int]:
+        """Write the new tokens of each sequence into its slot after `starts[i]` reused positions.
+
+        embeds: per sequence [T_i, D] (the prompt positions from starts[i] on) -> first generated token each.
+        """
+        lengths = [e.shape[0] for e in embeds]
+        T = max(lengths)
+        x = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, T - e.shape[0])) for e in embeds])
+        dev = lambda v: torch.tensor(v, device=self.device)
+        lengths_t = dev(lengths)
+        hidden = self.model.decoder.prefill(x, dev(slots), dev(starts), lengths_t, self.cache)
+        last = hidden[torch.arange(len(embeds), device=self.device), lengths_t - 1]
+        return self.model.decoder.logits(last).argmax(dim=-1).tolist()
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Copy the first `length` cached positions of slot `src` into slot `dst` (all layers)."""
+        if length > 0:
+            self.cache.k[:, dst, :, :length] = self.cache.k[:, src, :, :length]
+            self.cache.v[:, dst, :, :length] = self.cache.v[:, src, :, :length]
