@@ -1,0 +1,69 @@
+"""What a stream tells its client: the server events of the native protocol, as plain values.
+
+A `Session` produces `SpeechStarted`, `Partial`, `Final`, `Error` and `Summary`; the server adds `Ready` and
+fatal `Error`s. Wire adapters (`qasr.server.protocol` for the native protocol) turn them into frames, so nothing
+here knows about JSON, msgpack or sockets. Times are seconds from the start of the stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Union
+
+
+@dataclass(frozen=True)
+class Ready:
+    TYPE: ClassVar[str] = "ready"
+    session_id: str
+    model: str
+    sample_rate: int  # the client's declared input rate
+    engine_sample_rate: int  # the rate the model hears (audio is resampled to it)
+    limits: dict = field(default_factory=dict)  # the server limits in force for this session
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    TYPE: ClassVar[str] = "speech_started"
+    segment_id: int
+    start: float  # seconds: where the segment begins (pre-roll included)
+
+
+@dataclass(frozen=True)
+class Partial:
+    TYPE: ClassVar[str] = "partial"
+    segment_id: int
+    text: str  # the hypothesis so far; may change, replaced by the next partial or the final
+    language: str  # canonical language name, "" when the model heard no speech
+    start: float  # seconds
+    end: float  # seconds: the end of the audio this hypothesis heard
+
+
+@dataclass(frozen=True)
+class Final:
+    TYPE: ClassVar[str] = "final"
+    segment_id: int
+    text: str
+    language: str
+    start: float  # seconds
+    end: float  # seconds
+    reason: str  # why the segment closed: "silence", "max_length", "flush", "end", ...
+    latency_ms: float  # from the decision that the segment ended to this event being handed out
+
+
+@dataclass(frozen=True)
+class Error:
+    TYPE: ClassVar[str] = "error"
+    code: str  # stable, machine-readable: "malformed", "unsupported", "decode_failed", ...
+    message: str  # for people; never carries internal details
+    fatal: bool = False  # True: the server closes the connection after this event (and any finals due)
+
+
+@dataclass(frozen=True)
+class Summary:
+    TYPE: ClassVar[str] = "summary"
+    segments: int  # segments finalised (one final each)
+    audio_seconds: float  # audio received, at the input rate
+    speech_seconds: float  # total length of the segments
+
+
+ServerEvent = Union[Ready, SpeechStarted, Partial, Final, Error, Summary]
