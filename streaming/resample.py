@@ -1,0 +1,77 @@
+"""Per-stream resampling to the model's 16 kHz, chunk by chunk, and channel downmixing.
+
+`StreamResampler` keeps soxr's filter state between chunks, so the concatenated output of
+`process()` calls plus `flush()` equals resampling the whole signal at once, in values and in
+length. At 16 kHz in, it passes chunks through untouched.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import soxr
+
+MIN_RATE = 8_000  # Hz; telephony
+MAX_RATE = 192_000  # Hz; studio interfaces
+MODEL_RATE = 16_000  # Hz; what the VAD and the model take
+
+
+class StreamResampler:
+    """Resamples one float32 mono stream from `input_rate` to `output_rate`. One instance per stream."""
+
+    def __init__(self, input_rate: int, output_rate: int = MODEL_RATE, *, quality: str = "HQ") -> None:
+        for name, rate in (("input_rate", input_rate), ("output_rate", output_rate)):
+            if not isinstance(rate, (int, np.integer)) or not MIN_RATE <= rate <= MAX_RATE:
+                raise ValueError(f"{name} must be an integer sample rate in {MIN_RATE}..{MAX_RATE} Hz, got {rate!r}")
+        self.input_rate = int(input_rate)
+        self.output_rate = int(output_rate)
+        self._stream = None
+        if self.input_rate != self.output_rate:
+            self._stream = soxr.ResampleStream(self.input_rate, self.output_rate, 1, dtype="float32", quality=quality)
+        self._flushed = False
+
+    @property
+    def is_identity(self) -> bool:
+        return self._stream is None
+
+    def process(self, chunk: np.ndarray) -> np.ndarray:
+        """chunk: [n] float at input_rate -> [m] float32 at output_rate (m may be 0: soxr buffers)."""
+        if self._flushed:
+            raise RuntimeError("process() after flush(): the stream has ended; start a new StreamResampler")
+        chunk = _as_float32_mono(chunk)
+        if self._stream is None:
+            return chunk
+        return self._stream.resample_chunk(chunk)
+
+    def flush(self) -> np.ndarray:
+        """End of stream: the output soxr still holds back ([m] float32). Call once."""
+        if self._flushed:
+            return np.zeros(0, dtype=np.float32)
+        self._flushed = True
+        if self._stream is None:
+            return np.zeros(0, dtype=np.float32)
+        return self._stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
+
+
+def downmix(interleaved: np.ndarray, channels: int) -> np.ndarray:
+    """Average interleaved channels: [n * channels] (L R L R ...) -> [n] float32 mono."""
+    if not isinstance(channels, (int, np.integer)) or channels < 1:
+        raise ValueError(f"channels must be a positive integer, got {channels!r}")
+    interleaved = _as_float32_mono(interleaved)
+    if len(interleaved) % channels:
+        raise ValueError(
+            f"{len(interleaved)} interleaved samples do not divide into {channels} channels; send whole frames"
+        )
+    if channels == 1:
+        return interleaved
+    return interleaved.reshape(-1, channels).mean(axis=1, dtype=np.float32)
+
+
+def _as_float32_mono(samples: np.ndarray) -> np.ndarray:
+    samples = np.asarray(samples)
+    if samples.ndim != 1:
+        raise ValueError(f"expected a 1-D sample array, got shape {samples.shape}")
+    if not np.issubdtype(samples.dtype, np.floating):
+        raise ValueError(
+            f"expected float samples in [-1, 1], got dtype {samples.dtype}; for int16 PCM divide by 32768 first"
+        )
+    return np.ascontiguousarray(samples, dtype=np.float32)
