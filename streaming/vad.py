@@ -155,7 +155,8 @@ Event = Union[SpeechStarted, SegmentClosed]
 
 @dataclass(frozen=True)
 class OpenSegment:
-    """A read-only look at the segment being spoken; `audio` is valid until the next feed()/flush()."""
+    """A read-only look at the segment being spoken. `audio` is a zero-copy view: later feeds never
+    rewrite samples already handed out, so it stays a valid snapshot."""
 
     segment_id: int
     start_sample: int
