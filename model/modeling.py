@@ -187,15 +187,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class KVCache(nn.Module):
-    """Static per-slot cache: k, v [layers, slots, kv_heads, max_len + 1, head_dim].
+    """Static per-slot cache: k, v [layers, slots, kv_heads, length, head_dim], length = max_len + 1 rounded up to 16.
 
-    The extra last position is scratch: rows that must not write (padding rows of a graph bucket, padded prompt
-    positions) write there, and no mask ever admits it.
+    The positions past max_len are scratch: rows that must not write (padding rows of a graph bucket, padded prompt
+    positions) write to the last one, and no mask ever admits them. The rounding keeps attention masks aligned for
+    the fused SDPA kernels.
     """
 
     def __init__(self, cfg: TextDecoderConfig, num_slots: int, max_len: int, device=None, dtype=None):
         super().__init__()
-        shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, max_len + 1, cfg.head_dim)
+        self.length = _round_up(max_len + 1, 16)
+        shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, self.length, cfg.head_dim)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.num_slots = num_slots
@@ -203,7 +205,11 @@ class KVCache(nn.Module):
 
     @property
     def scratch(self) -> int:
-        return self.max_len
+        return self.length - 1
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 class DecoderAttention(nn.Module):
@@ -314,7 +320,7 @@ class TextDecoder(nn.Module):
         positions = starts[:, None] + t[None, :]
         valid = t[None, :] < lengths[:, None]
         write_pos = torch.where(valid, positions, torch.full_like(positions, cache.scratch))
-        L = int((starts + lengths).max())
+        L = min(_round_up(int((starts + lengths).max()), 16), cache.length)
         keys_at = torch.arange(L, device=embeds.device)
         # a new token sees every cached position of its slot up to itself; padded rows see position 0 (no NaN)
         mask = (keys_at[None, None, :] <= positions[:, :, None]) | (keys_at[None, None, :] == 0)
@@ -331,7 +337,7 @@ class TextDecoder(nn.Module):
         live = positions >= 0
         pos = positions.clamp(min=0)[:, None]
         write_pos = torch.where(live[:, None], pos, torch.full_like(pos, cache.scratch))
-        keys_at = torch.arange(cache.max_len + 1, device=tokens.device)
+        keys_at = torch.arange(cache.length, device=tokens.device)
         mask = (keys_at[None, None, :] <= pos[:, :, None]) & (keys_at[None, None, :] < cache.max_len)
         slots = torch.arange(B, device=tokens.device)
         read = lambda i: (cache.k[i][:B], cache.v[i][:B])

@@ -44,7 +44,8 @@ class EngineOptions:
     tokens_per_second: float = 12.0  # default token budget: 24 + this x audio seconds (speech is ~3-5 tok/s)
     cuda_graphs: bool | None = None  # None: on a CUDA device
     compile: bool = False  # torch.compile the decode step before capture
-    repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (token guard)
+    repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
+    ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
 
     def __post_init__(self):
         if self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1:
@@ -57,13 +58,14 @@ class Engine:
     def __init__(self, model: Qwen3ASR, tokenizer: Tokenizer, options: EngineOptions = EngineOptions(), name: str = ""):
         self.model, self.tokenizer, self.options = model, tokenizer, options
         self.model_name = name
+        self.eos_ids = () if options.ignore_eos else tokenizer.eos_ids
         self.device = model.device
         self.runner = ModelRunner(
             model,
             num_slots=options.num_slots,
             max_len=options.max_len,
             num_retained=options.num_retained,
-            eos_ids=tokenizer.eos_ids,
+            eos_ids=self.eos_ids,
             cuda_graphs=options.cuda_graphs,
             compile=options.compile,
         )
@@ -287,7 +289,7 @@ class Engine:
 
     def _accept(self, seq: Sequence, tok: int, device_finished: bool | None = None) -> bool:
         """Record one generated token; returns whether the sequence keeps running."""
-        if tok in self.tokenizer.eos_ids:
+        if tok in self.eos_ids:
             self._complete(seq, "eos")
             return False
         seq.generated.append(tok)
@@ -299,7 +301,7 @@ class Engine:
     def _repeating(self, tokens: list[int]) -> bool:
         """Token-level runaway guard: the last `repetition_window` tokens are one pattern of <= 8 tokens repeated."""
         w = self.options.repetition_window
-        if len(tokens) < w:
+        if not w or len(tokens) < w:
             return False
         tail = tokens[-w:]
         return any(all(tail[i] == tail[i - p] for i in range(p, w)) for p in range(1, 9))

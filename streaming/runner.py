@@ -36,7 +36,7 @@ class ModelRunner:
         self.num_slots = num_slots  # decode rows; slots [num_slots, num_slots + num_retained) hold retained prefixes
         self.max_len = max_len
         self.cache = model.new_cache(num_slots + num_retained, max_len)
-        self.eos = torch.tensor(eos_ids, device=self.device)
+        self.eos = torch.tensor(eos_ids or (-1,), device=self.device)  # -1: no token is EOS
         # per-slot decode state (device): the token to feed, its position (-1 = idle), tokens made, token budget
         S = num_slots
         self.tokens = torch.zeros(S, dtype=torch.long, device=self.device)

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Reproduce docs/benchmarks.md on a lent H200 (run from the repo root; `.whl/` holds the official backend's wheels:
+# transformers 4.57.6, tokenizers 0.22.1, huggingface_hub 0.36.0, accelerate 1.12.0, qwen-asr 0.0.6).
+# Usage: bash bench/h200.sh OUTDIR [extra qasr-bench offline args for every size]
+set -uo pipefail
+out=${1:?OUTDIR}; shift
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/qasr . || exit 1
+export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,power.limit --format=csv | tee "$out/gpu.txt"
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
+for size in ${SIZES:-0.6B 1.7B}; do
+  extra=""
+  [ "$size" = "1.7B" ] && extra="--independence-requests 24 --eager-requests 6"
+  python3 -m qasr.bench.cli offline --size "$size" --official --out "$out/offline-$size.json" $extra "$@" 2>&1 \
+    | grep -v "pad_token_id" | tee "$out/offline-$size.log"
+done

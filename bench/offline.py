@@ -1,0 +1,305 @@
+"""`qasr-bench offline`: latency, throughput, decode-step time, energy and row correctness, beside the official backend.
+
+Real 0.6B / 1.7B shapes with random weights (a generated checkpoint), decoding forced to a fixed token count, the
+official qwen-asr transformers backend timed in the same run on the same checkpoint. Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qasr.streaming.engine import Engine, EngineOptions
+from qasr.streaming.request import DecodeRequest
+
+from .synthetic import speech_like
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Measured device copy bandwidth in bytes/s (bytes read + written)."""
+    if device.type != "cuda":
+        return float("nan")
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        y.copy_(x)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 20
+    del x, y
+    return 2 * (1 << 30) / seconds
+
+
+class Energy:
+    """GPU energy from NVML's total-energy counter (mJ), or None where NVML is missing."""
+
+    def __init__(self):
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        except Exception:
+            self._nvml = None
+
+    def joules(self) -> float | None:
+        if self._nvml is None:
+            return None
+        return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1e3
+
+
+def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
+    return [DecodeRequest(audio=c, max_new_tokens=tokens) for c in clips]
+
+
+def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
+    clip = speech_like(args.clip_seconds, seed=1)
+    opts = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
+                         repetition_window=0, compile=args.compile, max_prefill_tokens=args.prefill_tokens)
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
+    out["qasr_load_and_capture_s"] = time.perf_counter() - t0
+
+    # batch-1 latency, features included: audio array in -> text out
+    for _ in range(3):
+        engine.transcribe(requests([clip], args.tokens))
+    lat, parts = [], []
+    for _ in range(args.latency_runs):
+        _sync(device)
+        t = time.perf_counter()
+        (r,) = engine.transcribe(requests([clip], args.tokens))
+        lat.append((time.perf_counter() - t) * 1e3)
+        parts.append(r.timings)
+        assert len(r.token_ids) == args.tokens, r.finish_reason
+    out["qasr_bs1_latency_ms"] = statistics.median(lat)
+    out["qasr_bs1_breakdown_ms"] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+
+    # throughput at the engine's concurrency (all clips queued at once; continuous batching)
+    clips = [speech_like(args.clip_seconds, seed=100 + i) for i in range(args.num_clips)]
+    energy = Energy()
+    engine.transcribe(requests(clips[: args.slots], args.tokens))  # warm the prefill/encoder shapes
+    _sync(device)
+    e0, t = energy.joules(), time.perf_counter()
+    results = engine.transcribe(requests(clips, args.tokens))
+    _sync(device)
+    elapsed = time.perf_counter() - t
+    e1 = energy.joules()
+    audio_s = args.num_clips * args.clip_seconds
+    out["qasr_throughput_audio_s_per_s"] = audio_s / elapsed
+    out["qasr_throughput_tokens_per_s"] = sum(len(r.token_ids) for r in results) / elapsed
+    out["qasr_throughput_clips"] = args.num_clips
+    if e0 is not None:
+        out["qasr_energy_j_per_audio_hour"] = (e1 - e0) / audio_s * 3600
+        out["qasr_avg_power_w"] = (e1 - e0) / elapsed
+    sizes = engine.stats_batch_sizes
+    out["qasr_mean_decode_batch"] = float(np.mean(sizes)) if sizes else 0.0
+
+    # decode step per bucket against the bandwidth floor
+    if device.type == "cuda":
+        out["decode_step_ms"] = step_times(engine, args)
+        bw = copy_bandwidth(device)
+        out["copy_bandwidth_TBps"] = bw / 1e12
+        out["decode_floor_ms"] = step_floors(engine, args, bw)
+    out["correctness"] = correctness(engine, args)
+    del engine
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def step_times(engine: Engine, args) -> dict[int, float]:
+    """Median replay time of each bucket's graph with every row live at a context of ~args.context tokens."""
+    runner = engine.runner
+    times = {}
+    for B in runner.buckets:
+        runner.positions[:B] = args.context  # live rows, mid-sequence; budgets high so nothing finishes
+        runner.budgets[:B] = 1 << 30
+        runner.counts[:B] = 0
+        for _ in range(3):
+            runner.positions[:B] = args.context
+            runner.decode(B)
+        samples = []
+        for _ in range(args.step_runs):
+            runner.positions[:B] = args.context
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            if B in runner.graphs:
+                runner.graphs[B].replay()
+            else:
+                runner._step_fn(B)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end))
+        times[B] = statistics.median(samples)
+    runner.positions.fill_(-1)
+    return times
+
+
+def step_floors(engine: Engine, args, bandwidth: float) -> dict[int, float]:
+    """(decoder weights + lm_head + live KV bytes) / measured bandwidth, per bucket, in ms."""
+    dec = engine.model.decoder
+    elem = dec.lm_head.weight.element_size()
+    weights = sum(p.numel() for n, p in dec.named_parameters() if not n.startswith("embed_tokens")) * elem
+    if dec.lm_head.weight is dec.embed_tokens.weight:  # tied: named_parameters lists it once, as embed_tokens
+        weights += dec.lm_head.weight.numel() * elem
+    c = dec.cfg
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
+    return {B: (weights + B * args.context * kv_per_token) / bandwidth * 1e3 for B in engine.runner.buckets}
+
+
+def correctness(engine: Engine, args) -> dict:
+    """Row correctness: identical rows, batch independence under joining/leaving, agreement with batch-1."""
+    rng = np.random.default_rng(7)
+    res = {}
+    # identical inputs in one batch -> identical rows, at every bucket size
+    clip = speech_like(args.clip_seconds, seed=3)
+    bad = []
+    for B in engine.runner.buckets:
+        rows = engine.transcribe(requests([clip] * B, args.tokens))
+        if any(r.token_ids != rows[0].token_ids for r in rows):
+            bad.append(B)
+    res["identical_rows_failed_buckets"] = bad
+    # mixed lengths, queued together so they join and leave mid-flight, vs each alone
+    n = args.independence_requests
+    lengths = rng.uniform(0.5, 20.0, n)
+    budgets = rng.integers(8, 48, n)
+    clips = [speech_like(float(s), seed=1000 + i) for i, s in enumerate(lengths)]
+    reqs = [DecodeRequest(audio=c, max_new_tokens=int(b)) for c, b in zip(clips, budgets)]
+    batched = engine.transcribe(reqs)
+    alone = [engine.transcribe([r])[0] for r in reqs]
+    same = sum(a.token_ids == b.token_ids for a, b in zip(batched, alone))
+    tok_total = sum(len(a.token_ids) for a in alone)
+    tok_same = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(batched, alone))
+    res["batch_independence_exact_match"] = f"{same}/{n}"
+    res["batch_independence_token_agreement"] = tok_same / max(1, tok_total)
+    # agreement with the eager batch-1 path (no graphs): a fresh eager engine on the same model
+    eager = Engine(engine.model, engine.tokenizer, EngineOptions(num_slots=1, max_len=engine.options.max_len,
+                                                               num_retained=0, ignore_eos=True, repetition_window=0,
+                                                               cuda_graphs=False))
+    k = min(args.eager_requests, n)
+    eager_out = [eager.transcribe([r])[0] for r in reqs[:k]]
+    agree = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(eager_out, batched[:k]))
+    total = sum(len(a.token_ids) for a in eager_out)
+    res["eager_bs1_token_agreement"] = agree / max(1, total)
+    res["eager_bs1_exact_match"] = f"{sum(a.token_ids == b.token_ids for a, b in zip(eager_out, batched[:k]))}/{k}"
+    del eager
+    return res
+
+
+def bench_official(model_dir: Path, args, device: torch.device, out: dict) -> None:
+    """The official qwen-asr 0.0.6 transformers backend, same checkpoint, same clip, same forced token count."""
+    import importlib.util
+    import types
+
+    import transformers  # noqa: F401  (first: it probes optional packages before the stand-ins go in)
+
+    for name in ("librosa", "nagisa", "soynlp", "qwen_omni_utils", "sox", "gradio", "flask", "pytz"):
+        if importlib.util.find_spec(name) is None:
+            sys.modules[name] = types.ModuleType(name)
+    from qwen_asr.inference.qwen3_asr import Qwen3ASRModel
+
+    dtype = torch.bfloat16 if args.dtype in ("auto", "bfloat16") else torch.float32
+    wrapper = Qwen3ASRModel.from_pretrained(str(model_dir), dtype=dtype, device_map=str(device),
+                                            max_inference_batch_size=args.official_batch, max_new_tokens=args.tokens)
+    model, proc = wrapper.model, wrapper.processor
+
+    def run(clips):
+        texts = [wrapper._build_text_prompt(context="", force_language=None) for _ in clips]
+        inp = proc(text=texts, audio=clips, return_tensors="pt", padding=True).to(model.device).to(model.dtype)
+        seqs = model.generate(**inp, max_new_tokens=args.tokens, min_new_tokens=args.tokens).sequences
+        _sync(device)
+        return seqs
+
+    clip = speech_like(args.clip_seconds, seed=1)
+    for _ in range(2):
+        run([clip])
+    lat = []
+    for _ in range(max(3, args.latency_runs // 4)):
+        t = time.perf_counter()
+        run([clip])
+        lat.append((time.perf_counter() - t) * 1e3)
+    out["official_bs1_latency_ms"] = statistics.median(lat)
+    clips = [speech_like(args.clip_seconds, seed=100 + i) for i in range(args.official_clips)]
+    run(clips[: args.official_batch])
+    t = time.perf_counter()
+    for i in range(0, len(clips), args.official_batch):
+        run(clips[i : i + args.official_batch])
+    elapsed = time.perf_counter() - t
+    out["official_throughput_audio_s_per_s"] = len(clips) * args.clip_seconds / elapsed
+    out["official_batch"] = args.official_batch
+    del wrapper, model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--size", default="0.6B", choices=["tiny", "0.6B", "1.7B"], help="random checkpoint shapes")
+    p.add_argument("--model", help="use this checkpoint instead of generating one")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--clip-seconds", type=float, default=10.9)
+    p.add_argument("--tokens", type=int, default=40, help="decoded tokens per clip (forced)")
+    p.add_argument("--num-clips", type=int, default=1000)
+    p.add_argument("--slots", type=int, default=256, help="engine decode slots (largest batch)")
+    p.add_argument("--max-len", type=int, default=320)
+    p.add_argument("--prefill-tokens", type=int, default=32768)
+    p.add_argument("--context", type=int, default=200, help="context length for the decode-step timing")
+    p.add_argument("--latency-runs", type=int, default=20)
+    p.add_argument("--step-runs", type=int, default=50)
+    p.add_argument("--independence-requests", type=int, default=200)
+    p.add_argument("--eager-requests", type=int, default=40)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decode step before capture")
+    p.add_argument("--official", action="store_true", help="time the official qwen-asr backend in the same run")
+    p.add_argument("--official-batch", type=int, default=128)
+    p.add_argument("--official-clips", type=int, default=512)
+    p.add_argument("--out", help="write the results as JSON here")
+
+
+def run(args) -> dict:
+    from qasr.model.checkpoint import resolve_device
+    from qasr.model.testmodel import make_test_model
+
+    device = resolve_device(args.device)
+    out: dict = {"size": args.size, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                 "torch": torch.__version__, "clip_seconds": args.clip_seconds, "tokens": args.tokens,
+                 "date": time.strftime("%Y-%m-%d")}
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.model:
+            model_dir = Path(args.model)
+        else:
+            t = time.perf_counter()
+            model_dir = make_test_model(Path(tmp) / "model", size=args.size, dtype="bfloat16")
+            out["checkpoint_write_s"] = time.perf_counter() - t
+        if args.official:
+            bench_official(model_dir, args, device, out)
+        bench_qasr(model_dir, args, device, out)
+    if "official_bs1_latency_ms" in out:
+        out["speedup_bs1_latency"] = out["official_bs1_latency_ms"] / out["qasr_bs1_latency_ms"]
+        out["speedup_throughput"] = out["qasr_throughput_audio_s_per_s"] / out["official_throughput_audio_s_per_s"]
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    print(json.dumps(out, indent=2))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="qasr-bench offline", description=__doc__)
+    add_arguments(p)
+    run(p.parse_args(argv))
