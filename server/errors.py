@@ -14,6 +14,8 @@ Hierarchy::
 
 Anything else that escapes a connection is an internal error: 1011, logged with its traceback, and the client
 only hears "internal server error". A client that goes away (websockets' ConnectionClosed) is no error at all.
+When the connection still works (a client's fatal mistake, an idle timeout, a shutdown), the stream is finalised
+before closing: the `error` event first, then the finals of its open segments, the summary, then the close.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class CloseDecision:
     close_code: int
     error_code: str  # for the `error` event and the metrics
     message: str  # safe to send to the client
-    client_caused: bool  # the client's fault: its stream is still finalised before closing
+    finalise: bool  # the connection still works: the stream's open segments get their finals before it closes
 
 
 def decide_close(exc: BaseException, *, stopping: bool = False) -> CloseDecision | None:
@@ -97,8 +99,8 @@ def decide_close(exc: BaseException, *, stopping: bool = False) -> CloseDecision
     if isinstance(exc, ConnectionClosed):
         return None
     if isinstance(exc, ServerError):
-        client_caused = isinstance(exc, (ProtocolError, IdleTimeout))
-        return CloseDecision(exc.close_code, exc.error_code, str(exc) or exc.error_code, client_caused)
+        finalise = isinstance(exc, (ProtocolError, IdleTimeout, ShuttingDown))
+        return CloseDecision(exc.close_code, exc.error_code, str(exc) or exc.error_code, finalise)
     if isinstance(exc, EngineClosed) and stopping:
         return CloseDecision(GOING_AWAY, ShuttingDown.error_code, "server is shutting down", False)
     log.error("internal error in a connection", exc_info=exc)

@@ -21,7 +21,8 @@ class ServerLimits:
     max_context_chars: int = 2000  # `context` becomes decoder prompt tokens: keep it bounded
     max_segment_s: float = 30.0  # the longest segment a client may ask the VAD for (the model hears <= 30 s)
     max_pending_finals: int = 16  # closed segments awaiting their final, per session; above it reading pauses
-    shutdown_grace_s: float = 30.0  # on SIGTERM, how long open streams get to receive their finals
+    drain_timeout_s: float = 30.0  # how long a stream closed by the server (SIGTERM, a fatal client error) may
+    # still wait for its finals before the connection closes anyway
 
     def __post_init__(self):
         _require(self.max_sessions >= 1, f"max_sessions must be >= 1, got {self.max_sessions}")
@@ -34,7 +35,7 @@ class ServerLimits:
                  "need 0 < min_partial_interval_ms <= max_partial_interval_ms")
         _require(self.max_segment_s >= 1.0, f"max_segment_s must be >= 1, got {self.max_segment_s}")
         _require(self.max_pending_finals >= 1, f"max_pending_finals must be >= 1, got {self.max_pending_finals}")
-        _require(self.shutdown_grace_s >= 0, f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
     def to_client(self) -> dict:
         """The limits a client may want to know, as sent in the `ready` event."""

@@ -27,6 +27,7 @@ from qasr.server.errors import MalformedMessage, MessageTooBig, UnsupportedForma
 from qasr.server.limits import ServerLimits, StreamDefaults
 from qasr.streaming import events
 from qasr.streaming.resample import downmix
+from qasr.streaming.vad import VadOptions
 
 ENCODINGS = {"s16le": 2, "f32le": 4}  # wire encoding -> bytes per sample
 FORMATS = ("json", "msgpack")  # how server events are framed: JSON text frames or msgpack binary frames
@@ -45,6 +46,12 @@ class VadSettings:
     end_silence_ms: int  # silence that closes a segment
     pre_roll_ms: int  # audio kept before the speech start
     max_segment_s: float  # longer speech is cut
+
+    def to_options(self) -> VadOptions:
+        """The segmenter's options (raises ValueError for combinations it cannot honour)."""
+        return VadOptions(aggressiveness=self.aggressiveness, end_silence_ms=self.end_silence_ms,
+                          pre_roll_ms=self.pre_roll_ms, max_segment_s=self.max_segment_s,
+                          cut_window_s=min(VadOptions.cut_window_s, self.max_segment_s))
 
 
 @dataclass(frozen=True)
@@ -227,6 +234,10 @@ class NativeProtocol:
         _check_range("vad.end_silence_ms", settings.end_silence_ms, *END_SILENCE_MS)
         _check_range("vad.pre_roll_ms", settings.pre_roll_ms, *PRE_ROLL_MS)
         _check_range("vad.max_segment_s", settings.max_segment_s, 1.0, self.limits.max_segment_s)
+        try:
+            settings.to_options()
+        except ValueError as error:
+            raise MalformedMessage(f"vad: {error}") from None
         return settings
 
     # -- server -> client ------------------------------------------------------------------------------------

@@ -302,6 +302,10 @@ class Session:
 
     # -- output ----------------------------------------------------------------------------------------------
 
+    def notify(self, error: events.Error) -> None:
+        """Queue an error event from outside (e.g. a protocol notice) in order with the stream's own events."""
+        self._emit(error)
+
     async def next_event(self) -> events.ServerEvent | None:
         """The next event, in order; None after the summary. Raises the engine's failure (e.g. EngineClosed)."""
         while True:

@@ -1,0 +1,171 @@
+"""The qasr server: one WebSocket port for streams (`/v1/stream`), health, readiness, metrics and the web page.
+
+    server = QasrServer(engine, ServerConfig(port=0))
+    await server.start()          # listening; server.port is the bound port
+    ...
+    await server.stop()           # SIGTERM path: stop accepting, finalise open streams, close 1001, close engine
+
+The server owns the engine it is given (or loads with `load_engine`): `stop()` closes it after the last stream.
+Each connection is a `StreamConnection`; one failing never reaches another or the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from websockets.asyncio.server import Server, ServerConnection, serve
+
+from qasr.server import errors
+from qasr.server.connection import StreamConnection
+from qasr.server.http import HttpRoutes
+from qasr.server.limits import ServerLimits, StreamDefaults
+from qasr.server.metrics import ServerMetrics
+
+log = logging.getLogger("qasr.server")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8765  # 0: any free port (see QasrServer.port)
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    defaults: StreamDefaults = field(default_factory=StreamDefaults)
+    web_root: Path | None = None  # the static page's folder (http.find_web_root), None: no page
+    rollback_tokens: int = 5  # a partial re-decodes the previous partial's last this many tokens
+    ping_interval_s: float | None = 20.0  # keepalive pings find clients that vanished without closing
+
+    def __post_init__(self):
+        if self.defaults.max_segment_s > self.limits.max_segment_s:
+            raise ValueError(f"default max_segment_s {self.defaults.max_segment_s} is over the limit "
+                             f"{self.limits.max_segment_s}")
+        if not (self.limits.min_partial_interval_ms <= self.defaults.partial_interval_ms
+                <= self.limits.max_partial_interval_ms):
+            raise ValueError(f"default partial_interval_ms {self.defaults.partial_interval_ms} is outside the "
+                             f"limits {self.limits.min_partial_interval_ms}..{self.limits.max_partial_interval_ms}")
+        if self.rollback_tokens < 0:
+            raise ValueError(f"rollback_tokens must be >= 0, got {self.rollback_tokens}")
+
+
+class QasrServer:
+    def __init__(self, engine=None, config: ServerConfig = ServerConfig(), *, metrics: ServerMetrics | None = None):
+        """engine: an AsyncEngine (started or not: /readyz follows engine.ready), or None until load_engine()."""
+        self.engine = engine
+        self.config = config
+        self.metrics = metrics or ServerMetrics()
+        self.connections: set[StreamConnection] = set()  # admitted streams
+        self.stopping = False
+        self._websocket_server: Server | None = None
+        self.port: int | None = None  # once started
+        self._stopped = asyncio.Event()
+        self._rollback: Callable[[str], str] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind and serve. The HTTP endpoints answer at once; streams are admitted once the engine is ready."""
+        limits = self.config.limits
+        routes = HttpRoutes(metrics=self.metrics, engine=_EngineView(self), is_ready=self.is_ready,
+                            web_root=self.config.web_root)
+        self._websocket_server = await serve(
+            self._handle, self.config.host, self.config.port, process_request=routes,
+            max_size=limits.max_message_bytes, ping_interval=self.config.ping_interval_s,
+            ping_timeout=self.config.ping_interval_s)
+        self.port = self._websocket_server.sockets[0].getsockname()[1]  # the bound port (useful with port 0)
+        log.info("listening on ws://%s:%d/v1/stream", self.config.host, self.port)
+
+    async def load_engine(self, factory: Callable[[], object]) -> None:
+        """Build the engine in a worker thread (loading weights takes a while), then start it."""
+        engine = await asyncio.to_thread(factory)
+        if self.stopping:
+            await engine.close()
+            return
+        self.engine = engine
+        await engine.start()
+        log.info("engine ready: %s", getattr(engine, "model_name", "?"))
+
+
+    def is_ready(self) -> bool:
+        return self.engine is not None and bool(self.engine.ready) and not self.stopping
+
+    async def stop(self) -> None:
+        """Stop accepting, let every open stream receive its finals (within limits.drain_timeout_s), close them
+        with 1001, then close the engine. Idempotent; returns once everything is closed."""
+        if self.stopping:
+            await self._stopped.wait()
+            return
+        self.stopping = True
+        log.info("stopping: finalising %d open streams", len(self.connections))
+        if self._websocket_server is not None:
+            self._websocket_server.close(close_connections=False)  # no new connections; handlers run on
+            for connection in list(self.connections):
+                connection.request_stop()
+            await self._websocket_server.wait_closed()
+        if self.engine is not None:
+            await self.engine.close()
+        self._stopped.set()
+        log.info("stopped")
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    # -- connections -----------------------------------------------------------------------------------------
+
+    async def _handle(self, websocket: ServerConnection) -> None:
+        self.metrics.connections_total.inc()
+        connection = StreamConnection(websocket, engine=self.engine, limits=self.config.limits,
+                                      defaults=self.config.defaults, metrics=self.metrics,
+                                      rollback=self._rollback_for_engine())
+        try:
+            await connection.run(admit=functools.partial(self._admit, connection))
+        finally:
+            self.connections.discard(connection)
+
+    def _admit(self, connection: StreamConnection) -> None:
+        if self.stopping:
+            raise errors.ShuttingDown("server is shutting down")
+        if not self.is_ready():
+            raise errors.NotReady("the model is still loading: try again shortly")
+        if len(self.connections) >= self.config.limits.max_sessions:
+            raise errors.ServerFull(f"the server is full ({self.config.limits.max_sessions} streams): "
+                                    "try again later")
+        connection.engine = self.engine
+        self.connections.add(connection)
+
+    def _rollback_for_engine(self) -> Callable[[str], str] | None:
+        """rollback_prefix with the engine's tokenizer; None (partials without a prefix) if it has none."""
+        if self._rollback is None and self.engine is not None and self.config.rollback_tokens > 0:
+            tokenizer = _tokenizer_of(self.engine)
+            if tokenizer is not None:
+                from qasr.model.prompt import rollback_prefix
+
+                self._rollback = functools.partial(rollback_prefix, tokenizer, num_tokens=self.config.rollback_tokens)
+        return self._rollback
+
+
+def _tokenizer_of(engine):
+    """AsyncEngine keeps its tokenizer on the synchronous engine inside it."""
+    for holder in (engine, getattr(engine, "engine", None)):
+        tokenizer = getattr(holder, "tokenizer", None)
+        if tokenizer is not None:
+            return tokenizer
+    return None
+
+
+class _EngineView:
+    """What /metrics reads of the engine, which may not exist yet while the model loads."""
+
+    def __init__(self, server: QasrServer):
+        self._server = server
+
+    @property
+    def ready(self) -> bool:
+        return self._server.is_ready()
+
+    def stats(self) -> dict:
+        engine = self._server.engine
+        return engine.stats() if engine is not None else {}

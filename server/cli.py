@@ -1,0 +1,115 @@
+"""qasr-server: serve a Qwen3-ASR model to streaming clients over WebSockets.
+
+    qasr-server --model Qwen/Qwen3-ASR-0.6B --host 0.0.0.0 --port 8765
+
+The port answers HTTP at once (/healthz; /readyz says 503 until the model is loaded and warmed up); streams are
+admitted once the engine is ready. SIGTERM or SIGINT: stop accepting, send open streams their finals, close them
+with 1001, stop the engine, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from qasr.server.app import QasrServer, ServerConfig
+from qasr.server.http import find_web_root
+from qasr.server.limits import ServerLimits, StreamDefaults
+
+log = logging.getLogger("qasr.server")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    limits, defaults = ServerLimits(), StreamDefaults()
+    parser = argparse.ArgumentParser(prog="qasr-server", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--model", required=True, help="checkpoint directory or Hugging Face id")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8765, help="port to listen on (0: any free port)")
+    parser.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:N")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="auto: bfloat16 on a GPU, float32 on the CPU")
+    parser.add_argument("--max-sessions", type=int, default=limits.max_sessions,
+                        help="concurrent streams; more are closed with 1013")
+    parser.add_argument("--max-message-bytes", type=int, default=limits.max_message_bytes,
+                        help="largest client frame; larger ones close with 1009")
+    parser.add_argument("--idle-timeout-s", type=float, default=limits.idle_timeout_s,
+                        help="close a stream with 1008 after this long without a frame")
+    parser.add_argument("--drain-timeout-s", type=float, default=limits.drain_timeout_s,
+                        help="on shutdown, how long open streams may wait for their finals")
+    parser.add_argument("--partial-interval-ms", type=int, default=defaults.partial_interval_ms,
+                        help="default partial cadence (new speech between partials)")
+    parser.add_argument("--vad-aggressiveness", type=int, default=defaults.vad_aggressiveness, choices=range(4),
+                        help="default webrtcvad mode: 0 keeps most audio, 3 drops most non-speech")
+    parser.add_argument("--end-silence-ms", type=int, default=defaults.end_silence_ms,
+                        help="default silence that ends a segment")
+    parser.add_argument("--max-segment-s", type=float, default=defaults.max_segment_s,
+                        help="longest segment (default and limit); longer speech is cut at its quietest point")
+    parser.add_argument("--web-root", default=None,
+                        help="folder with the web page's index.html (default: $QASR_WEB_ROOT, then the web/ "
+                             "folder beside the package)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+def build_config(args: argparse.Namespace) -> ServerConfig:
+    """The server's configuration from parsed arguments; ValueError/FileNotFoundError say what is wrong."""
+    limits = ServerLimits(max_sessions=args.max_sessions, max_message_bytes=args.max_message_bytes,
+                          idle_timeout_s=args.idle_timeout_s, max_segment_s=args.max_segment_s,
+                          drain_timeout_s=args.drain_timeout_s)
+    defaults = StreamDefaults(partial_interval_ms=args.partial_interval_ms,
+                              vad_aggressiveness=args.vad_aggressiveness, end_silence_ms=args.end_silence_ms,
+                              max_segment_s=args.max_segment_s)
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    return ServerConfig(host=args.host, port=args.port, limits=limits, defaults=defaults,
+                        web_root=find_web_root(args.web_root))
+
+
+async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; 1 if the model could not be loaded."""
+    from qasr.streaming.engine import AsyncEngine
+
+    server = QasrServer(None, config)
+    await server.start()
+    if config.web_root is None:
+        log.warning("no web page found: / answers 404 (see --web-root)")
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, lambda: asyncio.ensure_future(server.stop()))
+    try:
+        loading = asyncio.ensure_future(server.load_engine(
+            lambda: AsyncEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)))
+        stopped = asyncio.ensure_future(server.wait_stopped())
+        await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if loading.done() and loading.exception() is not None:
+            log.error("cannot load model %s: %s", args.model, loading.exception())
+            await server.stop()
+            return 1
+        await stopped
+        return 0
+    finally:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = build_config(args)
+    except (ValueError, FileNotFoundError) as error:
+        parser.error(str(error))
+    try:
+        import uvloop
+    except ImportError:  # Windows, or a minimal install: the standard loop works too
+        return asyncio.run(serve(args, config))
+    return uvloop.run(serve(args, config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""qasr-server's command line, and the real SIGTERM path of a served process (with the fake engine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared fakes
+from fakes import FakeEngine, speech_like, to_s16le  # noqa: E402
+
+from qasr.server import cli  # noqa: E402
+from qasr.streaming import engine as engine_module  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_options_become_limits_and_defaults():
+    args = cli.build_parser().parse_args([
+        "--model", "some/model", "--port", "0", "--max-sessions", "3", "--max-message-bytes", "4096",
+        "--idle-timeout-s", "5", "--partial-interval-ms", "700", "--vad-aggressiveness", "3",
+        "--end-silence-ms", "800", "--max-segment-s", "20", "--drain-timeout-s", "2"])
+    config = cli.build_config(args)
+    assert (config.host, config.port) == ("127.0.0.1", 0)
+    assert (config.limits.max_sessions, config.limits.max_message_bytes, config.limits.idle_timeout_s) == (3, 4096, 5)
+    assert config.limits.max_segment_s == 20 and config.limits.drain_timeout_s == 2
+    assert (config.defaults.partial_interval_ms, config.defaults.vad_aggressiveness,
+            config.defaults.end_silence_ms, config.defaults.max_segment_s) == (700, 3, 800, 20)
+
+
+@pytest.mark.parametrize("argv", [
+    [], ["--model", "m", "--max-sessions", "0"], ["--model", "m", "--partial-interval-ms", "10"],
+    ["--model", "m", "--vad-aggressiveness", "5"], ["--model", "m", "--port", "70000"],
+    ["--model", "m", "--dtype", "int8"], ["--model", "m", "--web-root", "/nonexistent"],
+])
+def test_bad_options_exit_with_a_usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(argv)
+    assert caught.value.code == 2
+    assert "qasr-server" in capsys.readouterr().err
+
+
+def test_sigterm_finalises_open_streams_closes_1001_and_exits_0(monkeypatch):
+    fake = FakeEngine(delay_s=0.01, ready=False)
+    monkeypatch.setattr(engine_module.AsyncEngine, "from_pretrained", lambda model, **kwargs: fake)
+    port = free_port()
+    args = cli.build_parser().parse_args(["--model", "fake", "--port", str(port)])
+
+    async def client():
+        uri = f"ws://127.0.0.1:{port}/v1/stream"
+        for _ in range(500):  # until the server listens and the engine is ready
+            try:
+                websocket = await connect(uri)
+            except OSError:
+                await asyncio.sleep(0.01)
+                continue
+            await websocket.send(json.dumps({"type": "start", "partials": False}))
+            first = json.loads(await websocket.recv())
+            if first["type"] == "ready":
+                break
+            await websocket.wait_closed()
+        audio, _ = speech_like([("silence", 0.3), ("speech", 1.0)])
+        await websocket.send(to_s16le(audio))
+        assert json.loads(await websocket.recv())["type"] == "speech_started"
+        os.kill(os.getpid(), signal.SIGTERM)
+        rest = [json.loads(message) async for message in websocket]
+        return rest, websocket.close_code
+
+    async def main():
+        served = asyncio.ensure_future(cli.serve(args, cli.build_config(args)))
+        rest, code = await client()
+        return await asyncio.wait_for(served, 10), rest, code
+
+    exit_code, rest, close_code = asyncio.run(asyncio.wait_for(main(), 30))
+    assert exit_code == 0 and close_code == 1001 and fake.closed
+    assert [event["type"] for event in rest] == ["error", "final", "summary"]
+
+
+def test_a_model_that_cannot_load_exits_1(monkeypatch):
+    def fail(model, **kwargs):
+        raise FileNotFoundError(f"no checkpoint at {model}")
+
+    monkeypatch.setattr(engine_module.AsyncEngine, "from_pretrained", fail)
+    args = cli.build_parser().parse_args(["--model", "missing", "--port", "0"])
+    assert asyncio.run(asyncio.wait_for(cli.serve(args, cli.build_config(args)), 10)) == 1

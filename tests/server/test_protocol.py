@@ -1,0 +1,198 @@
+"""The native protocol without sockets: what each client message parses to, and what each bad one is closed with."""
+
+from __future__ import annotations
+
+import json
+
+import msgpack
+import numpy as np
+import pytest
+
+from qasr.server.errors import MalformedMessage, MessageTooBig, UnsupportedFormat
+from qasr.server.limits import ServerLimits, StreamDefaults
+from qasr.server.protocol import (Audio, End, Flush, NativeProtocol, Notice, Start, State, StreamConfig, VadSettings,
+                                  event_to_dict)
+from qasr.streaming import events
+
+
+def started(**fields) -> NativeProtocol:
+    protocol = NativeProtocol()
+    protocol.receive(json.dumps({"type": "start", **fields}))
+    return protocol
+
+
+def test_a_bare_start_gets_the_documented_defaults():
+    protocol = NativeProtocol()
+    commands = protocol.receive('{"type": "start"}')
+    assert commands == [Start(StreamConfig())]
+    assert protocol.state is State.STREAMING
+    assert protocol.config == StreamConfig(sample_rate=16000, encoding="s16le", channels=1, language=None,
+                                           context="", format="json", partials=True, partial_interval_ms=1000,
+                                           vad=VadSettings(2, 500, 300, 30.0))
+
+
+def test_a_full_start_is_taken_as_given_and_the_language_normalised():
+    message = {"type": "start", "sample_rate": 48000, "encoding": "f32le", "channels": 2, "language": "english",
+               "context": "Names: Qasr", "format": "msgpack", "partials": False, "partial_interval_ms": 500,
+               "vad": {"aggressiveness": 3, "end_silence_ms": 300, "pre_roll_ms": 0, "max_segment_s": 12}}
+    [start] = NativeProtocol().receive(json.dumps(message))
+    assert start.config == StreamConfig(48000, "f32le", 2, "English", "Names: Qasr", "msgpack", False, 500,
+                                        VadSettings(3, 300, 0, 12.0))
+
+
+def test_server_defaults_fill_the_missing_fields():
+    defaults = StreamDefaults(partials=False, partial_interval_ms=700, vad_aggressiveness=1, end_silence_ms=800,
+                              max_segment_s=20.0)
+    [start] = NativeProtocol(defaults=defaults).receive('{"type": "start"}')
+    assert start.config.partials is False and start.config.partial_interval_ms == 700
+    assert start.config.vad == VadSettings(1, 800, 300, 20.0)
+
+
+@pytest.mark.parametrize("language", [None, "", "auto", " Auto "])
+def test_no_language_means_detect(language):
+    assert started(language=language).config.language is None
+
+
+def test_unknown_fields_are_not_fatal_but_noticed():
+    commands = NativeProtocol().receive('{"type": "start", "colour": "red", "vad": {"mode": 1}}')
+    assert isinstance(commands[0], Start)
+    notices = commands[1:]
+    assert [notice.code for notice in notices] == ["unknown_field", "unknown_field"]
+    assert "colour" in notices[0].message and "mode" in notices[1].message
+    [flush, notice] = started().receive('{"type": "flush", "now": true}')
+    assert flush == Flush() and isinstance(notice, Notice)
+    assert notice.code == "unknown_field" and "now" in notice.message
+
+
+@pytest.mark.parametrize("field, value", [
+    ("sample_rate", 7999), ("sample_rate", 192001), ("encoding", "mulaw"), ("encoding", "s24le"),
+    ("channels", 0), ("channels", 9), ("format", "xml"), ("language", "Klingon"),
+])
+def test_unsupported_formats_close_with_1003(field, value):
+    with pytest.raises(UnsupportedFormat) as caught:
+        NativeProtocol().receive(json.dumps({"type": "start", field: value}))
+    assert caught.value.close_code == 1003 and caught.value.error_code == "unsupported"
+    assert field.replace("_", " ").split()[0] in str(caught.value).replace("_", " ")
+
+
+@pytest.mark.parametrize("message", [
+    "not json", "", "[1, 2]", '"start"', '{"sample_rate": 16000}', '{"type": "begin"}', '{"type": "audio"}',
+    '{"type": "flush"}', '{"type": "end"}',
+    '{"type": "start", "sample_rate": "16k"}', '{"type": "start", "sample_rate": 16000.5}',
+    '{"type": "start", "channels": true}', '{"type": "start", "encoding": 16}', '{"type": "start", "language": 5}',
+    '{"type": "start", "partials": "yes"}', '{"type": "start", "partial_interval_ms": 50}',
+    '{"type": "start", "partial_interval_ms": 60000}', '{"type": "start", "vad": 3}',
+    '{"type": "start", "vad": {"aggressiveness": 4}}', '{"type": "start", "vad": {"end_silence_ms": 10}}',
+    '{"type": "start", "vad": {"pre_roll_ms": -1}}', '{"type": "start", "vad": {"max_segment_s": 31}}',
+    '{"type": "start", "vad": {"max_segment_s": 0.5}}', '{"type": "start", "vad": {"max_segment_s": NaN}}',
+    '{"type": "start", "vad": {"max_segment_s": 1, "pre_roll_ms": 2000}}',
+    '{"type": "start", "context": 7}', json.dumps({"type": "start", "context": "x" * 2001}),
+])
+def test_malformed_first_messages_close_with_1007(message):
+    with pytest.raises(MalformedMessage) as caught:
+        NativeProtocol().receive(message)
+    assert caught.value.close_code == 1007 and caught.value.error_code == "malformed"
+
+
+def test_audio_before_start_closes_with_1007():
+    with pytest.raises(MalformedMessage, match="before `start`"):
+        NativeProtocol().receive(b"\x00\x00")
+
+
+def test_a_second_start_closes_with_1007():
+    with pytest.raises(MalformedMessage, match="once"):
+        started().receive('{"type": "start"}')
+
+
+@pytest.mark.parametrize("fields, size", [({}, 3), ({"encoding": "f32le"}, 6), ({"channels": 2}, 6),
+                                          ({"encoding": "f32le", "channels": 3}, 16)])
+def test_a_partial_sample_closes_with_1007(fields, size):
+    with pytest.raises(MalformedMessage, match="whole samples"):
+        started(**fields).receive(bytes(size))
+
+
+def test_nan_float_audio_closes_with_1007():
+    with pytest.raises(MalformedMessage, match="NaN"):
+        started(encoding="f32le").receive(np.array([0.0, np.nan], "<f4").tobytes())
+
+
+def test_s16le_audio_decodes_to_float32():
+    [audio] = started().receive(np.array([0, 16384, -32768], "<i2").tobytes())
+    assert isinstance(audio, Audio) and audio.samples.dtype == np.float32
+    np.testing.assert_array_equal(audio.samples, [0.0, 0.5, -1.0])
+
+
+def test_f32le_stereo_is_averaged_to_mono():
+    frames = np.array([[0.5, 0.25], [-1.0, 1.0], [0.2, 0.2]], "<f4")  # [samples, channels] interleaved
+    [audio] = started(encoding="f32le", channels=2).receive(frames.tobytes())
+    np.testing.assert_allclose(audio.samples, [0.375, 0.0, 0.2], rtol=1e-6)
+
+
+def test_empty_audio_frames_are_ignored():
+    assert started().receive(b"") == []
+
+
+def test_flush_and_end_and_what_comes_after_end():
+    protocol = started()
+    assert protocol.receive('{"type": "flush"}') == [Flush()]
+    assert protocol.receive('{"type": "end"}') == [End()]
+    assert protocol.state is State.ENDED
+    [notice] = protocol.receive(b"\x00\x00")
+    assert notice.code == "ignored"
+
+
+def test_messages_over_the_size_limit_close_with_1009():
+    protocol = NativeProtocol(limits=ServerLimits(max_message_bytes=1024))
+    with pytest.raises(MessageTooBig) as caught:
+        protocol.receive(json.dumps({"type": "start", "context": "é" * 600}))  # 1200 bytes as UTF-8
+    assert caught.value.close_code == 1009
+    protocol.receive('{"type": "start"}')
+    with pytest.raises(MessageTooBig):
+        protocol.receive(bytes(1026))
+
+
+def test_limits_narrow_what_a_start_may_ask_for():
+    protocol = NativeProtocol(limits=ServerLimits(max_sample_rate=48000, max_channels=2, max_segment_s=10))
+    with pytest.raises(UnsupportedFormat):
+        protocol.receive('{"type": "start", "sample_rate": 96000}')
+    with pytest.raises(UnsupportedFormat):
+        protocol.receive('{"type": "start", "channels": 4}')
+    with pytest.raises(MalformedMessage):
+        protocol.receive('{"type": "start", "vad": {"max_segment_s": 20}}')
+    [start] = protocol.receive('{"type": "start"}')
+    assert start.config.vad.max_segment_s == 10.0  # the server default is capped by the limit
+
+
+ALL_EVENTS = [
+    events.Ready("abc", "Qwen3-ASR-0.6B", 48000, 16000, {"max_message_bytes": 1024}),
+    events.SpeechStarted(0, 0.25),
+    events.Partial(0, "hello", "English", 0.25, 1.25),
+    events.Final(0, "hello world", "English", 0.25, 1.5, "silence", 12.5),
+    events.Error("unknown_field", "start: ignored unknown field(s) x", False),
+    events.Summary(1, 2.0, 1.25),
+]
+
+
+def test_events_serialise_to_json_text_frames_by_default():
+    protocol = NativeProtocol()
+    frames = [protocol.encode(event) for event in ALL_EVENTS]
+    assert all(isinstance(frame, str) for frame in frames)
+    decoded = [json.loads(frame) for frame in frames]
+    assert [message["type"] for message in decoded] == ["ready", "speech_started", "partial", "final", "error",
+                                                        "summary"]
+    assert decoded[3] == {"type": "final", "segment_id": 0, "text": "hello world", "language": "English",
+                          "start": 0.25, "end": 1.5, "reason": "silence", "latency_ms": 12.5}
+    assert decoded[0]["limits"] == {"max_message_bytes": 1024}
+    assert json.loads(protocol.encode(events.Partial(1, "é中", "", 0, 1)))["text"] == "é中"
+
+
+def test_events_serialise_to_msgpack_binary_frames_when_asked():
+    protocol = started(format="msgpack")
+    for event in ALL_EVENTS:
+        frame = protocol.encode(event)
+        assert isinstance(frame, bytes)
+        assert msgpack.unpackb(frame, raw=False) == event_to_dict(event)
+
+
+def test_errors_before_a_start_are_json_even_for_msgpack_clients():
+    assert isinstance(NativeProtocol().encode(events.Error("server_full", "try later", True)), str)
