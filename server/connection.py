@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import uuid
 from typing import Callable
@@ -150,9 +151,8 @@ class StreamConnection:
         self.session = Session(self.engine, self.session_id, options, rollback=self.rollback, observer=self.metrics)
         self.metrics.sessions_active += 1
         self.metrics.sessions_total.inc()
-        limits = {**self.limits.to_client(), "partial_interval_ms": config.partial_interval_ms}
         await self._send(events.Ready(self.session_id, self.engine.model_name, config.sample_rate, SAMPLE_RATE,
-                                      limits))
+                                      self.limits.to_client(), dataclasses.asdict(config)))
         for notice in notices:
             self.session.notify(events.Error(notice.code, notice.message))
         log.info("session %s started: %d Hz %s x%d, language %s", self.session_id, config.sample_rate,

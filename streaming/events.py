@@ -19,6 +19,7 @@ class Ready:
     sample_rate: int  # the client's declared input rate
     engine_sample_rate: int  # the rate the model hears (audio is resampled to it)
     limits: dict = field(default_factory=dict)  # the server limits in force for this session
+    config: dict = field(default_factory=dict)  # the stream's settings: the start message with defaults filled in
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,10 @@ def test_a_stream_gets_ready_partials_finals_with_true_times_a_summary_and_1000(
     ready = out[0]
     assert ready["type"] == "ready" and ready["model"] == "fake-qwen3-asr" and len(ready["session_id"]) == 16
     assert ready["sample_rate"] == 16000 and ready["engine_sample_rate"] == 16000
-    assert ready["limits"]["partial_interval_ms"] == 500
+    assert ready["limits"]["max_message_bytes"] == 1 << 20 and ready["limits"]["idle_timeout_s"] == 30
+    assert ready["config"]["partial_interval_ms"] == 500 and ready["config"]["encoding"] == "s16le"
+    assert ready["config"]["vad"] == {"aggressiveness": 2, "end_silence_ms": 500, "pre_roll_ms": 0,
+                                      "max_segment_s": 30.0}
     assert [event["segment_id"] for event in finals(out)] == [0, 1]
     for final, (start, end) in zip(finals(out), truth):
         assert abs(final["start"] - start) < 0.1 and abs(final["end"] - end) < 0.1
