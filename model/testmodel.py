@@ -20,15 +20,21 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 import string
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import tokenizers
 import torch
 from safetensors.torch import save_file
+from tokenizers import normalizers, pre_tokenizers
+from tokenizers.models import BPE
+from tokenizers.trainers import BpeTrainer
 
 from .prompt import SUPPORTED_LANGUAGES
+from .tokenizer import QWEN2_PRETOKENIZE_REGEX
 
 VOCAB_SIZE = 151936  # embedding rows of every Qwen3-ASR size
 NUM_BPE_TOKENS = 151643  # entries of vocab.json; added tokens start here
@@ -192,12 +198,7 @@ def make_test_model(
     tie_word_embeddings: share lm_head with the token embedding (no lm_head tensor is saved); None takes the
         size's default (untied for tiny, tied like the real 0.6B/1.7B).
     """
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    if size not in SHAPES:
-        raise ValueError(f"size must be one of {SIZES}, got {size!r}")
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    _check_choices(layout=layout, size=size, dtype=dtype)
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     shapes = SHAPES[size]
@@ -207,6 +208,8 @@ def make_test_model(
         raise ValueError(f"num_shards {num_shards} is more than the {len(specs)} tensors of the model")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+        stale.unlink()  # weights of a checkpoint written here before would mix with these
 
     _write_json(out / "config.json", checkpoint_config(size, layout=layout, dtype=dtype, tie_word_embeddings=tie))
     _write_json(out / "generation_config.json", _generation_config())
@@ -218,6 +221,12 @@ def make_test_model(
         encoding="utf-8",
     )
     return out
+
+
+def _check_choices(*, layout: str, size: str, dtype: str) -> None:
+    for what, value, choices in (("layout", layout, LAYOUTS), ("size", size, SIZES), ("dtype", dtype, tuple(DTYPES))):
+        if value not in choices:
+            raise ValueError(f"{what} must be one of {choices}, got {value!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -346,9 +355,10 @@ def _write_weights(
     for file_name, shard in zip(files, shards):
         tensors = {}
         for spec in shard:
-            tensors[name_of(spec.name)] = init_tensor(spec, seed).to(torch_dtype)
-            total_size += tensors[name_of(spec.name)].nbytes
-            weight_map[name_of(spec.name)] = file_name
+            name = name_of(spec.name)
+            tensors[name] = init_tensor(spec, seed).to(torch_dtype)
+            total_size += tensors[name].nbytes
+            weight_map[name] = file_name
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
         del tensors
     if num_shards > 1:
@@ -358,7 +368,7 @@ def _write_weights(
 
 def _split_evenly(specs: list[TensorSpec], num_shards: int) -> list[list[TensorSpec]]:
     """Cut the tensor list into `num_shards` consecutive, non-empty runs of about equal element counts."""
-    sizes = [_numel(spec.shape) for spec in specs]
+    sizes = [math.prod(spec.shape) for spec in specs]
     total = sum(sizes)
     shards, start, done = [], 0, 0
     for k in range(num_shards - 1):
@@ -372,13 +382,6 @@ def _split_evenly(specs: list[TensorSpec], num_shards: int) -> list[list[TensorS
         start = end
     shards.append(specs[start:])
     return shards
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -440,6 +443,7 @@ def checkpoint_config(
     (as qwen-asr does), swaps the Qwen2 pre-tokenizer regex for Mistral's unless config.json names a version <= 4.57.2
     or >= 5. We write 4.57.1 so the official processor tokenizes with the Qwen2 regex the vocabulary was made for.
     """
+    _check_choices(layout=layout, size=size, dtype=dtype)
     shapes = SHAPES[size]
     tie = shapes.tie_word_embeddings if tie_word_embeddings is None else bool(tie_word_embeddings)
     audio, text = _audio_config(shapes), _text_config(shapes, tie=tie)
@@ -590,13 +594,6 @@ def _byte_level(text: str) -> str:
 
 def _train_bpe() -> tuple[dict[str, int], list[tuple[str, str]]]:
     """A small byte-level BPE trained on TRAINING_TEXT with the Qwen2 pre-tokenizer (deterministic)."""
-    import tokenizers
-    from tokenizers import normalizers, pre_tokenizers
-    from tokenizers.models import BPE
-    from tokenizers.trainers import BpeTrainer
-
-    from .tokenizer import QWEN2_PRETOKENIZE_REGEX
-
     bpe = tokenizers.Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix=""))
     bpe.normalizer = normalizers.NFC()
     bpe.pre_tokenizer = pre_tokenizers.Sequence(

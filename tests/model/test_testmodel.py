@@ -189,6 +189,8 @@ def test_cli_writes_a_checkpoint_and_rejects_bad_arguments(tmp_path, capsys):
     assert testmodel.main([str(tmp_path / "m"), "--layout", "hf", "--shards", "2", "--seed", "3"]) == 0
     assert (tmp_path / "m" / "model.safetensors.index.json").is_file()
     assert json.loads((tmp_path / "m" / "config.json").read_text())["text_config"]["model_type"] == "qwen3"
+    make_test_model(tmp_path / "m")  # rewriting in place leaves no stale shards or index behind
+    assert sorted(p.name for p in (tmp_path / "m").glob("model*")) == ["model.safetensors"]
     for bad in (["--size", "7B"], ["--shards", "0"], ["--dtype", "float8"]):
         with pytest.raises(SystemExit) as exc:
             testmodel.main([str(tmp_path / "bad"), *bad])
