@@ -102,14 +102,12 @@ class StreamConnection:
             coroutine.close()
             raise errors.ShuttingDown("server is shutting down")
         task = asyncio.get_running_loop().create_task(coroutine)
-        self._receiver = task
+        self._receiver = task  # kept after it is done: _teardown waits for it
         try:
             await asyncio.wait({task})
         except asyncio.CancelledError:
             task.cancel()
             raise
-        finally:
-            self._receiver = None
         if task.cancelled():  # only request_stop() cancels it
             raise errors.ShuttingDown("server is shutting down")
         return task.result()
@@ -162,13 +160,16 @@ class StreamConnection:
         """Receive until `end` while sending events; then send the rest (finals, summary)."""
         self._sender = asyncio.get_running_loop().create_task(self._send_events())
         receiving = asyncio.ensure_future(self._receive(self._receive_stream()))
-        await asyncio.wait({receiving, self._sender}, return_when=asyncio.FIRST_COMPLETED)
-        if not receiving.done():  # the sender stopped first: the engine failed or the client is gone
-            receiving.cancel()
-            await asyncio.wait({receiving})
-            self._sender.result()
+        try:
+            await asyncio.wait({receiving, self._sender}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not receiving.done():  # the sender stopped first (the engine failed, the client is gone) or we
+                receiving.cancel()  # are being cancelled: stop reading either way
+                await asyncio.wait({receiving})
+        if receiving.cancelled():  # by the finally above: the sender stopped first
+            self._sender.result()  # raises why the events stopped
             raise errors.ServerError("the event stream ended before the client's stream did")
-        receiving.result()  # the client's mistake, a disconnect, idle, or stop
+        receiving.result()  # raises the client's mistake, a disconnect, idle, or stop; returns on `end`
         self.session.end()
         await self._drain()
 

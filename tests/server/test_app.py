@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 from pathlib import Path
 
 import msgpack
@@ -14,11 +13,11 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared fakes
-from fakes import FakeEngine, speech_like, to_s16le  # noqa: E402
+from qasr.server.app import QasrServer, ServerConfig
+from qasr.server.limits import ServerLimits
 
-from qasr.server.app import QasrServer, ServerConfig  # noqa: E402
-from qasr.server.limits import ServerLimits  # noqa: E402
+# tests/ is on sys.path (tests/conftest.py)
+from fakes import FakeEngine, speech_like, to_s16le
 
 TWO_BURSTS = [("silence", 0.4), ("speech", 1.0), ("silence", 0.7), ("speech", 0.8), ("silence", 0.7)]
 EXACT = {"vad": {"pre_roll_ms": 0}}  # segments start at the first voiced frame: comparable to the truth

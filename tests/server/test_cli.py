@@ -7,17 +7,15 @@ import json
 import os
 import signal
 import socket
-import sys
-from pathlib import Path
 
 import pytest
 from websockets.asyncio.client import connect
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared fakes
-from fakes import FakeEngine, speech_like, to_s16le  # noqa: E402
+from qasr.server import cli
+from qasr.streaming import engine as engine_module
 
-from qasr.server import cli  # noqa: E402
-from qasr.streaming import engine as engine_module  # noqa: E402
+# tests/ is on sys.path (tests/conftest.py)
+from fakes import FakeEngine, speech_like, to_s16le
 
 
 def free_port() -> int:

@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared fakes
-from fakes import FakeEngine, speech_like  # noqa: E402
+from qasr.streaming import events
+from qasr.streaming.request import EngineClosed, Priority, Superseded
+from qasr.streaming.session import Session, SessionObserver, SessionOptions
+from qasr.streaming.vad import VadOptions
 
-from qasr.streaming import events  # noqa: E402
-from qasr.streaming.request import EngineClosed, Priority, Superseded  # noqa: E402
-from qasr.streaming.session import Session, SessionObserver, SessionOptions  # noqa: E402
-from qasr.streaming.vad import VadOptions  # noqa: E402
+# tests/ is on sys.path (tests/conftest.py)
+from fakes import FakeEngine, speech_like
 
 TWO_BURSTS = [("silence", 0.5), ("speech", 1.2), ("silence", 0.8), ("speech", 0.7), ("silence", 1.0)]
 EXACT_VAD = VadOptions(pre_roll_ms=0)  # segments start at the first voiced frame: comparable to the truth
