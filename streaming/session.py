@@ -146,7 +146,7 @@ class Session:
         """Take the next audio: [n] float32 mono at options.input_rate. Never blocks."""
         self._check_open()
         self.input_samples += len(samples)
-        self._segment(self._segmenter.feed(self._resampler.process(samples)))
+        self._handle_vad_events(self._segmenter.feed(self._resampler.process(samples)))
         self._request_partial_if_due()
 
     def flush(self) -> None:
@@ -171,13 +171,13 @@ class Session:
     def _finish_segmenter(self, reason: str) -> None:
         """Drain the resampler and the VAD; whatever segment is open closes with `reason`."""
         tail_events = self._segmenter.feed(self._resampler.flush()) + self._segmenter.flush()
-        self._segment(tail_events, flush_reason=reason)
+        self._handle_vad_events(tail_events, flush_reason=reason)
         self._segmenter_offset += self._segmenter.samples_received
         self._segment_id_offset = self._next_segment_id
 
     # -- VAD events ------------------------------------------------------------------------------------------
 
-    def _segment(self, vad_events: list[vad.Event], flush_reason: str = "flush") -> None:
+    def _handle_vad_events(self, vad_events: list[vad.Event], flush_reason: str = "flush") -> None:
         for event in vad_events:
             if isinstance(event, vad.SpeechStarted):
                 self._on_speech_started(event)
