@@ -212,6 +212,11 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def prefill_keys(max_end: int, cache: KVCache) -> int:
+    """Key positions a prefill attends over: its furthest position, rounded up to 16 for the fused kernels."""
+    return min(_round_up(max_end, 16), cache.length)
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, cfg: TextDecoderConfig, layer: int):
         super().__init__()
@@ -309,22 +314,25 @@ class TextDecoder(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
-    def prefill(self, embeds, slots, starts, lengths, cache: KVCache) -> torch.Tensor:
+    def prefill(self, embeds, slots, starts, lengths, cache: KVCache, num_keys: int | None = None) -> torch.Tensor:
         """Append `lengths[b]` new tokens to slot `slots[b]` after its first `starts[b]` cached positions.
 
         embeds: [B, T, D] (row b valid for t < lengths[b]); slots, starts, lengths: [B] long -> hidden [B, T, D].
-        Reading the cache through `slots` copies those rows: fine for prefill, which is not on the per-token path.
+        num_keys: cache positions to attend over, >= max(starts + lengths) (computed here when not given; passing it
+        keeps this function free of device syncs). Reading the cache through `slots` copies those rows: fine for
+        prefill, which is not on the per-token path.
         """
         B, T, _ = embeds.shape
+        if num_keys is None:
+            num_keys = prefill_keys(int((starts + lengths).max()), cache)
         t = torch.arange(T, device=embeds.device)
         positions = starts[:, None] + t[None, :]
         valid = t[None, :] < lengths[:, None]
         write_pos = torch.where(valid, positions, torch.full_like(positions, cache.scratch))
-        L = min(_round_up(int((starts + lengths).max()), 16), cache.length)
-        keys_at = torch.arange(L, device=embeds.device)
+        keys_at = torch.arange(num_keys, device=embeds.device)
         # a new token sees every cached position of its slot up to itself; padded rows see position 0 (no NaN)
         mask = (keys_at[None, None, :] <= positions[:, :, None]) | (keys_at[None, None, :] == 0)
-        read = lambda i: (cache.k[i][slots, :, :L], cache.v[i][slots, :, :L])
+        read = lambda i: (cache.k[i][slots, :, :num_keys], cache.v[i][slots, :, :num_keys])
         return self.run_layers(embeds, positions, slots, write_pos, read, mask, cache)
 
     def decode(self, tokens, positions, cache: KVCache) -> torch.Tensor:

@@ -43,7 +43,7 @@ class EngineOptions:
     max_audio_seconds: float = 60.0  # longest audio one request may carry
     tokens_per_second: float = 12.0  # default token budget: 24 + this x audio seconds (speech is ~3-5 tok/s)
     cuda_graphs: bool | None = None  # None: on a CUDA device
-    compile: bool = False  # torch.compile the decode step before capture
+    compile: bool | None = None  # torch.compile decode step, prefill and encoder (None: on a CUDA device)
     repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
     ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
 
@@ -67,7 +67,7 @@ class Engine:
             num_retained=options.num_retained,
             eos_ids=self.eos_ids,
             cuda_graphs=options.cuda_graphs,
-            compile=options.compile,
+            compile=model.device.type == "cuda" if options.compile is None else options.compile,
         )
         self.scheduler = Scheduler()
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
@@ -201,7 +201,8 @@ class Engine:
         copied from a retained KV prefix instead of prefilled.
         """
         enc = self.model.encoder
-        feats, frames = qaudio.log_mel_batch([torch.from_numpy(s.request.audio) for s in seqs], device=self.device)
+        # torch.tensor copies: session audio is a read-only view, and the copy is what crosses to the device anyway
+        feats, frames = qaudio.log_mel_batch([torch.tensor(s.request.audio) for s in seqs], device=self.device)
         frames = frames.tolist()
         tails, tail_flags, reused = [], [], []
         for seq, f, mel in zip(seqs, frames, feats):
@@ -214,7 +215,7 @@ class Engine:
             tail_flags.append(keep > 0)
         clips = enc.embed_clips(tails, tail_flags)
         windows, lengths, owners = enc.pack_windows(clips)
-        out = enc.encode_windows(windows, lengths)
+        out = self.runner.encode_windows(windows, lengths)
         per_seq: list[list[torch.Tensor]] = [[] for _ in seqs]
         for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
             per_seq[owner].append(out[w, :n])
@@ -351,6 +352,7 @@ class AsyncEngine:
     def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05):
         self.engine = engine
         self.model_name = engine.model_name
+        self.tokenizer = engine.tokenizer
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None

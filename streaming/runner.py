@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from qasr.model.modeling import Qwen3ASR
+from qasr.model.modeling import Qwen3ASR, prefill_keys
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,12 @@ class ModelRunner:
         self.out_host = torch.zeros(2, S, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.buckets = tuple(b for b in buckets if b < S) + (S,)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._step_fn = torch.compile(self._step, dynamic=False, fullgraph=True) if compile else self._step
+        # compile: the eager step is ~50 small kernels per layer, launched from Python; Inductor fuses the norms,
+        # rope and elementwise work. dynamic=True: one compilation serves every bucket (and every prefill shape).
+        enc, dec = model.encoder, model.decoder
+        self._step_fn = torch.compile(self._step, dynamic=True, fullgraph=True) if compile else self._step
+        self._prefill_fn = torch.compile(dec.prefill, dynamic=True) if compile else dec.prefill
+        self._encode_fn = torch.compile(enc.encode_windows, dynamic=True) if compile else enc.encode_windows
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if use_graphs:
             self.capture_graphs()
@@ -130,9 +135,15 @@ class ModelRunner:
         x = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, T - e.shape[0])) for e in embeds])
         dev = lambda v: torch.tensor(v, device=self.device)
         lengths_t = dev(lengths)
-        hidden = self.model.decoder.prefill(x, dev(slots), dev(starts), lengths_t, self.cache)
+        num_keys = prefill_keys(max(s + n for s, n in zip(starts, lengths)), self.cache)
+        hidden = self._prefill_fn(x, dev(slots), dev(starts), lengths_t, self.cache, num_keys)
         last = hidden[torch.arange(len(embeds), device=self.device), lengths_t - 1]
         return self.model.decoder.logits(last).argmax(dim=-1).tolist()
+
+    @torch.inference_mode()
+    def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The encoder's transformer over packed windows [W, window_tokens, D] (compiled when asked)."""
+        return self._encode_fn(windows, lengths)
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst` (all layers)."""
