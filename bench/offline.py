@@ -192,7 +192,7 @@ def correctness(engine: Engine, args) -> dict:
     # agreement with the eager batch-1 path (no graphs): a fresh eager engine on the same model
     eager = Engine(engine.model, engine.tokenizer, EngineOptions(num_slots=1, max_len=engine.options.max_len,
                                                                num_retained=0, ignore_eos=True, repetition_window=0,
-                                                               cuda_graphs=False))
+                                                               cuda_graphs=False, compile=False))
     k = min(args.eager_requests, n)
     eager_out = [eager.transcribe([r])[0] for r in reqs[:k]]
     agree = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(eager_out, batched[:k]))
