@@ -1,0 +1,436 @@
+"""Offline transcription: whole files or arrays in, text out, through the batching engine. Also `qasr-transcribe`.
+
+    from qasr.model.transcribe import Transcriber
+    transcriber = Transcriber.from_pretrained("Qwen/Qwen3-ASR-0.6B")
+    for result in transcriber.transcribe(["a.wav", "b.flac"], language="English"):
+        print(result.text)
+
+Audio longer than `max_piece_seconds` (30 s) is cut at its quietest points (`split_long_audio`); the pieces of all
+inputs are decoded together in one engine run and joined back per input: texts with a space between pieces of
+space-separated scripts and nothing where either side is CJK/Thai-like (see `join_texts`), languages merged like the
+official `merge_languages` ("Chinese,English").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple, Sequence, Union
+
+import numpy as np
+
+from . import audio as qaudio
+from .audio import AudioError
+
+AudioInput = Union[str, os.PathLike, np.ndarray, tuple]  # a path, 16 kHz float samples, or (samples, sample_rate)
+
+DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
+MIN_PIECE_SECONDS = 0.5  # shorter pieces are zero-padded to this (the official toolkit pads its split tails so)
+
+
+class Segment(NamedTuple):
+    """One decoded piece of an input: [start, end) in seconds of the input's own time, and its text."""
+
+    start: float
+    end: float
+    text: str
+
+
+@dataclass(frozen=True)
+class Transcription:
+    text: str  # the pieces' texts joined (join_texts)
+    language: str  # detected (or forced) languages in order, e.g. "English" or "Chinese,English"; "" for no speech
+    duration: float  # seconds of audio at 16 kHz
+    segments: tuple[Segment, ...]  # one per piece the audio was cut into (one for audio up to max_piece_seconds)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Joining pieces
+
+
+def _no_space_script(char: str) -> bool:
+    """Scripts written without spaces between words: CJK ideographs, kana, CJK/fullwidth punctuation, Thai & co."""
+    code = ord(char)
+    return (
+        0x2E80 <= code <= 0x30FF  # CJK radicals, symbols and punctuation, hiragana, katakana
+        or 0x3400 <= code <= 0x4DBF  # CJK extension A
+        or 0x4E00 <= code <= 0x9FFF  # CJK unified ideographs
+        or 0xF900 <= code <= 0xFAFF  # CJK compatibility ideographs
+        or 0xFF00 <= code <= 0xFFEF  # fullwidth forms
+        or 0x0E00 <= code <= 0x0EFF  # Thai, Lao
+        or 0x1000 <= code <= 0x109F  # Myanmar
+        or 0x1780 <= code <= 0x17FF  # Khmer
+        or 0x20000 <= code <= 0x3FFFF  # CJK extensions B onwards
+    )
+
+
+def join_texts(texts: Sequence[str]) -> str:
+    """Join the texts of consecutive pieces: nothing between them where the character on either side of the cut is
+    of a script written without spaces (CJK, kana, Thai, ...), one space otherwise. Empty pieces are skipped."""
+    joined = ""
+    for text in texts:
+        text = text.strip()
+        if not text:
+            continue
+        if joined and not (_no_space_script(joined[-1]) or _no_space_script(text[0])):
+            joined += " "
+        joined += text
+    return joined
+
+
+def merge_languages(languages: Sequence[str]) -> str:
+    """Languages of consecutive pieces as one string, like the official toolkit: in order, empty ones and
+    consecutive repeats dropped, comma-separated (["Chinese", "English", "English"] -> "Chinese,English")."""
+    merged: list[str] = []
+    for language in languages:
+        language = (language or "").strip()
+        if language and (not merged or merged[-1] != language):
+            merged.append(language)
+    return ",".join(merged)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def load_input(item: AudioInput, name: str | None = None) -> np.ndarray:
+    """One input as float32 mono samples at 16 kHz. Raises AudioError (naming the input) for anything unusable.
+
+    item: a path (any format libsndfile reads, any rate); a 1-D float array already at 16 kHz; or (array, rate).
+    name: how errors refer to an array input (paths name themselves).
+    """
+    if isinstance(item, (str, os.PathLike)):
+        return qaudio.load_audio(item)  # its errors name the file
+    name = name or "audio array"
+    if isinstance(item, tuple):
+        if len(item) != 2:
+            raise AudioError(f"{name}: expected (samples, sample_rate), got a tuple of {len(item)} items")
+        samples, rate = item
+        if isinstance(rate, bool) or not isinstance(rate, (int, np.integer)) or rate <= 0:
+            raise AudioError(f"{name}: the sample rate must be a positive integer number of Hz, got {rate!r}")
+        return qaudio.resample(_checked_samples(samples, name), int(rate), qaudio.SAMPLE_RATE)
+    if isinstance(item, np.ndarray):
+        return _checked_samples(item, name)
+    raise AudioError(f"{name}: cannot transcribe a {type(item).__name__}; pass a file path, a 1-D float numpy "
+                     f"array at {qaudio.SAMPLE_RATE} Hz or a (samples, sample_rate) tuple")
+
+
+def _checked_samples(samples, name: str) -> np.ndarray:
+    samples = np.asarray(samples)
+    if samples.ndim != 1:
+        raise AudioError(f"{name}: expected 1-D mono samples, got shape {samples.shape}")
+    if not np.issubdtype(samples.dtype, np.floating):
+        raise AudioError(f"{name}: expected float samples in [-1, 1], got {samples.dtype} "
+                         f"(convert PCM with qasr.model.audio.pcm_to_float)")
+    if samples.size == 0:
+        raise AudioError(f"{name} contains no audio samples")
+    if not np.isfinite(samples).all():
+        raise AudioError(f"{name} contains NaN or infinite samples")
+    return np.ascontiguousarray(samples, dtype=np.float32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The transcriber
+
+
+class _Piece(NamedTuple):
+    owner: int  # index of the input it belongs to
+    start: int  # [start, end) samples in the input
+    end: int
+    samples: np.ndarray  # what the engine decodes (zero-padded if short)
+
+
+class Transcriber:
+    """Loads a model once and transcribes batches of recordings of any length with it.
+
+    Wraps a `qasr.streaming.engine.Engine`: every piece of every input in one `transcribe` call is queued at once,
+    and the engine decodes up to `max_batch` of them together.
+    """
+
+    def __init__(self, engine, *, max_piece_seconds: float = qaudio.DEFAULT_MAX_SECONDS,
+                 max_new_tokens: int | None = None):
+        """engine: a `qasr.streaming.engine.Engine` (see from_pretrained).
+        max_piece_seconds: longer audio is cut into pieces of at most this length (split_long_audio).
+        max_new_tokens: token limit per piece; None = the engine's budget for the piece's length.
+        """
+        if not 1.0 <= max_piece_seconds <= engine.options.max_audio_seconds:
+            raise ValueError(f"max_piece_seconds must be between 1 and the engine's max_audio_seconds "
+                             f"({engine.options.max_audio_seconds:g}), got {max_piece_seconds}")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 or None, got {max_new_tokens}")
+        self.engine = engine
+        self.max_piece_seconds = max_piece_seconds
+        self.max_new_tokens = max_new_tokens
+
+    @classmethod
+    def from_pretrained(cls, model: str | os.PathLike = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
+                        max_batch: int = 32, max_piece_seconds: float = qaudio.DEFAULT_MAX_SECONDS,
+                        max_new_tokens: int | None = None, options=None) -> "Transcriber":
+        """Load `model` (a checkpoint directory or a Hugging Face id).
+
+        device/dtype: "auto" = the GPU in bf16 when there is one, else the CPU in fp32.
+        max_batch: pieces decoded together (the engine's slots).
+        max_piece_seconds, max_new_tokens: see __init__.
+        options: a full `EngineOptions` instead of the defaults derived from max_batch (max_batch is then ignored).
+        Raises CheckpointError (a ValueError) when the model cannot be found or does not load.
+        """
+        from qasr.streaming.engine import Engine, EngineOptions
+
+        if options is None:
+            if max_batch < 1:
+                raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+            # offline pieces belong to no stream: no KV slots are kept for prefix reuse
+            options = EngineOptions(num_slots=max_batch, num_retained=0,
+                                    max_audio_seconds=max(60.0, max_piece_seconds))
+        engine = Engine.from_pretrained(str(model), device=device, dtype=dtype, options=options)
+        return cls(engine, max_piece_seconds=max_piece_seconds, max_new_tokens=max_new_tokens)
+
+    def transcribe(self, audio_or_paths: Sequence[AudioInput], *, language: str | None = None, context: str = "",
+                   progress: bool = False) -> list[Transcription]:
+        """One Transcription per input, in order.
+
+        audio_or_paths: file paths, 1-D float arrays at 16 kHz, or (array, sample_rate) tuples (see load_input).
+        language: force the output language (e.g. "English", any case); None lets the model detect it per piece.
+        context: text for the system prompt (names, terms, the topic), the same for every input.
+        progress: show a tqdm bar on stderr, in seconds of audio decoded.
+        Raises AudioError naming the first input that cannot be used (missing, unreadable, empty, NaN), before any
+        decoding; UnsupportedLanguageError for an unknown language.
+        """
+        if isinstance(audio_or_paths, (str, os.PathLike, np.ndarray, tuple)):
+            raise TypeError("transcribe takes a list of inputs; wrap a single one in a list")
+        clips = [load_input(item, name=f"input {i}") for i, item in enumerate(audio_or_paths)]
+        return self.transcribe_clips(clips, language=language, context=context, progress=progress)
+
+    def transcribe_clips(self, clips: Sequence[np.ndarray], *, language: str | None = None, context: str = "",
+                         progress=False) -> list[Transcription]:
+        """Like `transcribe`, for clips already loaded by `load_input`.
+
+        progress: a bool, or a tqdm-like object whose `update(seconds)` is called as pieces finish (the CLI's one
+        bar over many calls).
+        """
+        from qasr.streaming.request import DecodeRequest
+
+        from .prompt import normalize_language
+
+        language = normalize_language(language) if language is not None and str(language).strip() else None
+        pieces = [piece for i, clip in enumerate(clips) for piece in self._pieces(i, clip)]
+        results: list = [None] * len(pieces)
+        bar, own_bar = _progress_bar(progress, total=sum(len(c) for c in clips) / qaudio.SAMPLE_RATE)
+
+        def finished(k: int, result) -> None:
+            results[k] = result
+            if bar is not None:
+                bar.update((pieces[k].end - pieces[k].start) / qaudio.SAMPLE_RATE)
+
+        try:
+            for k, piece in enumerate(pieces):
+                request = DecodeRequest(audio=piece.samples, context=context, language=language,
+                                        max_new_tokens=self.max_new_tokens)
+                self.engine.add(request, lambda result, k=k: finished(k, result))
+            self.engine.run_until_done()
+        except BaseException as error:  # e.g. Ctrl-C: leave the engine empty for the next call
+            self.engine.fail_all(error)
+            raise
+        finally:
+            if own_bar:
+                bar.close()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return [self._assemble(i, clip, pieces, results) for i, clip in enumerate(clips)]
+
+    def _pieces(self, owner: int, clip: np.ndarray) -> list[_Piece]:
+        ranges = qaudio.split_long_audio(clip, max_seconds=self.max_piece_seconds)
+        min_samples = int(MIN_PIECE_SECONDS * qaudio.SAMPLE_RATE)
+        pieces = []
+        for start, end in ranges:
+            samples = clip[start:end]
+            # a split tail can be a few samples; a whole clip shorter than one mel frame cannot be encoded at all
+            if len(samples) < min_samples and (len(ranges) > 1 or len(samples) < qaudio.HOP_LENGTH):
+                samples = np.pad(samples, (0, min_samples - len(samples)))
+            pieces.append(_Piece(owner, start, end, np.ascontiguousarray(samples, dtype=np.float32)))
+        return pieces
+
+    @staticmethod
+    def _assemble(owner: int, clip: np.ndarray, pieces: list[_Piece], results: list) -> Transcription:
+        mine = [(piece, result) for piece, result in zip(pieces, results) if piece.owner == owner]
+        rate = qaudio.SAMPLE_RATE
+        segments = tuple(Segment(p.start / rate, p.end / rate, r.text) for p, r in mine)
+        return Transcription(
+            text=join_texts([s.text for s in segments]),
+            language=merge_languages([r.language for _, r in mine]),
+            duration=len(clip) / rate,
+            segments=segments,
+        )
+
+
+def _progress_bar(progress, total: float):
+    """(bar or None, whether we own it and must close it)."""
+    if progress is None or progress is False:
+        return None, False
+    if progress is True:
+        from tqdm import tqdm
+
+        layout = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s audio [{elapsed}<{remaining}]"
+        return tqdm(total=round(total, 2), unit="s", desc="transcribing", file=sys.stderr, bar_format=layout), True
+    return progress, False
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# qasr-transcribe
+
+
+PROGRESS_MIN_FILES = 4  # with a TTY on stderr, show the bar for this many files or more ...
+PROGRESS_MIN_SECONDS = 60.0  # ... or this much audio
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qasr-transcribe",
+        description="Transcribe audio files with a Qwen3-ASR model. Prints `FILE: text` per file, or JSON lines.",
+    )
+    parser.add_argument("files", nargs="+", metavar="FILE", help="audio files (wav, flac, ogg, mp3, ...; any rate)")
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help=f"checkpoint directory or Hugging Face id (default: {DEFAULT_MODEL})")
+    parser.add_argument("--language", default=None, help="force the language (e.g. English); default: detect")
+    parser.add_argument("--context", default="", help="context text for the prompt (names, terms, topic)")
+    parser.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu, cuda, cuda:1, ...")
+    parser.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on the CPU), float32, bfloat16, ...")
+    parser.add_argument("--batch-size", type=int, default=32, help="pieces decoded together (default: 32)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="token limit per 30 s piece (default: ample for the piece's length)")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object per file: file, text, language, duration, segments (or file, error)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bar on stderr (default: on for many or long files when stderr is a terminal)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        return _fail(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    from .prompt import UnsupportedLanguageError, normalize_language
+
+    try:
+        if args.language is not None and args.language.strip():
+            args.language = normalize_language(args.language)
+    except UnsupportedLanguageError as error:
+        return _fail(str(error))
+
+    present = [file for file in args.files if Path(file).is_file()]
+    if not present:  # nothing to do: say why per file, without loading the model
+        for file in args.files:
+            reason = "expected an audio file, got a directory" if Path(file).exists() else "audio file not found"
+            _report(args, file, AudioError(f"{reason}: {file}"))
+        return 1
+
+    from .checkpoint import CheckpointError
+
+    try:
+        transcriber = Transcriber.from_pretrained(args.model, device=args.device, dtype=args.dtype,
+                                                  max_batch=args.batch_size, max_new_tokens=args.max_new_tokens)
+    except (CheckpointError, ValueError, OSError) as error:
+        return _fail(f"cannot load model {args.model}: {error}")
+
+    bar = _cli_progress_bar(args.progress, len(present), sum(_duration_hint(file) for file in present))
+    try:
+        failed = _transcribe_files(args, transcriber, bar)
+    except KeyboardInterrupt:
+        _close(bar)
+        print("qasr-transcribe: interrupted", file=sys.stderr)
+        return 130
+    except ValueError as error:  # e.g. a context too long for the engine: the same for every file
+        _close(bar)
+        return _fail(str(error))
+    _close(bar)
+    if failed:
+        print(f"qasr-transcribe: {failed} of {len(args.files)} file(s) failed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _transcribe_files(args, transcriber: Transcriber, bar) -> int:
+    """Transcribe and print args.files in order, a batch's worth of files at a time (memory stays bounded and
+    results appear as they are ready). Returns how many files failed."""
+    failed = 0
+    for start in range(0, len(args.files), args.batch_size):
+        group = args.files[start : start + args.batch_size]
+        outcomes: list = []  # per file: its clip, then its Transcription; or the AudioError that stopped it
+        for file in group:
+            try:
+                outcomes.append(load_input(file))
+            except AudioError as error:
+                outcomes.append(error)
+        clips = [o for o in outcomes if isinstance(o, np.ndarray)]
+        if clips:
+            results = iter(transcriber.transcribe_clips(clips, language=args.language, context=args.context,
+                                                        progress=bar if bar is not None else False))
+            outcomes = [next(results) if isinstance(o, np.ndarray) else o for o in outcomes]
+        for file, outcome in zip(group, outcomes):
+            if isinstance(outcome, AudioError):
+                failed += 1
+                _report(args, file, outcome, bar)
+            else:
+                _print_result(args, file, outcome, bar)
+    return failed
+
+
+def _close(bar) -> None:
+    if bar is not None:
+        bar.close()
+
+
+def _duration_hint(file: str) -> float:
+    """Seconds of audio in `file` from its header (0 when it cannot be read: loading will report why)."""
+    import soundfile
+
+    try:
+        return float(soundfile.info(file).duration)
+    except Exception:
+        return 0.0
+
+
+def _cli_progress_bar(flag: bool | None, num_files: int, total_seconds: float):
+    if flag is None:
+        flag = sys.stderr.isatty() and (num_files >= PROGRESS_MIN_FILES or total_seconds >= PROGRESS_MIN_SECONDS)
+    return _progress_bar(bool(flag), max(total_seconds, 1.0))[0]
+
+
+def _print_result(args, file: str, result: Transcription, bar) -> None:
+    if args.json:
+        line = json.dumps({"file": file, "text": result.text, "language": result.language,
+                           "duration": round(result.duration, 3),
+                           "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text}
+                                        for s in result.segments]}, ensure_ascii=False)
+    else:
+        line = f"{file}: {result.text}"
+    _write(line, sys.stdout, bar)
+
+
+def _report(args, file: str, error: Exception, bar=None) -> None:
+    """A file that failed: one line on stderr (and a JSON object with `error` on stdout in --json mode)."""
+    _write(f"qasr-transcribe: error: {error}", sys.stderr, bar)
+    if args.json:
+        _write(json.dumps({"file": file, "error": str(error)}, ensure_ascii=False), sys.stdout, bar)
+
+
+def _write(line: str, stream, bar) -> None:
+    if bar is not None:
+        bar.write(line, file=stream)  # keeps the bar intact below the line
+    else:
+        print(line, file=stream, flush=True)
+
+
+def _fail(message: str) -> int:
+    print(f"qasr-transcribe: error: {message}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
