@@ -216,6 +216,17 @@ def test_cli_json_with_a_long_file(tiny_model_dir, audio_files, capsys):
     assert "transcribing" in err and "73/73 s audio" in err  # --progress: the bar counts the audio of all files
 
 
+def test_cli_progress_bar_by_default_only_on_a_terminal_for_long_or_many_files(tiny_model_dir, audio_files, capsys,
+                                                                                 monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    assert cli(str(audio_files["a.wav"]), "--model", str(tiny_model_dir)) == 0
+    assert "transcribing" not in capsys.readouterr().err  # one short file: no bar
+    assert cli(str(audio_files["long.wav"]), "--model", str(tiny_model_dir)) == 0
+    assert "transcribing" in capsys.readouterr().err
+    assert cli(str(audio_files["long.wav"]), "--model", str(tiny_model_dir), "--no-progress") == 0
+    assert "transcribing" not in capsys.readouterr().err
+
+
 def test_cli_reports_bad_files_and_goes_on(tiny_model_dir, audio_files, tmp_path, capsys):
     missing = str(tmp_path / "nope.wav")
     files = [str(audio_files["a.wav"]), missing, str(audio_files["garbage.wav"]), str(audio_files["b.flac"])]
