@@ -428,6 +428,7 @@ def _write(line: str, stream, bar) -> None:
 
 
 def _fail(message: str) -> int:
+    message = " ".join(message.split())  # one line, even when a library's message had several
     print(f"qasr-transcribe: error: {message}", file=sys.stderr)
     return 1
 

@@ -248,6 +248,18 @@ def test_cli_missing_model_is_one_line(tmp_path, audio_files, capsys):
     assert "no-such-model" in err
 
 
+def test_cli_hub_id_offline_is_one_line_that_says_how_to_get_it(tmp_path, audio_files, capsys, monkeypatch):
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)  # read at import time: patch the copy too
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert cli(str(audio_files["a.wav"]), "--model", "Qwen/Qwen3-ASR-0.6B") == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "huggingface-cli download Qwen/Qwen3-ASR-0.6B" in err
+    assert "Traceback" not in err
+
+
 def test_cli_only_missing_files_skips_loading_the_model(tmp_path, capsys):
     assert cli(str(tmp_path / "a.wav"), "--model", str(tmp_path / "no-such-model")) == 1
     err = capsys.readouterr().err
