@@ -27,8 +27,8 @@ def main():
     log("loaded", time.perf_counter() - t)
     r = engine.runner
     r._step_fn = torch.compile(r._step, dynamic=True, fullgraph=True)
-    r.buckets = (1, 8, 64, 256)
-    for B in (256, 64, 8, 1):
+    r.buckets = (1, 64)
+    for B in (64, 1):
         t = time.perf_counter()
         r._step_fn(B)
         torch.cuda.synchronize()
@@ -49,7 +49,7 @@ def main():
         log(f"compiled graph step B={B}: {ts[len(ts)//2]:.3f} ms")
     r.positions.fill_(-1)
     clip = speech_like(10.9)
-    for i in range(6):
+    for i in range(3):
         t = time.perf_counter()
         (res,) = engine.transcribe([DecodeRequest(audio=clip, max_new_tokens=40)])
         log(f"bs1 10.9s/40tok: {(time.perf_counter() - t) * 1e3:.1f} ms {res.timings}")

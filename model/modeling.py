@@ -186,20 +186,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class KVCache(nn.Module):
-    """Static per-slot cache: k, v [layers, slots, kv_heads, length, head_dim], length = max_len + 1 rounded up to 16.
+class KVCache:
+    """Static per-slot cache, one k and one v tensor per layer: [slots, kv_heads, length, head_dim] each.
 
-    The positions past max_len are scratch: rows that must not write (padding rows of a graph bucket, padded prompt
-    positions) write to the last one, and no mask ever admits them. The rounding keeps attention masks aligned for
-    the fused SDPA kernels.
+    length = max_len + 1 rounded up to 16. The positions past max_len are scratch: rows that must not write (padding
+    rows of a graph bucket, padded prompt positions) write to the last one, and no mask ever admits them. The
+    rounding keeps attention masks aligned for the fused SDPA kernels. Separate tensors per layer (not one
+    [layers, ...] tensor) so that a compiled step writes each layer's new K/V in place instead of functionalizing a
+    write into a view of the whole cache (measured on the H200: a 100 ms step).
     """
 
     def __init__(self, cfg: TextDecoderConfig, num_slots: int, max_len: int, device=None, dtype=None):
-        super().__init__()
         self.length = _round_up(max_len + 1, 16)
-        shape = (cfg.num_hidden_layers, num_slots, cfg.num_key_value_heads, self.length, cfg.head_dim)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        shape = (num_slots, cfg.num_key_value_heads, self.length, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
 

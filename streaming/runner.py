@@ -148,5 +148,5 @@ class ModelRunner:
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst` (all layers)."""
         if length > 0:
-            self.cache.k[:, dst, :, :length] = self.cache.k[:, src, :, :length]
-            self.cache.v[:, dst, :, :length] = self.cache.v[:, src, :, :length]
+            for layer in (*self.cache.k, *self.cache.v):
+                layer[dst, :, :length] = layer[src, :, :length]
