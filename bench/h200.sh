@@ -13,5 +13,5 @@ for size in ${SIZES:-0.6B 1.7B}; do
   extra=""
   [ "$size" = "1.7B" ] && extra="--independence-requests 24 --eager-requests 6"
   python3 -m qasr.bench.cli offline --size "$size" --official --out "$out/offline-$size.json" $extra "$@" 2>&1 \
-    | grep -v "pad_token_id" | tee "$out/offline-$size.log"
+    | grep --line-buffered -v "pad_token_id" | tee "$out/offline-$size.log"
 done

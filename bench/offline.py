@@ -265,8 +265,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-runs", type=int, default=50)
     p.add_argument("--independence-requests", type=int, default=200)
     p.add_argument("--eager-requests", type=int, default=40)
-    p.add_argument("--no-compile", dest="compile", action="store_false", default=None,
-                   help="skip torch.compile (on by default on a GPU)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the engine's steps (opt-in)")
     p.add_argument("--official", action="store_true", help="time the official qwen-asr backend in the same run")
     p.add_argument("--official-batch", type=int, default=128)
     p.add_argument("--official-clips", type=int, default=512)

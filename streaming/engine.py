@@ -43,7 +43,8 @@ class EngineOptions:
     max_audio_seconds: float = 60.0  # longest audio one request may carry
     tokens_per_second: float = 12.0  # default token budget: 24 + this x audio seconds (speech is ~3-5 tok/s)
     cuda_graphs: bool | None = None  # None: on a CUDA device
-    compile: bool | None = None  # torch.compile decode step, prefill and encoder (None: on a CUDA device)
+    compile: bool = False  # torch.compile decode step, prefill and encoder (opt-in: not yet measured faster, see
+    # docs/benchmarks.md; compiling takes minutes)
     repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
     ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
 
@@ -67,7 +68,7 @@ class Engine:
             num_retained=options.num_retained,
             eos_ids=self.eos_ids,
             cuda_graphs=options.cuda_graphs,
-            compile=model.device.type == "cuda" if options.compile is None else options.compile,
+            compile=options.compile,
         )
         self.scheduler = Scheduler()
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
