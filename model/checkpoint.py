@@ -172,13 +172,17 @@ def load_weights(model: Qwen3ASR, files: list[Path], layout: str) -> None:
                     continue
                 dest.copy_(tensor)
                 filled.add(target)
-    tied = model.cfg.text.tie_word_embeddings and ("decoder.lm_head.weight", None) not in filled
-    if tied and ("decoder.embed_tokens.weight", None) in filled:
-        model.decoder.lm_head.weight = model.decoder.embed_tokens.weight
+    problems = []
+    # Tied (text_config.tie_word_embeddings, as the official model reads it): lm_head is the embedding. A saved
+    # lm_head that differs would be discarded by the official loader; we refuse it rather than guess.
+    dec = model.decoder
+    if model.cfg.text.tie_word_embeddings and ("decoder.embed_tokens.weight", None) in filled:
+        if ("decoder.lm_head.weight", None) in filled and not torch.equal(dec.lm_head.weight, dec.embed_tokens.weight):
+            problems.append("config ties lm_head to embed_tokens but the checkpoint's lm_head differs from it")
+        dec.lm_head.weight = dec.embed_tokens.weight
         filled.add(("decoder.lm_head.weight", None))
     expected = {(p, s) for p in params for s in (range(len(fused_sizes[p])) if p in fused_sizes else [None])}
     missing = sorted(f"{p}" + (f"[shard {s}]" if s is not None else "") for p, s in expected - filled)
-    problems = []
     if unknown:
         problems.append(f"{len(unknown)} unexpected tensor(s): {', '.join(sorted(unknown)[:20])}")
     if bad_shape:

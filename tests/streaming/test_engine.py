@@ -1,0 +1,217 @@
+"""The engine's logic on the CPU (eager, no graphs): slots, buckets, EOS and budgets, continuous batching, row
+correctness, cancellation, superseding, validation, and the asyncio face."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from qasr.streaming.engine import AsyncEngine, Engine, EngineOptions
+from qasr.streaming.request import DecodeRequest, EngineClosed, Priority, Superseded
+
+SR = 16000
+
+
+def speech(seconds: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    n = int(seconds * SR)
+    t = np.arange(n) / SR
+    f0 = rng.uniform(100, 250)
+    voiced = sum(np.sin(2 * np.pi * f0 * k * t + rng.uniform(0, 6)) / k for k in range(1, 5))
+    envelope = (np.sin(2 * np.pi * rng.uniform(2, 4) * t) > -0.3).astype(np.float64)
+    return (0.2 * voiced * envelope + 0.01 * rng.standard_normal(n)).astype(np.float32)
+
+
+def make_engine(model_dir, **kw) -> Engine:
+    opts = dict(num_slots=4, max_len=256, num_retained=2)
+    opts.update(kw)
+    return Engine.from_pretrained(str(model_dir), device="cpu", options=EngineOptions(**opts))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> Engine:
+    return make_engine(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def alone(engine):
+    """Tokens of each test clip decoded alone (batch of one), the reference for batching tests."""
+    clips = [speech(s, seed=i) for i, s in enumerate([0.4, 1.3, 2.2, 3.1, 4.0, 1.7, 0.9, 2.8])]
+    budgets = [6, 12, 9, 15, 7, 11, 14, 5]
+    out = [engine.transcribe([DecodeRequest(audio=c, max_new_tokens=b)])[0] for c, b in zip(clips, budgets)]
+    return clips, budgets, out
+
+
+def assert_idle(engine: Engine):
+    assert not engine.running
+    assert sorted(engine._free_slots) == list(range(engine.options.num_slots))
+    assert (engine.runner.positions == -1).all()
+
+
+def test_budget_is_exact_without_eos(alone):
+    _, budgets, out = alone
+    for b, r in zip(budgets, out):
+        assert len(r.token_ids) == b and r.finish_reason == "length"
+        assert r.num_audio_tokens > 0 and r.timings["prefill_ms"] >= 0
+
+
+def test_more_requests_than_slots_all_finish_and_slots_return(engine, alone):
+    clips, budgets, out = alone
+    reqs = [DecodeRequest(audio=c, max_new_tokens=b) for c, b in zip(clips, budgets)]  # 8 requests, 4 slots
+    batched = engine.transcribe(reqs)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in out]
+    assert max(engine.stats_batch_sizes[-20:]) <= engine.options.num_slots
+    assert_idle(engine)
+
+
+def test_requests_joining_mid_flight_get_the_same_tokens(engine, alone):
+    clips, budgets, out = alone
+    results = {}
+    engine.add(DecodeRequest(audio=clips[3], max_new_tokens=budgets[3]), lambda r: results.__setitem__(3, r))
+    for _ in range(4):  # clip 3 is decoding when the others arrive
+        engine.step()
+    assert engine.running
+    for i in (0, 1, 2):
+        engine.add(DecodeRequest(audio=clips[i], max_new_tokens=budgets[i]), lambda r, i=i: results.__setitem__(i, r))
+        engine.step()
+    engine.run_until_done()
+    for i in (0, 1, 2, 3):
+        assert results[i].token_ids == out[i].token_ids
+    assert_idle(engine)
+
+
+def test_identical_inputs_give_identical_rows(engine):
+    clip = speech(2.5, seed=42)
+    rows = engine.transcribe([DecodeRequest(audio=clip, max_new_tokens=10)] * 4)
+    assert all(r.token_ids == rows[0].token_ids for r in rows)
+    assert len(set(rows[0].token_ids)) > 1  # a real sequence, not a degenerate one
+
+
+def test_eos_stops_a_row_and_is_not_returned(tiny_model_dir, alone):
+    clips, _, out = alone
+    tokens = out[3].token_ids
+    k = next(i for i, t in enumerate(tokens) if t not in tokens[:i] and i >= 3)
+    eng = make_engine(tiny_model_dir)
+    eng.eos_ids = (tokens[k],)  # pretend that token is EOS, on the host and on the device
+    eng.runner.eos = torch.tensor([tokens[k]])
+    (r,) = eng.transcribe([DecodeRequest(audio=clips[3], max_new_tokens=15)])
+    assert r.finish_reason == "eos" and r.token_ids == tokens[:k]
+    assert_idle(eng)
+
+
+def test_padding_rows_write_no_kv(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, num_slots=4)
+    runner = eng.runner
+    # slot 3 idle: poison its cache rows and check a decode over the bucket of 4 leaves them untouched
+    for layer in (*runner.cache.k, *runner.cache.v):
+        layer[3].fill_(7.0)
+    results = []
+    for i in range(3):
+        eng.add(DecodeRequest(audio=speech(1.0, seed=i), max_new_tokens=6), results.append)
+    eng.step()  # admits 3 sequences into slots 0-2
+    assert sorted(eng.running) == [0, 1, 2]
+    assert runner.bucket_for(3) == 4  # the step runs slot 3 as a padding row
+    eng.run_until_done()
+    assert len(results) == 3
+    for layer in (*runner.cache.k, *runner.cache.v):
+        assert (layer[3, :, : runner.cache.max_len] == 7.0).all()
+
+
+def test_buckets():
+    from qasr.streaming.runner import DEFAULT_BUCKETS
+
+    assert DEFAULT_BUCKETS[0] == 1 and list(DEFAULT_BUCKETS) == sorted(DEFAULT_BUCKETS)
+
+
+def test_cancelled_running_sequence_frees_its_slot(engine):
+    got = []
+    seq = engine.add(DecodeRequest(audio=speech(2.0, seed=5), max_new_tokens=40), got.append)
+    engine.step()
+    assert seq.slot in engine.running
+    seq.cancelled = True
+    engine.step()
+    assert len(got) == 1 and isinstance(got[0], asyncio.CancelledError)
+    assert_idle(engine)
+
+
+def test_newer_partial_supersedes_queued_one_and_finals_go_first(engine):
+    got = {}
+    a = DecodeRequest(audio=speech(1.0, seed=1), priority=Priority.PARTIAL, stream_id="s/0", max_new_tokens=3)
+    b = DecodeRequest(audio=speech(1.5, seed=1), priority=Priority.PARTIAL, stream_id="s/0", max_new_tokens=3)
+    f = DecodeRequest(audio=speech(1.0, seed=2), priority=Priority.FINAL, max_new_tokens=3)
+    engine.add(a, lambda r: got.__setitem__("a", r))
+    engine.add(b, lambda r: got.__setitem__("b", r))
+    engine.add(f, lambda r: got.__setitem__("f", r))
+    assert isinstance(got["a"], Superseded)
+    taken = engine.scheduler.take(1, 10**6, lambda s: 1)
+    assert taken[0].request is f  # the final is admitted before the earlier-queued partial
+    taken[0].finish(RuntimeError("test drop"))
+    engine.run_until_done()
+    assert got["b"].token_ids and len(got["b"].token_ids) == 3
+    engine.release_stream("s/0")
+    engine.step()
+    assert engine.streams.peek("s/0") is None
+
+
+@pytest.mark.parametrize(
+    "audio, message",
+    [
+        (np.full(16000, np.nan, dtype=np.float32), "NaN"),
+        (np.zeros(10, dtype=np.float32), "too short"),
+        (np.zeros((2, 16000), dtype=np.float32), "1-D"),
+    ],
+)
+def test_bad_audio_fails_that_request_only(engine, audio, message):
+    got = []
+    engine.add(DecodeRequest(audio=audio), got.append)
+    assert isinstance(got[0], ValueError) and message in str(got[0])
+    (ok,) = engine.transcribe([DecodeRequest(audio=speech(1.0, seed=9), max_new_tokens=4)])
+    assert len(ok.token_ids) == 4
+
+
+def test_too_long_audio_is_refused(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, max_audio_seconds=2.0)
+    with pytest.raises(ValueError, match="too long"):
+        eng.transcribe([DecodeRequest(audio=speech(3.0, seed=1))])
+
+
+def test_prompt_longer_than_max_len_fails_cleanly(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, max_len=64)
+    with pytest.raises(ValueError, match="max_len"):
+        eng.transcribe([DecodeRequest(audio=speech(8.0, seed=1))])
+    assert_idle(eng)
+
+
+def test_token_repetition_guard(engine):
+    w = engine.options.repetition_window
+    assert engine._repeating([5, 6] * (w // 2))
+    assert engine._repeating(list(range(3)) + [9] * w)
+    assert not engine._repeating(list(range(w)))
+    assert not engine._repeating([1, 2] * 4)  # too short to judge
+
+
+def test_async_engine_results_cancel_and_close(tiny_model_dir):
+    async def scenario():
+        eng = AsyncEngine(make_engine(tiny_model_dir))
+        await eng.start()
+        assert eng.ready
+        results = await asyncio.gather(
+            *(eng.transcribe(DecodeRequest(audio=speech(1.0 + i / 3, seed=i), max_new_tokens=5)) for i in range(6))
+        )
+        assert all(len(r.token_ids) == 5 for r in results)
+        task = asyncio.create_task(eng.transcribe(DecodeRequest(audio=speech(2.0, seed=3), max_new_tokens=200)))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):  # the engine thread frees the slot at its next step
+            if not eng.engine.running:
+                break
+            await asyncio.sleep(0.02)
+        assert not eng.engine.running
+        await eng.close()
+        with pytest.raises(EngineClosed):
+            await eng.transcribe(DecodeRequest(audio=speech(1.0, seed=1)))
+
+    asyncio.run(scenario())
