@@ -18,6 +18,7 @@ import sys
 from qasr.server.app import QasrServer, ServerConfig
 from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits, StreamDefaults
+from qasr.streaming.engine import EngineOptions
 
 log = logging.getLogger("qasr.server")
 
@@ -48,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
                         help="default silence that ends a segment")
     parser.add_argument("--max-segment-s", type=float, default=defaults.max_segment_s,
                         help="longest segment (default and limit); longer speech is cut at its quietest point")
+    engine = EngineOptions()
+    parser.add_argument("--slots", type=int, default=engine.num_slots,
+                        help="sequences the engine decodes together (KV cache slots, the largest CUDA graph)")
+    parser.add_argument("--max-len", type=int, default=engine.max_len,
+                        help="prompt + generated tokens per sequence (a 30 s segment needs ~800)")
+    parser.add_argument("--retained-slots", type=int, default=engine.num_retained,
+                        help="extra KV slots keeping streams' audio prefixes so partials prefill only what is new")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the engine's steps before capturing graphs (slow start; opt-in)")
     parser.add_argument("--web-root", default=None,
                         help="folder with the web page's index.html (default: $QASR_WEB_ROOT, then the web/ "
                              "folder beside the package)")
@@ -73,6 +83,8 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; 1 if the model could not be loaded."""
     from qasr.streaming.engine import AsyncEngine
 
+    options = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=args.retained_slots,
+                            compile=args.compile, max_audio_seconds=max(60.0, args.max_segment_s + 5))
     server = QasrServer(None, config)
     await server.start()
     if config.web_root is None:
@@ -82,7 +94,7 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
         loop.add_signal_handler(signum, lambda: asyncio.ensure_future(server.stop()))
     try:
         loading = asyncio.ensure_future(server.load_engine(
-            lambda: AsyncEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype)))
+            lambda: AsyncEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, options=options)))
         stopped = asyncio.ensure_future(server.wait_stopped())
         await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done() and loading.exception() is not None:
