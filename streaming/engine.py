@@ -78,6 +78,9 @@ class Engine:
         self._released: list[str] = []
         self.stats_batch_sizes: list[int] = []
         self.steps = 0
+        # cumulative work, to measure what partials reuse: prompt positions prefilled vs copied from a retained
+        # prefix, encoder windows computed vs kept from a stream's earlier partial
+        self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0}
 
     @classmethod
     def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
@@ -152,6 +155,7 @@ class Engine:
             "streams_cached": len(self.streams),
             "steps": self.steps,
             "batch_sizes": list(self.stats_batch_sizes[-64:]),
+            "counters": dict(self.counters),
         }
 
     # -- admit: prompt, encoder, prefill -----------------------------------------------------------------------------
@@ -176,6 +180,8 @@ class Engine:
             if start:  # copy the stream's retained prompt + audio KV instead of prefilling it again
                 self.runner.copy_prefix(self.streams.peek(seq.stream_id).retained_slot, slot, start)
         first = self.runner.prefill([e[s:] for e, s in zip(embeds, starts)], slots, starts)
+        self.counters["prefill_tokens"] += sum(e.shape[0] - s for e, s in zip(embeds, starts))
+        self.counters["reused_tokens"] += sum(starts)
         self._retain_prefixes(seqs)
         t2 = time.perf_counter()
         live_slots, live_first, live_pos, live_budget = [], [], [], []
@@ -217,6 +223,8 @@ class Engine:
         clips = enc.embed_clips(tails, tail_flags)
         windows, lengths, owners = enc.pack_windows(clips)
         out = self.runner.encode_windows(windows, lengths)
+        self.counters["encoded_windows"] += len(owners)
+        self.counters["reused_windows"] += sum(reused)
         per_seq: list[list[torch.Tensor]] = [[] for _ in seqs]
         for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
             per_seq[owner].append(out[w, :n])
