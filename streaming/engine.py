@@ -166,11 +166,13 @@ class Engine:
         if not seqs:
             return
         try:
-            embeds, starts = self._encode(seqs)
-        except Exception as e:  # a bad request must not take the batch down: fail them one by one
+            seqs, embeds, starts = self._encode(seqs)
+        except Exception as e:  # the encoder itself failed: nothing of this batch can run
             log.exception("encoding failed for %d sequences", len(seqs))
             for seq in seqs:
                 seq.finish(e)
+            return
+        if not seqs:
             return
         t1 = time.perf_counter()
         slots = [heapq.heappop(self._free_slots) for _ in seqs]
@@ -201,55 +203,71 @@ class Engine:
         frames = qaudio.num_frames(seq.request.audio.size)
         return int(qaudio.num_audio_tokens(frames)) + 32
 
-    def _encode(self, seqs: list[Sequence]) -> tuple[list[torch.Tensor], dict[int, int]]:
+    def _prepare_prompt(self, seq: Sequence, num_audio_tokens: int) -> None:
+        """The sequence's prompt and token budget; ValueError if it cannot fit a slot."""
+        req = seq.request
+        seq.prompt = build_prompt(self.tokenizer, context=req.context, language=req.language,
+                                  num_audio_tokens=num_audio_tokens, text_prefix=req.text_prefix)
+        room = self.options.max_len - seq.prompt.num_tokens
+        if room < 1:
+            raise ValueError(f"the prompt ({seq.prompt.num_tokens} tokens for {req.audio.size / qaudio.SAMPLE_RATE:.1f}"
+                             f" s of audio and the context) does not fit the engine's max_len {self.options.max_len}")
+        seconds = req.audio.size / qaudio.SAMPLE_RATE
+        default_budget = 24 + math.ceil(self.options.tokens_per_second * seconds)
+        seq.budget = max(1, min(room, req.max_new_tokens or default_budget))
+
+    def _encode(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
         """Mel + encoder for the admitted sequences (windows of all of them in one call) -> prompt embeddings.
 
-        Returns each sequence's full prompt embeddings [T, D] and, per seq_id, how many leading positions can be
-        copied from a retained KV prefix instead of prefilled.
+        Returns the sequences that fit (the others are finished with their error), each one's full prompt
+        embeddings [T, D], and how many leading positions can be copied from a retained KV prefix.
         """
         enc = self.model.encoder
         # torch.tensor copies: session audio is a read-only view, and the copy is what crosses to the device anyway
         feats, frames = qaudio.log_mel_batch([torch.tensor(s.request.audio) for s in seqs], device=self.device)
-        frames = frames.tolist()
+        fitting = []
+        for seq, f, mel in zip(seqs, frames.tolist(), feats):
+            try:
+                self._prepare_prompt(seq, int(qaudio.num_audio_tokens(f)))
+            except ValueError as e:  # this request only
+                seq.finish(e)
+                continue
+            fitting.append((seq, f, mel))
+        if not fitting:
+            return [], [], []
         tails, tail_flags, reused = [], [], []
-        for seq, f, mel in zip(seqs, frames, feats):
+        for seq, f, mel in fitting:
             state = self._stream_state(seq)
             # windows wholly inside the audio (plus 2 frames of margin for the STFT's edge) never change
-            whole = max(0, f - 2) // qaudio.WINDOW_FRAMES
-            keep = min(len(state.windows), whole) if state else 0
+            keep = min(len(state.windows), self._whole_windows(f)) if state else 0
             reused.append(keep)
             tails.append(mel[:, keep * qaudio.WINDOW_FRAMES : f])
             tail_flags.append(keep > 0)
-        clips = enc.embed_clips(tails, tail_flags)
-        windows, lengths, owners = enc.pack_windows(clips)
+        windows, lengths, owners = enc.pack_windows(enc.embed_clips(tails, tail_flags))
         out = self.runner.encode_windows(windows, lengths)
         self.counters["encoded_windows"] += len(owners)
         self.counters["reused_windows"] += sum(reused)
-        per_seq: list[list[torch.Tensor]] = [[] for _ in seqs]
+        per_seq: list[list[torch.Tensor]] = [[] for _ in fitting]
         for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
             per_seq[owner].append(out[w, :n])
-        embeds, starts = [], {}
-        for seq, f, keep, new in zip(seqs, frames, reused, per_seq):
+        embeds, starts = [], []
+        for (seq, f, _mel), keep, new in zip(fitting, reused, per_seq):
             state = self._stream_state(seq)
             if state is not None:
-                whole = max(0, f - 2) // qaudio.WINDOW_FRAMES
-                state.windows = state.windows[:keep] + [w for w in new[: whole - keep] if w.shape[0] == enc.cfg.window_tokens]
-                audio = torch.cat(state.windows[:keep] + new)
+                kept = state.windows[:keep]
+                fresh = [w for w in new[: self._whole_windows(f) - keep] if w.shape[0] == enc.cfg.window_tokens]
+                state.windows = kept + fresh
+                audio = torch.cat(kept + new)
             else:
                 audio = torch.cat(new)
-            req = seq.request
-            seq.prompt = build_prompt(self.tokenizer, context=req.context, language=req.language,
-                                      num_audio_tokens=audio.shape[0], text_prefix=req.text_prefix)
-            room = self.options.max_len - seq.prompt.num_tokens
-            if room < 1:
-                raise ValueError(f"prompt of {seq.prompt.num_tokens} tokens does not fit max_len {self.options.max_len}")
-            seconds = req.audio.size / qaudio.SAMPLE_RATE
-            default_budget = 24 + math.ceil(self.options.tokens_per_second * seconds)
-            seq.budget = max(1, min(room, req.max_new_tokens or default_budget))
             ids = torch.tensor(seq.prompt.input_ids, device=self.device)
             embeds.append(self.model.embed_prompt(ids, audio, seq.prompt.audio_offset))
-            starts[seq.seq_id] = self._reusable_positions(seq, keep)
-        return embeds, [starts[s.seq_id] for s in seqs]
+            starts.append(self._reusable_positions(seq, keep))
+        return [seq for seq, _, _ in fitting], embeds, starts
+
+    @staticmethod
+    def _whole_windows(frames: int) -> int:
+        return max(0, frames - 2) // qaudio.WINDOW_FRAMES
 
     def _stream_state(self, seq: Sequence):
         """Partials of a stream share cached state; finals never read it (they must equal offline decoding)."""
@@ -323,7 +341,7 @@ class Engine:
         req = seq.request
         raw = req.text_prefix + self.tokenizer.decode(seq.generated)
         language, text = parse_output(raw, seq.prompt.language)
-        seq.timings["decode_ms"] = (time.perf_counter() - getattr(seq, "t_decode", time.perf_counter())) * 1e3
+        seq.timings["decode_ms"] = (time.perf_counter() - seq.t_decode) * 1e3
         seq.finish(DecodeResult(text=text, language=language, raw_text=raw, token_ids=tuple(seq.generated),
                                 finish_reason=reason, num_audio_tokens=seq.prompt.num_audio_tokens,
                                 timings=dict(seq.timings)))

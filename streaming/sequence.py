@@ -34,6 +34,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     finish_reason: str = ""
     t_submit: float = field(default_factory=time.perf_counter)
+    t_decode: float = 0.0  # when its first token was made (end of prefill)
     timings: dict[str, float] = field(default_factory=dict)
 
     @property

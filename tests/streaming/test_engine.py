@@ -215,3 +215,16 @@ def test_async_engine_results_cancel_and_close(tiny_model_dir):
             await eng.transcribe(DecodeRequest(audio=speech(1.0, seed=1)))
 
     asyncio.run(scenario())
+
+
+def test_a_request_that_cannot_fit_fails_alone_in_its_batch(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, max_len=128)
+    got = {}
+    eng.add(DecodeRequest(audio=speech(10.0, seed=1)), lambda r: got.__setitem__("long", r))  # 130 audio tokens
+    eng.add(DecodeRequest(audio=speech(1.0, seed=2), language="Klingon"), lambda r: got.__setitem__("lang", r))
+    eng.add(DecodeRequest(audio=speech(1.0, seed=3), max_new_tokens=4), lambda r: got.__setitem__("ok", r))
+    eng.run_until_done()
+    assert isinstance(got["long"], ValueError) and "max_len" in str(got["long"])
+    assert isinstance(got["lang"], ValueError) and "Klingon" in str(got["lang"])
+    assert len(got["ok"].token_ids) == 4
+    assert_idle(eng)
