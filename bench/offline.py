@@ -73,7 +73,8 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     clip = speech_like(args.clip_seconds, seed=1)
     opts = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
-                         repetition_window=0, compile=args.compile, max_prefill_tokens=args.prefill_tokens)
+                         repetition_window=0, compile=args.compile, max_prefill_tokens=args.prefill_tokens,
+                         quantize=args.quantize)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
@@ -266,6 +267,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--independence-requests", type=int, default=200)
     p.add_argument("--eager-requests", type=int, default=40)
     p.add_argument("--compile", action="store_true", help="torch.compile the engine's steps (opt-in)")
+    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only decoder (opt-in)")
     p.add_argument("--official", action="store_true", help="time the official qwen-asr backend in the same run")
     p.add_argument("--official-batch", type=int, default=128)
     p.add_argument("--official-clips", type=int, default=512)

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt + generated tokens per sequence (a 30 s segment needs ~800)")
     parser.add_argument("--retained-slots", type=int, default=engine.num_retained,
                         help="extra KV slots keeping streams' audio prefixes so partials prefill only what is new")
+    parser.add_argument("--quantize", choices=["int8"], default=None,
+                        help="weight-only int8 decoder projections (opt-in; transcripts can differ slightly)")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the engine's steps before capturing graphs (slow start; opt-in)")
     parser.add_argument("--web-root", default=None,
@@ -84,7 +86,7 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     from qasr.streaming.engine import AsyncEngine
 
     options = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=args.retained_slots,
-                            compile=args.compile, max_audio_seconds=max(60.0, args.max_segment_s + 5))
+                            compile=args.compile, quantize=args.quantize, max_audio_seconds=max(60.0, args.max_segment_s + 5))
     server = QasrServer(None, config)
     await server.start()
     if config.web_root is None:

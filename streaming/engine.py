@@ -23,6 +23,7 @@ from qasr.model import audio as qaudio
 from qasr.model.checkpoint import load_model, resolve_model_dir
 from qasr.model.modeling import Qwen3ASR
 from qasr.model.prompt import build_prompt, parse_output
+from qasr.model.quantize import quantize_decoder_int8
 from qasr.model.tokenizer import Tokenizer
 
 from .request import DecodeRequest, DecodeResult, EngineClosed, Priority
@@ -47,10 +48,13 @@ class EngineOptions:
     # docs/benchmarks.md; compiling takes minutes)
     repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
     ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
+    quantize: str | None = None  # "int8": weight-only int8 decoder projections (opt-in; see model/quantize.py)
 
     def __post_init__(self):
         if self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1:
             raise ValueError(f"invalid engine options: {self}")
+        if self.quantize not in (None, "int8"):
+            raise ValueError(f"quantize must be None or 'int8', got {self.quantize!r}")
 
 
 class Engine:
@@ -85,8 +89,10 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
         model_dir = resolve_model_dir(model)
-        return cls(load_model(model_dir, device=device, dtype=dtype), Tokenizer.from_pretrained(model_dir), options,
-                   name=str(model))
+        qwen = load_model(model_dir, device=device, dtype=dtype)
+        if options.quantize == "int8":
+            quantize_decoder_int8(qwen)
+        return cls(qwen, Tokenizer.from_pretrained(model_dir), options, name=str(model))
 
     # -- submitting ------------------------------------------------------------------------------------------------
 
