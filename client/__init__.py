@@ -1,1 +1,27 @@
-"""qasr.client"""
+"""qasr.client: stream audio to a qasr server and receive its transcripts.
+
+    from qasr.client import Final, file_source, stream_audio
+
+    async for event in stream_audio("ws://127.0.0.1:8765/v1/stream", file_source("talk.wav")):
+        if isinstance(event, Final):
+            print(f"[{event.start:.2f}-{event.end:.2f}] {event.text}")
+
+Events are the server's (`Ready`, `SpeechStarted`, `Partial`, `Final`, `Error`, `Summary`, from
+`qasr.streaming.events`) plus the client's own `Reconnecting`. The wire format lives in `qasr.client.protocol`,
+errors in `qasr.client.errors`. `qasr-mic` (qasr.client.mic) is the terminal client built on this.
+"""
+
+from qasr.client.errors import (AudioSourceError, ClientError, ConnectionLost, ProtocolMismatch, ServerUnreachable,
+                                StreamClosed)
+from qasr.client.protocol import StreamOptions
+from qasr.client.sources import (FileSource, InputDevice, MicrophoneSource, file_source, list_input_devices,
+                                 microphone_source)
+from qasr.client.stream import AudioStream, Reconnecting, StreamClient, StreamEvent, stream_audio
+from qasr.streaming.events import Error, Final, Partial, Ready, SpeechStarted, Summary
+
+__all__ = [
+    "stream_audio", "AudioStream", "StreamClient", "StreamOptions", "StreamEvent",
+    "file_source", "microphone_source", "list_input_devices", "FileSource", "MicrophoneSource", "InputDevice",
+    "Ready", "SpeechStarted", "Partial", "Final", "Error", "Summary", "Reconnecting",
+    "ClientError", "ServerUnreachable", "StreamClosed", "ConnectionLost", "ProtocolMismatch", "AudioSourceError",
+]

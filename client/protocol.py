@@ -1,0 +1,106 @@
+"""The native protocol as the client speaks it (docs/protocol.md), sans-I/O: the one place that knows the wire.
+
+`StreamOptions` becomes the `start` message; `encode_audio` turns numpy chunks into binary PCM frames;
+`END`/`FLUSH` are the control messages; `parse_event` turns a server frame (JSON text or msgpack binary) into the
+typed events of `qasr.streaming.events`. Nothing here touches a socket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Mapping
+
+import msgpack
+import numpy as np
+
+from qasr.client.errors import ProtocolMismatch
+from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary
+
+ENCODINGS = {"s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}  # wire encoding -> sample dtype
+FORMATS = ("json", "msgpack")
+EVENT_TYPES = {cls.TYPE: cls for cls in (Ready, SpeechStarted, Partial, Final, Error, Summary)}
+
+END = json.dumps({"type": "end"})
+FLUSH = json.dumps({"type": "flush"})
+
+
+@dataclass(frozen=True)
+class StreamOptions:
+    """What the client asks for in `start`; None leaves a setting to the server's default."""
+
+    sample_rate: int = 16000  # Hz of the audio sent
+    encoding: str = "s16le"  # on the wire: "s16le" (half the bytes) or "f32le"
+    channels: int = 1  # interleaved; the server averages them to mono
+    language: str | None = None  # e.g. "English"; None: the model detects it
+    context: str = ""  # names, topic, spellings the model should prefer
+    format: str = "json"  # how events come back: "json" text frames or "msgpack" binary frames
+    partials: bool = True  # send hypotheses while a segment grows
+    partial_interval_ms: int | None = None  # new speech between partials (server default: 1000)
+    vad: Mapping[str, float] | None = None  # {"end_silence_ms": 500, "aggressiveness": 2, ...}
+
+    def __post_init__(self):
+        if isinstance(self.sample_rate, bool) or not isinstance(self.sample_rate, int) or self.sample_rate <= 0:
+            raise ValueError(f"sample_rate must be a positive integer number of Hz, got {self.sample_rate!r}")
+        if self.encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {self.encoding!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        if isinstance(self.channels, bool) or not isinstance(self.channels, int) or self.channels < 1:
+            raise ValueError(f"channels must be a positive integer, got {self.channels!r}")
+
+
+def start_message(options: StreamOptions) -> str:
+    """The `start` text frame for `options` (server defaults wherever an option is None)."""
+    message = {"type": "start", "sample_rate": options.sample_rate, "encoding": options.encoding,
+               "channels": options.channels, "language": options.language, "context": options.context,
+               "format": options.format, "partials": options.partials}
+    if options.partial_interval_ms is not None:
+        message["partial_interval_ms"] = options.partial_interval_ms
+    if options.vad:
+        message["vad"] = dict(options.vad)
+    return json.dumps(message, ensure_ascii=False)
+
+
+def encode_audio(chunk: np.ndarray, options: StreamOptions) -> bytes:
+    """One binary audio frame. chunk: [n] (interleaved if several channels) or [n, channels]; float in [-1, 1]
+    or int16. Floats are clipped; s16le rounds to the nearest step."""
+    chunk = np.asarray(chunk)
+    if chunk.ndim == 2 and chunk.shape[1] != options.channels:
+        raise ValueError(f"audio chunk has {chunk.shape[1]} channels, the stream was started with {options.channels}")
+    if chunk.ndim > 2:
+        raise ValueError(f"audio chunks are [samples] or [samples, channels], got shape {chunk.shape}")
+    if chunk.size % options.channels:
+        raise ValueError(f"an interleaved chunk of {chunk.size} samples does not split into {options.channels} "
+                         "channels")
+    if chunk.dtype == np.int16:
+        if options.encoding == "s16le":
+            return chunk.astype("<i2", copy=False).tobytes()
+        chunk = chunk.astype(np.float32) / np.float32(32768.0)
+    elif not np.issubdtype(chunk.dtype, np.floating):
+        raise ValueError(f"audio chunks must be float or int16 samples, got {chunk.dtype}")
+    chunk = np.clip(chunk, -1.0, 1.0)
+    if options.encoding == "f32le":
+        return chunk.astype("<f4", copy=False).tobytes()
+    return np.round(chunk * 32767.0).astype("<i2").tobytes()
+
+
+def parse_event(frame: str | bytes) -> ServerEvent | None:
+    """The event in a server frame; None for an event type this client does not know (newer servers may add
+    some). Unknown fields are ignored. Raises ProtocolMismatch for a frame that is not a qasr event."""
+    try:
+        payload = json.loads(frame) if isinstance(frame, str) else msgpack.unpackb(frame, raw=False)
+    except (ValueError, msgpack.UnpackException) as error:
+        raise ProtocolMismatch(f"the server sent a frame that is neither JSON nor msgpack: {error}") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("type"), str):
+        raise ProtocolMismatch(f"the server sent a frame without an event type: {str(payload)[:200]}")
+    event_type = EVENT_TYPES.get(payload["type"])
+    if event_type is None:
+        return None
+    known = {field.name for field in dataclasses.fields(event_type)}
+    try:
+        return event_type(**{name: value for name, value in payload.items() if name in known})
+    except TypeError as error:  # a field is missing
+        raise ProtocolMismatch(f"the server's {payload['type']!r} event is not what this client expects: "
+                               f"{error}") from None

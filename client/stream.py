@@ -1,0 +1,391 @@
+"""Streaming audio to a qasr server and reading its events, with asyncio.
+
+Two levels:
+
+`stream_audio(url, source, ...)` pumps an audio source (an async iterable of numpy chunks: `file_source`,
+`microphone_source`, or your own) into one stream and yields its events; `stop()` ends it cleanly::
+
+    stream = stream_audio("ws://127.0.0.1:8765/v1/stream", file_source("talk.wav"), language="English")
+    async for event in stream:            # Ready, SpeechStarted, Partial..., Final, ..., Summary
+        if isinstance(event, Final):
+            print(f"[{event.start:.2f}-{event.end:.2f}] {event.text}")
+    # stream.stop() (e.g. from a signal handler): send `end`, still receive every final and the summary
+
+`StreamClient` is one connection driven by hand (connect, send_audio, flush, end, events), for code that already
+has its own audio loop.
+
+Ending: after the source runs out (or `stop()`), the client sends `end`, receives the remaining finals and the
+summary, and the server closes with 1000; the iteration then simply finishes. Any other ending raises a
+`StreamClosed` (`ConnectionLost` when the connection just dropped) after every event that did arrive was yielded.
+With `reconnect=N`, a stream the server dropped mid-way (restart, 1001/1006/1013) is reopened up to N times in a
+row; the source carries on, and times and segment ids continue from where the last connection stopped (the
+segment open when a connection was lost without finals is lost with it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import socket
+from dataclasses import dataclass
+from typing import AsyncIterable, AsyncIterator, ClassVar, Mapping, Union
+
+import numpy as np
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
+
+from qasr.client.errors import NORMAL_CLOSURE, ClientError, ConnectionLost, ServerUnreachable, StreamClosed
+from qasr.client.protocol import END, FLUSH, StreamOptions, encode_audio, parse_event, start_message
+from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary
+
+
+@dataclass(frozen=True)
+class Reconnecting:
+    """Client-side event: the connection ended early and a new stream is about to be opened."""
+
+    TYPE: ClassVar[str] = "reconnecting"
+    attempt: int  # 1..max_attempts, counted since the last successful connection
+    max_attempts: int
+    delay_s: float  # wait before this attempt
+    reason: str  # why the previous connection ended
+
+
+StreamEvent = Union[ServerEvent, Reconnecting]
+
+
+class StreamClient:
+    """One stream over one WebSocket connection.
+
+        async with StreamClient(url, StreamOptions(sample_rate=16000)) as client:   # connects, sends start
+            ... await client.send_audio(chunk) ...; await client.end()
+            async for event in client.events(): ...                                   # until the server closes
+    """
+
+    def __init__(self, url: str, options: StreamOptions = StreamOptions(), *, open_timeout_s: float = 10.0,
+                 close_timeout_s: float = 10.0):
+        if not url.startswith(("ws://", "wss://")):
+            raise ValueError(f"the server URL must start with ws:// or wss://, got {url!r} "
+                             "(e.g. ws://127.0.0.1:8765/v1/stream)")
+        self.url = url
+        self.options = options
+        self.open_timeout_s = open_timeout_s
+        self.close_timeout_s = close_timeout_s
+        self.ready: Ready | None = None  # once connected
+        self.summary: Summary | None = None  # once received
+        self.samples_sent = 0  # per channel
+        self.ended = False  # `end` was sent
+        self._websocket: ClientConnection | None = None
+        self._fatal_error: Error | None = None  # the error event the server sent before closing
+        self._closed_by_us = False
+
+    async def __aenter__(self) -> "StreamClient":
+        await self.connect()
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    async def connect(self) -> Ready:
+        """Open the connection, send `start`, wait for `ready`. Raises ServerUnreachable, or StreamClosed when the
+        server turns the stream away (full, loading, an option it cannot take)."""
+        try:
+            self._websocket = await connect(self.url, open_timeout=self.open_timeout_s, max_size=None,
+                                            close_timeout=self.close_timeout_s)
+        except InvalidURI as error:
+            raise ValueError(f"not a valid WebSocket URL: {self.url!r} ({error})") from None
+        except InvalidStatus as error:
+            status = error.response.status_code
+            raise ServerUnreachable(f"{self.url} answered HTTP {status} instead of a WebSocket: is this a qasr "
+                                    "server's stream path (/v1/stream)?") from None
+        except (OSError, asyncio.TimeoutError, TimeoutError, InvalidHandshake) as error:
+            raise ServerUnreachable(f"cannot reach a qasr server at {self.url}: {_why_unreachable(error, self)}; "
+                                    "is qasr-server running there?") from None
+        try:
+            with contextlib.suppress(ConnectionClosed):  # turned away at once (full, loading): the reason is
+                await self._websocket.send(start_message(self.options))  # in the frames received, read below
+            await asyncio.wait_for(self._receive_ready(), self.open_timeout_s)
+        except ConnectionClosed as closed:
+            raise self._close_error(closed) or StreamClosed(NORMAL_CLOSURE, "closed before ready") from None
+        except asyncio.TimeoutError:
+            await self._websocket.close()
+            raise ServerUnreachable(f"{self.url} accepted the connection but sent no `ready` within "
+                                    f"{self.open_timeout_s:g} s") from None
+        except BaseException:
+            await self._websocket.close()
+            raise
+        return self.ready
+
+    async def _receive_ready(self) -> None:
+        while self.ready is None:
+            event = parse_event(await self._websocket.recv())
+            if isinstance(event, Error) and event.fatal:
+                self._fatal_error = event  # server_full, not_ready, unsupported: the close follows
+            elif isinstance(event, Ready):
+                self.ready = event
+
+    async def send_audio(self, chunk: np.ndarray) -> None:
+        """Send one chunk ([n] or [n, channels], float in [-1, 1] or int16). Raises StreamClosed once closed."""
+        frame = encode_audio(chunk, self.options)
+        await self._send(frame)
+        self.samples_sent += len(frame) // (_bytes_per_sample(self.options) * self.options.channels)
+
+    async def flush(self) -> None:
+        """Close the open segment now (push-to-talk release); its final follows, the stream goes on."""
+        await self._send(FLUSH)
+
+    async def end(self) -> None:
+        """No more audio: the remaining finals, then the summary, then the server closes with 1000."""
+        if not self.ended:
+            self.ended = True
+            await self._send(END)
+
+    async def events(self) -> AsyncIterator[ServerEvent]:
+        """Events until the server closes. Returns after a normal end (1000, or any close once `end` was answered
+        with the summary); raises StreamClosed/ConnectionLost otherwise, after yielding every event received."""
+        websocket = self._connected()
+        try:
+            while True:
+                event = parse_event(await websocket.recv())
+                if event is None:
+                    continue
+                if isinstance(event, Error) and event.fatal:
+                    self._fatal_error = event
+                elif isinstance(event, Summary):
+                    self.summary = event
+                yield event
+        except ConnectionClosed as closed:
+            error = self._close_error(closed)
+            if error is not None:
+                raise error from None
+
+    @property
+    def complete(self) -> bool:
+        """The client ended the stream and the server answered with its summary: nothing more can arrive."""
+        return self.ended and self.summary is not None
+
+    async def close(self) -> None:
+        """Close the connection (1000). Without `end` first, the server drops what it has not finalised."""
+        if self._websocket is not None:
+            self._closed_by_us = True
+            await self._websocket.close()
+
+    # -- internals -------------------------------------------------------------------------------------------
+
+    def _connected(self) -> ClientConnection:
+        if self._websocket is None:
+            raise RuntimeError("StreamClient is not connected: call connect() (or use `async with`) first")
+        return self._websocket
+
+    async def _send(self, message: str | bytes) -> None:
+        try:
+            await self._connected().send(message)
+        except ConnectionClosed as closed:
+            raise self._close_error(closed) or StreamClosed(NORMAL_CLOSURE, "the stream has ended") from None
+
+    def _close_error(self, closed: ConnectionClosed) -> StreamClosed | None:
+        """The exception for how the connection closed; None for a normal end."""
+        if closed.rcvd is None:
+            return None if self._closed_by_us else ConnectionLost("no close frame from the server")
+        if closed.rcvd.code == NORMAL_CLOSURE or self.complete:
+            return None
+        return StreamClosed(closed.rcvd.code, closed.rcvd.reason, self._fatal_error)
+
+
+
+class AudioStream:
+    """An audio source streamed to the server; iterate it for the events. See the module docstring."""
+
+    def __init__(self, url: str, source: AsyncIterable[np.ndarray], options: StreamOptions, *, reconnect: int = 0,
+                 reconnect_delay_s: float = 1.0, open_timeout_s: float = 10.0):
+        if reconnect < 0:
+            raise ValueError(f"reconnect must be >= 0 (attempts in a row), got {reconnect}")
+        self.url = url
+        self.source = source
+        self.options = options
+        self.reconnect = reconnect
+        self.reconnect_delay_s = reconnect_delay_s
+        self.open_timeout_s = open_timeout_s
+        self.client: StreamClient | None = None  # the current connection
+        self._stopping = asyncio.Event()
+        self._chunks: AsyncIterator[np.ndarray] | None = None
+        self._next_chunk_task: asyncio.Task | None = None  # survives a reconnect: no chunk is pulled twice
+        self._unsent: np.ndarray | None = None  # a chunk whose send failed: the next connection sends it first
+        self._source_error: BaseException | None = None
+        self._source_done = False  # the source ran out (or failed): `end` goes out after the last chunk
+        self._iterating = False
+
+    def stop(self) -> None:
+        """End the stream: stop reading the source, send `end`; the remaining finals and the summary still
+        arrive. Safe to call from a signal handler on the event loop, and more than once."""
+        self._stopping.set()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def __aiter__(self) -> AsyncIterator[StreamEvent]:
+        if self._iterating:
+            raise RuntimeError("an AudioStream can be iterated once")
+        self._iterating = True
+        return self._run()
+
+    async def _run(self) -> AsyncIterator[StreamEvent]:
+        self._chunks = aiter(self.source)
+        timeline = _Timeline()
+        attempts = 0
+        try:
+            while True:
+                self.client = StreamClient(self.url, self.options, open_timeout_s=self.open_timeout_s)
+                pump = None
+                try:
+                    yield await self.client.connect()
+                    attempts = 0
+                    pump = asyncio.ensure_future(self._pump(self.client))
+                    async for event in self.client.events():
+                        yield timeline.shift(event)
+                    if self._source_error is not None:
+                        raise self._source_error
+                    return
+                except (ServerUnreachable, StreamClosed) as error:
+                    if not self._may_retry(error, attempts):
+                        raise
+                    attempts += 1
+                    timeline.advance(self.client)
+                    delay = self.reconnect_delay_s * attempts
+                    yield Reconnecting(attempts, self.reconnect, delay, str(error))
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), delay)
+                    if self.stopping:  # stopped while disconnected: nothing left to finalise
+                        raise error
+                finally:
+                    if pump is not None:
+                        pump.cancel()
+                        await asyncio.wait({pump})
+                    await self.client.close()
+        finally:
+            await self._close_source()
+
+    def _may_retry(self, error: ClientError, attempts: int) -> bool:
+        return (error.retryable and attempts < self.reconnect and not self.stopping and not self._source_done
+                and not (self.client is not None and self.client.ended))
+
+    async def _pump(self, client: StreamClient) -> None:
+        """Source -> socket until the source ends or stop(); then `end`. A failing source ends the stream
+        cleanly too (its error is raised after the last final)."""
+        try:
+            while (chunk := await self._next_chunk()) is not None:
+                try:
+                    await client.send_audio(chunk)
+                except StreamClosed:  # the receiving side reports how; keep the chunk for a reconnect
+                    self._unsent = chunk
+                    return
+        except Exception as error:  # the source (or a chunk it produced) failed
+            self._source_error = error
+            self._source_done = True
+        with contextlib.suppress(StreamClosed):
+            await client.end()
+
+    async def _next_chunk(self) -> np.ndarray | None:
+        """The next chunk from the source; None once it ends or stop() was called."""
+        if self._unsent is not None:
+            chunk, self._unsent = self._unsent, None
+            return chunk
+        if self.stopping or self._source_done:
+            return None
+        if self._next_chunk_task is None:
+            self._next_chunk_task = asyncio.ensure_future(anext(self._chunks))
+        stop_wait = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({self._next_chunk_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop_wait.cancel()
+        if not self._next_chunk_task.done():
+            return None  # stopped; the pending read is cancelled when the source is closed
+        task, self._next_chunk_task = self._next_chunk_task, None
+        try:
+            return task.result()
+        except StopAsyncIteration:
+            self._source_done = True
+            return None
+
+    async def _close_source(self) -> None:
+        if self._next_chunk_task is not None and not self._next_chunk_task.done():
+            self._next_chunk_task.cancel()
+            await asyncio.wait({self._next_chunk_task})
+        close = getattr(self._chunks, "aclose", None)
+        if close is not None:
+            with contextlib.suppress(Exception):
+                await close()
+
+
+def stream_audio(url: str, source: AsyncIterable[np.ndarray], *, language: str | None = None, context: str = "",
+                 sample_rate: int | None = None, encoding: str = "s16le", channels: int | None = None,
+                 format: str = "json", partials: bool = True, partial_interval_ms: int | None = None,
+                 vad: Mapping[str, float] | None = None, reconnect: int = 0, reconnect_delay_s: float = 1.0,
+                 open_timeout_s: float = 10.0) -> AudioStream:
+    """Stream `source` to the server at `url`; iterate the result for events (see the module docstring).
+
+    sample_rate/channels: of the source's chunks; None takes the source's own `sample_rate`/`channels`
+    attributes (file_source and microphone_source have them), else 16000 Hz mono. reconnect: how many times in a
+    row to reopen a stream the server dropped (0: raise at once). The other options are the `start` message's.
+    """
+    options = StreamOptions(sample_rate=sample_rate or getattr(source, "sample_rate", 16000),
+                            channels=channels or getattr(source, "channels", 1), encoding=encoding,
+                            language=language, context=context, format=format, partials=partials,
+                            partial_interval_ms=partial_interval_ms, vad=vad)
+    return AudioStream(url, source, options, reconnect=reconnect, reconnect_delay_s=reconnect_delay_s,
+                       open_timeout_s=open_timeout_s)
+
+
+class _Timeline:
+    """Keeps times, segment ids and the summary continuous across reconnections: each new server stream starts
+    at 0, so its events are shifted by what the earlier connections covered."""
+
+    def __init__(self):
+        self.offset_s = 0.0  # audio sent on earlier connections
+        self.segment_offset = 0  # segments those connections opened
+        self.speech_s = 0.0  # speech finalised on them
+        self._next_segment = 0  # on the current connection
+        self._speech_now = 0.0
+
+    def advance(self, client: StreamClient) -> None:
+        """A connection ended early: the next one continues after it."""
+        if client.ready is not None:
+            self.offset_s += client.samples_sent / client.options.sample_rate
+        self.segment_offset += self._next_segment
+        self.speech_s += self._speech_now
+        self._next_segment, self._speech_now = 0, 0.0
+
+    def shift(self, event: ServerEvent) -> ServerEvent:
+        if isinstance(event, (SpeechStarted, Partial, Final)):
+            self._next_segment = max(self._next_segment, event.segment_id + 1)
+            if isinstance(event, Final):
+                self._speech_now += event.end - event.start
+        if not (self.offset_s or self.segment_offset):
+            return event
+        if isinstance(event, SpeechStarted):
+            return dataclasses.replace(event, segment_id=event.segment_id + self.segment_offset,
+                                       start=event.start + self.offset_s)
+        if isinstance(event, (Partial, Final)):
+            return dataclasses.replace(event, segment_id=event.segment_id + self.segment_offset,
+                                       start=event.start + self.offset_s, end=event.end + self.offset_s)
+        if isinstance(event, Summary):
+            return Summary(segments=event.segments + self.segment_offset,
+                           audio_seconds=event.audio_seconds + self.offset_s,
+                           speech_seconds=event.speech_seconds + self.speech_s)
+        return event
+
+
+def _bytes_per_sample(options: StreamOptions) -> int:
+    return 2 if options.encoding == "s16le" else 4
+
+
+def _why_unreachable(error: BaseException, client: StreamClient) -> str:
+    if isinstance(error, ConnectionRefusedError):
+        return "connection refused"
+    if isinstance(error, socket.gaierror):
+        return "unknown host"
+    if isinstance(error, (asyncio.TimeoutError, TimeoutError)):
+        return f"no answer within {client.open_timeout_s:g} s"
+    return str(error) or type(error).__name__
