@@ -1,0 +1,220 @@
+// The qasr demo page: microphone -> AudioWorklet (16 kHz s16le) -> WebSocket /v1/stream -> transcript.
+// The protocol is docs/protocol.md: a `start` text frame, binary PCM frames, `end`; events come back as JSON.
+
+const SAMPLE_RATE = 16000;
+const CHUNK_MS = 100;
+const LANGUAGES = ["Chinese", "English", "Cantonese", "Arabic", "German", "French", "Spanish", "Portuguese",
+  "Indonesian", "Italian", "Korean", "Russian", "Thai", "Vietnamese", "Japanese", "Turkish", "Hindi", "Malay",
+  "Dutch", "Swedish", "Danish", "Finnish", "Polish", "Czech", "Filipino", "Persian", "Greek", "Romanian",
+  "Hungarian", "Macedonian"];
+
+const $ = (id) => document.getElementById(id);
+const ui = {
+  toggle: $("toggle"), reconnect: $("reconnect"), language: $("language"), context: $("context"),
+  level: $("level"), status: $("status"), transcript: $("transcript"), empty: $("empty"),
+};
+
+// Same host as the page, ws: for http and wss: for https (so it works behind a TLS reverse proxy).
+export function streamUrl(location = window.location) {
+  return `${location.protocol === "https:" ? "wss:" : "ws:"}//${location.host}/v1/stream`;
+}
+
+let stream = null; // the running session: {socket, capture, sentLog, ...}
+
+// -- states --------------------------------------------------------------------------------------------------
+
+const STATES = {
+  idle: "Press Start and allow the microphone.",
+  connecting: "Connecting…",
+  listening: "Listening. Speak; press Stop when you are done.",
+  stopping: "Finishing: waiting for the last transcript…",
+  denied: "Microphone access was denied. Allow it in the browser's site settings, then press Start.",
+  nomic: "No microphone was found. Connect one, then press Start.",
+  dropped: "The connection to the server was lost.",
+  error: "Something went wrong.",
+};
+
+function setState(state, detail = "") {
+  document.body.dataset.state = state;
+  ui.status.textContent = detail ? `${STATES[state]} ${detail}` : STATES[state];
+  const busy = state === "connecting" || state === "listening" || state === "stopping";
+  ui.toggle.textContent = busy ? "Stop" : "Start microphone";
+  ui.toggle.setAttribute("aria-pressed", String(busy));
+  ui.toggle.disabled = state === "connecting" || state === "stopping";
+  ui.reconnect.hidden = state !== "dropped";
+  ui.language.disabled = ui.context.disabled = busy;
+  if (!busy) ui.level.value = 0;
+}
+
+// -- starting and stopping -----------------------------------------------------------------------------------
+
+async function start() {
+  setState("connecting");
+  let capture;
+  try {
+    capture = await openMicrophone();
+  } catch (error) {
+    if (error.name === "NotAllowedError" || error.name === "SecurityError") setState("denied");
+    else if (error.name === "NotFoundError" || error.name === "OverconstrainedError") setState("nomic");
+    else setState("error", error.message);
+    return;
+  }
+  const socket = new WebSocket(streamUrl());
+  socket.binaryType = "arraybuffer";
+  const session = { socket, capture, ready: false, ending: false, samplesSent: 0, sentLog: [], fatal: null };
+  stream = session;
+  socket.onopen = () => socket.send(JSON.stringify({
+    type: "start", sample_rate: SAMPLE_RATE, encoding: "s16le",
+    language: ui.language.value || null, context: ui.context.value,
+  }));
+  socket.onmessage = (message) => onEvent(session, JSON.parse(message.data));
+  socket.onclose = (close) => onClose(session, close);
+  capture.node.port.onmessage = ({ data }) => onChunk(session, data);
+}
+
+function stop() {
+  const session = stream;
+  if (!session) return;
+  session.ending = true;
+  closeMicrophone(session.capture);
+  if (session.socket.readyState === WebSocket.OPEN) {
+    session.socket.send(JSON.stringify({ type: "end" }));
+    setState("stopping");
+  } else {
+    session.socket.close();
+  }
+}
+
+function onChunk(session, { pcm, level }) {
+  ui.level.value = Math.max(0, Math.min(1, (20 * Math.log10(level + 1e-9) + 60) / 60)); // -60..0 dBFS
+  if (!session.ready || session.ending || session.socket.readyState !== WebSocket.OPEN) return;
+  session.socket.send(pcm);
+  session.samplesSent += pcm.byteLength / 2;
+  session.sentLog.push([session.samplesSent, performance.now()]); // for the page-side latency of finals
+  if (session.sentLog.length > 3000) session.sentLog.splice(0, 1000); // keep the last ~5 minutes
+}
+
+function onClose(session, close) {
+  closeMicrophone(session.capture);
+  if (stream === session) stream = null;
+  for (const item of ui.transcript.querySelectorAll("li.partial")) item.remove(); // no final will replace them
+  if (session.ending && close.code === 1000) {
+    setState("idle");
+  } else if (close.code === 1000 || close.code === 1001 || close.code === 1006 || !session.ready) {
+    const why = session.fatal ? session.fatal.message : close.code === 1006 ? "" : close.reason;
+    setState("dropped", why ? `(${close.code}: ${why})` : `(code ${close.code})`);
+  } else {
+    setState("error", `The server closed the stream (${close.code}: ${session.fatal?.message || close.reason}).`);
+  }
+}
+
+// -- the microphone ------------------------------------------------------------------------------------------
+
+async function openMicrophone() {
+  const media = await navigator.mediaDevices.getUserMedia({
+    audio: { channelCount: 1, echoCancellation: true, noiseSuppression: true, autoGainControl: true },
+  });
+  const context = new AudioContext();
+  try {
+    await context.audioWorklet.addModule("capture-worklet.js");
+    const source = context.createMediaStreamSource(media);
+    const node = new AudioWorkletNode(context, "qasr-capture", {
+      processorOptions: { targetRate: SAMPLE_RATE, chunkMs: CHUNK_MS },
+    });
+    const mute = context.createGain(); // the graph must reach the destination to be rendered; keep it silent
+    mute.gain.value = 0;
+    source.connect(node).connect(mute).connect(context.destination);
+    await context.resume();
+    return { media, context, node };
+  } catch (error) {
+    media.getTracks().forEach((track) => track.stop());
+    context.close();
+    throw error;
+  }
+}
+
+function closeMicrophone(capture) {
+  if (capture.closed) return;
+  capture.closed = true;
+  capture.node.port.postMessage("stop");
+  capture.media.getTracks().forEach((track) => track.stop());
+  capture.context.close();
+}
+
+// -- events --------------------------------------------------------------------------------------------------
+
+function onEvent(session, event) {
+  switch (event.type) {
+    case "ready":
+      session.ready = true;
+      setState("listening", `Model: ${event.model}.`);
+      break;
+    case "speech_started":
+      segmentItem(event.segment_id);
+      break;
+    case "partial": {
+      const item = segmentItem(event.segment_id);
+      if (!item.classList.contains("partial")) break; // its final is already shown
+      item.querySelector(".text").textContent = event.text || "…";
+      item.dataset.partials = String(Number(item.dataset.partials || 0) + 1);
+      break;
+    }
+    case "final":
+      showFinal(session, event);
+      break;
+    case "error":
+      if (event.fatal) session.fatal = event;
+      else console.warn(`qasr: ${event.code}: ${event.message}`);
+      break;
+  }
+}
+
+// The list item of a segment, created in place (as a partial) the first time the segment is heard of.
+function segmentItem(segmentId) {
+  let item = ui.transcript.querySelector(`li[data-segment="${segmentId}"]`);
+  if (!item) {
+    item = document.createElement("li");
+    item.dataset.segment = String(segmentId);
+    item.className = "partial";
+    item.innerHTML = '<span class="time"></span><span class="language"></span><span class="text">…</span>' +
+      '<span class="latency"></span>';
+    item.setAttribute("aria-hidden", "true"); // announced once final, not at every partial
+    ui.transcript.append(item);
+    ui.empty.hidden = true;
+  }
+  return item;
+}
+
+function showFinal(session, event) {
+  const item = segmentItem(event.segment_id);
+  item.className = "final";
+  item.removeAttribute("aria-hidden");
+  item.querySelector(".time").textContent = `${event.start.toFixed(2)}–${event.end.toFixed(2)} s`;
+  item.querySelector(".language").textContent = event.language || "no speech";
+  item.querySelector(".text").textContent = event.text;
+  const pageMs = sinceSent(session, event.end);
+  item.querySelector(".latency").textContent = `server ${Math.round(event.latency_ms)} ms` +
+    (pageMs === null ? "" : ` · ${Math.round(pageMs)} ms after the speech ended`);
+  item.title = `segment ${event.segment_id}, closed by ${event.reason}`;
+  if (!event.text) item.classList.add("silent");
+}
+
+// Milliseconds since the chunk holding the segment's last sample was sent: what the person waited, including
+// the pause the server needs to decide the segment has ended.
+function sinceSent(session, endSeconds) {
+  const sample = endSeconds * SAMPLE_RATE;
+  const entry = session.sentLog.find(([sent]) => sent >= sample);
+  return entry ? performance.now() - entry[1] : null;
+}
+
+// -- wiring --------------------------------------------------------------------------------------------------
+
+for (const language of LANGUAGES) ui.language.append(new Option(language, language));
+ui.toggle.addEventListener("click", () => (stream ? stop() : start()));
+ui.reconnect.addEventListener("click", () => start());
+if (!window.isSecureContext || !navigator.mediaDevices) {
+  setState("error", "The microphone needs a secure page: open it as http://localhost or over https.");
+  ui.toggle.disabled = true;
+} else {
+  setState("idle");
+}
