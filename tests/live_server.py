@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from qasr.server.app import QasrServer, ServerConfig
-from qasr.server.limits import ServerLimits
+from qasr.server.limits import ServerLimits, StreamDefaults
 
 REPO = Path(__file__).resolve().parents[1]
 WEB_ROOT = REPO / "web"
@@ -60,10 +60,11 @@ class ThreadedServer:
     """A QasrServer on its own thread and event loop. `engine_factory` runs on that loop."""
 
     def __init__(self, engine_factory: Callable[[], object], *, port: int = 0, web_root: Path | None = None,
-                 **limits):
+                 defaults: StreamDefaults = StreamDefaults(), **limits):
         self.engine_factory = engine_factory
         self.port = port
         self.web_root = web_root
+        self.defaults = defaults
         self.limits = limits
         self.server: QasrServer | None = None
         self.loop = asyncio.new_event_loop()
@@ -79,8 +80,8 @@ class ThreadedServer:
 
     async def _start(self) -> None:
         engine = self.engine_factory()
-        config = ServerConfig(port=self.port, limits=ServerLimits(**self.limits), web_root=self.web_root,
-                              ping_interval_s=None)
+        config = ServerConfig(port=self.port, limits=ServerLimits(**self.limits), defaults=self.defaults,
+                              web_root=self.web_root, ping_interval_s=None)
         self.server = QasrServer(engine, config)
         await self.server.start()
         await engine.start()

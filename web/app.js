@@ -156,6 +156,7 @@ function onEvent(session, event) {
       const item = segmentItem(event.segment_id);
       if (!item.classList.contains("partial")) break; // its final is already shown
       item.querySelector(".text").textContent = event.text || "…";
+      item.querySelector(".time").textContent = `${event.start.toFixed(2)} s …`;
       item.dataset.partials = String(Number(item.dataset.partials || 0) + 1);
       break;
     }
@@ -190,7 +191,7 @@ function showFinal(session, event) {
   item.className = "final";
   item.removeAttribute("aria-hidden");
   item.querySelector(".time").textContent = `${event.start.toFixed(2)}–${event.end.toFixed(2)} s`;
-  item.querySelector(".language").textContent = event.language || "no speech";
+  item.querySelector(".language").textContent = event.language || "—"; // "" when the model named none
   item.querySelector(".text").textContent = event.text;
   const pageMs = sinceSent(session, event.end);
   item.querySelector(".latency").textContent = `server ${Math.round(event.latency_ms)} ms` +

@@ -1,0 +1,165 @@
+"""The demo page in Debian's headless Chromium, driven over the DevTools protocol (tests/web/chromium.py), against
+a running qasr server: the fake microphone plays espeak-ng speech into the page, which streams it through its
+AudioWorklet and shows partials, then finals with times, language and latency. Also: a denied microphone shows the
+denied state, a server that goes away shows the dropped state, and Reconnect resumes against a restarted server.
+
+Skips (saying why) without Chromium (Debian: apt-get install chromium) or espeak-ng.
+`QASR_UPDATE_SCREENSHOT=1 pytest tests/web/test_browser.py -k transcribes` rewrites docs/demo-page.png.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+
+import pytest
+import soundfile
+
+from qasr.server.limits import StreamDefaults
+
+# tests/ is on sys.path (tests/conftest.py); tests/web is put there by pytest for this file's folder
+from chromium import Chromium, find_chromium
+from fakes import FakeEngine, speech_like
+from live_server import REPO, WEB_ROOT, ThreadedServer, real_engine, spoken_wav
+
+pytestmark = pytest.mark.skipif(find_chromium() is None,
+                                reason="no Chromium: apt-get install chromium (headless browser tests)")
+
+SENTENCES = ["streaming speech recognition in the browser", "every pause ends a segment"]
+SCREENSHOT = REPO / "docs" / "demo-page.png"
+STATE = "document.body.dataset.state"
+ITEMS = """[...document.querySelectorAll('#transcript li')].map(li => ({
+    segment: Number(li.dataset.segment), kind: li.className, partials: Number(li.dataset.partials || 0),
+    time: li.querySelector('.time').textContent, language: li.querySelector('.language').textContent,
+    text: li.querySelector('.text').textContent, latency: li.querySelector('.latency').textContent}))"""
+
+STYLES = """Object.fromEntries(['partial', 'final'].map(kind => {
+    const style = getComputedStyle(document.querySelector(`#transcript li.${kind} .text`));
+    return [kind, {style: style.fontStyle, color: style.color}];
+}))"""
+
+
+def run(coroutine, timeout: float = 90):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+def test_the_page_transcribes_the_microphone_with_partials_then_finals(tiny_model_dir, tmp_path):
+    truth = spoken_wav(tmp_path / "speech.wav", SENTENCES, lead_s=1.0, pause_s=1.2, tail_s=1.5)
+    defaults = StreamDefaults(partial_interval_ms=500)  # several partials per utterance
+
+    async def main(server: ThreadedServer):
+        async with Chromium.launch(fake_audio=tmp_path / "speech.wav") as browser:
+            page = await browser.new_page()
+            await page.navigate(server.http_url + "/")
+            assert await page.evaluate(STATE) == "idle"
+            await page.click("#toggle")
+            await page.wait_for(f"{STATE} === 'listening'")
+            level = await page.wait_for("document.getElementById('level').value > 0.3")  # the meter moves
+            await page.wait_for(f"document.querySelectorAll('#transcript li.final').length >= {len(truth)}",
+                                timeout=45)
+            items = await page.evaluate(ITEMS)
+            # the file loops: the next utterance shows as a partial, styled apart from the finals
+            await page.wait_for("document.querySelector('#transcript li.partial')?.dataset.partials >= 1")
+            styles = await page.evaluate(STYLES)
+            await page.screenshot(tmp_path / "page.png")
+            await page.click("#toggle")  # stop: `end`, the last finals, close 1000
+            await page.wait_for(f"{STATE} === 'idle'")
+            return items, level, styles, page.console
+
+    with ThreadedServer(lambda: real_engine(tiny_model_dir), web_root=WEB_ROOT, defaults=defaults) as server:
+        items, level, styles, console = run(main(server))
+    finals = [item for item in items if item["kind"].startswith("final")]
+    assert [item["segment"] for item in finals[:len(truth)]] == list(range(len(truth)))
+    for item, (start, end) in zip(finals, truth):
+        assert item["partials"] >= 1, item  # it was shown as a partial before its final replaced it
+        shown_start, shown_end = map(float, re.fullmatch(r"([\d.]+)–([\d.]+) s", item["time"]).groups())
+        assert shown_end - shown_start == pytest.approx(end - start + 0.3, abs=0.6)  # + pre-roll
+        assert re.fullmatch(r"server \d+ ms · \d+ ms after the speech ended", item["latency"]), item
+        assert item["language"]  # a language name, or "—" when the model named none (random weights)
+    assert level is True
+    assert styles["partial"] != styles["final"] and styles["partial"]["style"] == "italic"
+    assert not [line for line in console if line.startswith("exception")], console
+    if os.environ.get("QASR_UPDATE_SCREENSHOT"):
+        SCREENSHOT.write_bytes((tmp_path / "page.png").read_bytes())
+
+
+def test_a_denied_microphone_and_a_dropped_socket_show_their_states(tmp_path):
+    audio, _ = speech_like([("silence", 0.5), ("speech", 1.0), ("silence", 1.0)])
+    soundfile.write(str(tmp_path / "bursts.wav"), audio, 16000, subtype="PCM_16")
+
+    async def main():
+        with ThreadedServer(lambda: FakeEngine(delay_s=0.005), web_root=WEB_ROOT) as first:
+            port, origin = first.port, first.http_url
+            # no --use-fake-ui-for-media-stream: the page gets what the permission says, nothing is auto-accepted
+            async with Chromium.launch(fake_audio=tmp_path / "bursts.wav", fake_ui=False) as browser:
+                page = await browser.new_page()
+                await page.navigate(origin + "/")
+                await browser.set_microphone(origin, "denied")
+                await page.click("#toggle")
+                await page.wait_for(f"{STATE} === 'denied'")
+                denied = await page.evaluate("document.getElementById('status').textContent")
+                assert first.num_connections() == 0  # no stream without a microphone
+
+                await browser.set_microphone(origin, "granted")
+                await page.click("#toggle")
+                await page.wait_for(f"{STATE} === 'listening'")
+                await asyncio.to_thread(first.stop)  # the server goes away mid-stream (1001)
+                await page.wait_for(f"{STATE} === 'dropped'")
+                dropped = await page.evaluate("document.getElementById('status').textContent")
+                reconnect_shown = await page.evaluate("!document.getElementById('reconnect').hidden")
+                await page.screenshot(tmp_path / "dropped.png")
+
+                with ThreadedServer(lambda: FakeEngine(delay_s=0.005), web_root=WEB_ROOT, port=port):
+                    await page.click("#reconnect")
+                    await page.wait_for(f"{STATE} === 'listening'")
+                    await page.wait_for("document.querySelectorAll('#transcript li.final').length >= 1",
+                                        timeout=20)
+                    await page.click("#toggle")
+                    await page.wait_for(f"{STATE} === 'idle'")
+                return denied, dropped, reconnect_shown
+
+    denied, dropped, reconnect_shown = run(main())
+    assert "denied" in denied
+    assert "lost" in dropped and "1001" in dropped and "shutting down" in dropped and reconnect_shown
+
+
+RESAMPLE = """(async () => {
+  // one second of a tone at `rate` through the capture worklet, offline; the RMS of its 16 kHz s16le output
+  const rms = async (rate, frequency) => {
+    const context = new OfflineAudioContext({numberOfChannels: 1, length: rate, sampleRate: rate});
+    await context.audioWorklet.addModule('capture-worklet.js');
+    const node = new AudioWorkletNode(context, 'qasr-capture', {processorOptions: {targetRate: 16000, chunkMs: 100}});
+    const chunks = [];
+    node.port.onmessage = ({data}) => chunks.push(new Int16Array(data.pcm));
+    const buffer = context.createBuffer(1, rate, rate);
+    const samples = buffer.getChannelData(0);
+    for (let i = 0; i < rate; i++) samples[i] = 0.5 * Math.sin(2 * Math.PI * frequency * i / rate);
+    const source = new AudioBufferSourceNode(context, {buffer});
+    source.connect(node).connect(context.destination);
+    source.start();
+    await context.startRendering();
+    await new Promise(resolve => setTimeout(resolve, 100));  // the last chunks' messages
+    const out = chunks.flatMap(chunk => [...chunk]).slice(800);  // past the filter's start-up
+    return {count: chunks.length, rms: Math.sqrt(out.reduce((sum, x) => sum + (x / 32768) ** 2, 0) / out.length)};
+  };
+  return {pass48: await rms(48000, 1000), stop48: await rms(48000, 12000),
+          pass44: await rms(44100, 1000), stop44: await rms(44100, 12000), same16: await rms(16000, 1000)};
+})()"""
+
+
+def test_the_capture_worklet_downsamples_to_16k_without_aliasing():
+    async def main():
+        with ThreadedServer(lambda: FakeEngine(), web_root=WEB_ROOT) as server:
+            async with Chromium.launch() as browser:
+                page = await browser.new_page()
+                await page.navigate(server.http_url + "/")
+                return await page.evaluate(RESAMPLE)
+
+    result = run(main())
+    tone_rms = 0.5 / 2 ** 0.5
+    for rate in ("48", "44"):
+        assert result[f"pass{rate}"]["count"] >= 9  # ~10 chunks of 100 ms from one second
+        assert result[f"pass{rate}"]["rms"] == pytest.approx(tone_rms, rel=0.02)  # speech band passes as is
+        assert result[f"stop{rate}"]["rms"] < tone_rms / 100  # 12 kHz would alias to 4 kHz: at least -40 dB
+    assert result["same16"]["rms"] == pytest.approx(tone_rms, rel=0.01)  # 16 kHz in: passed through
