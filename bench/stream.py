@@ -1,0 +1,442 @@
+"""`qasr-bench stream`: N live clients against a running server, and the latencies each of them sees.
+
+    qasr-bench stream --url ws://127.0.0.1:8765/v1/stream --clients 32 --duration 60 --server-pid $(pgrep -n qasr-server) \\
+        --out stream.json --plot stream.png
+
+Every client streams audio in real time (or --speed times faster) for --duration seconds: a WAV file (--audio, each
+client starting at its own offset, looped), or generated speech-like utterances with pauses (a seed per client). Then
+it sends `end` and waits for its last finals. Measured per segment and client, with "when speech happened" taken as
+the moment the audio would have been captured live (start + sample / 16000 / speed):
+
+- first partial latency: speech start (the segment's `start` plus the VAD pre-roll) to its first partial arriving;
+- partial latency: the end of the audio a partial heard to its arrival; partial cadence: gaps between partials;
+- final latency (server): the final's `latency_ms`, from the endpoint decision to sending;
+- end of speech to final: the segment's `end` to the final arriving (includes the VAD's end silence);
+- send lag: how far each chunk's send finished behind its real-time schedule (backpressure or an overloaded client);
+- server CPU: from /proc/<pid>/stat (--server-pid, same machine), else `process_cpu_seconds_total` on /metrics.
+
+Prints p50/p90/p95/p99/max per metric, writes JSON (--out) and a plot (--plot, needs matplotlib). Stops by itself:
+--duration of streaming, then at most --drain-timeout-s of waiting for finals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import re
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from .synthetic import speech_like
+
+SAMPLE_RATE = 16000
+PERCENTILES = (50, 90, 95, 99)
+METRICS = {  # JSON key -> table label; all in milliseconds
+    "first_partial_latency_ms": "first partial (speech start ->)",
+    "partial_latency_ms": "partial (heard audio end ->)",
+    "partial_gap_ms": "partial cadence (gap)",
+    "final_latency_ms": "final (server, endpoint ->)",
+    "end_to_final_ms": "final (speech end ->, client)",
+    "send_lag_ms": "send lag behind real time",
+}
+
+
+# ---- audio -------------------------------------------------------------------------------------------------------
+
+
+def utterances_with_pauses(seconds: float, seed: int) -> np.ndarray:
+    """float32 16 kHz: speech-like utterances of 1.5-6 s between pauses of 0.8-2 s (long enough to end segments)."""
+    rng = np.random.default_rng(seed)
+    pieces, total = [], 0
+    target = int(seconds * SAMPLE_RATE)
+    while total < target:
+        pause = 0.003 * rng.standard_normal(int(rng.uniform(0.8, 2.0) * SAMPLE_RATE))
+        speech = speech_like(float(rng.uniform(1.5, 6.0)), seed=int(rng.integers(1 << 31)))
+        pieces += [pause.astype(np.float32), speech]
+        total += len(pause) + len(speech)
+    return np.concatenate(pieces)[:target]
+
+
+def client_audio(source: np.ndarray | None, seconds: float, index: int) -> np.ndarray:
+    """`seconds` of audio for client `index`: the WAV from its own offset (looped), or generated with its own seed."""
+    n = int(math.ceil(seconds * SAMPLE_RATE))
+    if source is None:
+        return utterances_with_pauses(seconds, seed=index)
+    offset = (index * 7919 * SAMPLE_RATE // 1000) % len(source)  # ~8 s apart, so clients do not speak in unison
+    repeats = -(-(offset + n) // len(source))
+    return np.tile(source, repeats)[offset : offset + n]
+
+
+def to_s16le(samples: np.ndarray) -> bytes:
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
+
+
+# ---- one client --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ClientRecord:
+    index: int
+    t0: float = 0.0  # perf_counter when the first audio chunk was due
+    speed: float = 1.0
+    pre_roll_s: float = 0.0  # the stream's VAD pre-roll (from `ready`)
+    session_id: str = ""
+    events: list[tuple[float, dict]] = field(default_factory=list)  # (arrival perf_counter, event)
+    send_lag_ms: list[float] = field(default_factory=list)
+    lag_series: list[tuple[float, float]] = field(default_factory=list)  # (seconds since bench start, lag ms)
+    audio_seconds: float = 0.0
+    close_code: int | None = None
+    error: str = ""
+    drained: bool = False  # the summary came before the drain timeout
+
+    def spoken_at(self, stream_seconds: float) -> float:
+        """When this stream time would have been captured live (perf_counter)."""
+        return self.t0 + stream_seconds / self.speed
+
+
+async def run_client(args, index: int, audio: np.ndarray, record: ClientRecord, stop_at: float,
+                     bench_start: float) -> None:
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    record.speed = args.speed
+    start = {"type": "start", "sample_rate": SAMPLE_RATE, "encoding": "s16le",
+             "partial_interval_ms": args.partial_interval_ms}
+    if args.language:
+        start["language"] = args.language
+    chunk = int(args.chunk_ms * SAMPLE_RATE / 1000)
+    chunk_s = chunk / SAMPLE_RATE / args.speed
+    try:
+        async with connect(args.url, max_size=None, open_timeout=30) as websocket:
+            await websocket.send(json.dumps(start))
+            ready = json.loads(await websocket.recv())
+            if ready.get("type") != "ready":
+                record.error = f"not ready: {ready}"
+                return
+            record.session_id = ready["session_id"]
+            record.pre_roll_s = ready.get("config", {}).get("vad", {}).get("pre_roll_ms", 0) / 1000
+
+            async def receive() -> None:
+                try:
+                    async for message in websocket:  # until the server closes
+                        event = json.loads(message) if isinstance(message, str) else {"type": "binary"}
+                        record.events.append((time.perf_counter(), event))
+                        if event.get("type") == "summary":
+                            record.drained = True
+                except ConnectionClosed:
+                    pass
+
+            receiving = asyncio.ensure_future(receive())
+            record.t0 = time.perf_counter()
+            for k, offset in enumerate(range(0, len(audio), chunk)):
+                due = record.t0 + (k + 1) * chunk_s  # a live source has the chunk once it is full
+                now = time.perf_counter()
+                if now >= stop_at or receiving.done():
+                    break
+                if due > now:
+                    await asyncio.sleep(due - now)
+                piece = audio[offset : offset + chunk]
+                await websocket.send(to_s16le(piece))
+                lag_ms = max(0.0, (time.perf_counter() - due) * 1e3)
+                record.send_lag_ms.append(lag_ms)
+                record.lag_series.append((time.perf_counter() - bench_start, lag_ms))
+                record.audio_seconds += len(piece) / SAMPLE_RATE
+            if not receiving.done():
+                await websocket.send(json.dumps({"type": "end"}))
+            try:
+                await asyncio.wait_for(asyncio.shield(receiving), args.drain_timeout_s)
+            except asyncio.TimeoutError:
+                receiving.cancel()
+                record.error = f"no summary within --drain-timeout-s {args.drain_timeout_s:g}"
+            record.close_code = websocket.close_code
+    except (OSError, ConnectionClosed, asyncio.TimeoutError) as e:
+        record.error = f"{type(e).__name__}: {e}"
+
+
+# ---- server CPU --------------------------------------------------------------------------------------------------
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a local process so far (/proc/<pid>/stat fields 14 and 15)."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces: skip past it
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def metrics_cpu_seconds(metrics_url: str) -> float | None:
+    """`process_cpu_seconds_total` from the server's /metrics, when it exposes one."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=2) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    match = re.search(r"^process_cpu_seconds_total\s+([0-9.eE+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+class CpuSampler:
+    """Samples the server's CPU seconds; `series` holds (seconds since start, % of one core) per interval."""
+
+    def __init__(self, pid: int | None, metrics_url: str):
+        self.pid, self.metrics_url = pid, metrics_url
+        self.source = None
+        self.series: list[tuple[float, float]] = []
+        self._first: tuple[float, float] | None = None
+        self._last: tuple[float, float] | None = None
+
+    def _read(self) -> float | None:
+        if self.pid is not None:
+            self.source = f"/proc/{self.pid}/stat"
+            return process_cpu_seconds(self.pid)
+        value = metrics_cpu_seconds(self.metrics_url)
+        self.source = "/metrics process_cpu_seconds_total" if value is not None else None
+        return value
+
+    async def sample(self, since: float) -> None:
+        cpu = await asyncio.to_thread(self._read) if self.pid is None else self._read()
+        if cpu is None:
+            return
+        now = time.perf_counter()
+        if self._last is not None and now > self._last[0]:
+            self.series.append((now - since, 100.0 * (cpu - self._last[1]) / (now - self._last[0])))
+        self._first = self._first or (now, cpu)
+        self._last = (now, cpu)
+
+    def summary(self) -> dict | None:
+        if self._first is None or self._last is None or self._last[0] <= self._first[0]:
+            return None
+        seconds = self._last[1] - self._first[1]
+        wall = self._last[0] - self._first[0]
+        percents = [p for _, p in self.series]
+        return {"source": self.source, "cpu_seconds": seconds, "wall_seconds": wall,
+                "mean_percent_of_one_core": 100.0 * seconds / wall,
+                "max_percent_of_one_core": max(percents) if percents else None}
+
+
+# ---- analysis ----------------------------------------------------------------------------------------------------
+
+
+def client_metrics(record: ClientRecord) -> dict[str, list[float]]:
+    """Per-client samples of every metric, in ms."""
+    out: dict[str, list[float]] = {key: [] for key in METRICS}
+    out["send_lag_ms"] = list(record.send_lag_ms)
+    partials: dict[int, list[tuple[float, dict]]] = {}
+    for arrived, event in record.events:
+        kind = event.get("type")
+        if kind == "partial":
+            partials.setdefault(event["segment_id"], []).append((arrived, event))
+            out["partial_latency_ms"].append((arrived - record.spoken_at(event["end"])) * 1e3)
+        elif kind == "final":
+            out["final_latency_ms"].append(float(event["latency_ms"]))
+            out["end_to_final_ms"].append((arrived - record.spoken_at(event["end"])) * 1e3)
+    starts = {event["segment_id"]: event for _, event in record.events if event.get("type") == "speech_started"}
+    for segment_id, arrivals in partials.items():
+        if segment_id in starts:
+            speech_start = starts[segment_id]["start"] + record.pre_roll_s  # the first voiced frame, near enough
+            out["first_partial_latency_ms"].append((arrivals[0][0] - record.spoken_at(speech_start)) * 1e3)
+        times = [arrived for arrived, _ in arrivals]
+        out["partial_gap_ms"] += [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+    return out
+
+
+def distribution(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    array = np.asarray(values, dtype=np.float64)
+    stats = {"n": int(array.size), "mean": float(array.mean())}
+    stats.update({f"p{p}": float(np.percentile(array, p)) for p in PERCENTILES})
+    stats["max"] = float(array.max())
+    return stats
+
+
+def analyse(records: list[ClientRecord]) -> tuple[dict, list[dict]]:
+    pooled: dict[str, list[float]] = {key: [] for key in METRICS}
+    sessions = []
+    for record in records:
+        metrics = client_metrics(record)
+        for key, values in metrics.items():
+            pooled[key] += values
+        kinds = [event.get("type") for _, event in record.events]
+        sessions.append({
+            "client": record.index, "session_id": record.session_id, "close_code": record.close_code,
+            "error": record.error, "drained": record.drained, "audio_seconds": record.audio_seconds,
+            "segments": kinds.count("speech_started"), "partials": kinds.count("partial"),
+            "finals": kinds.count("final"), "errors": kinds.count("error"),
+            "metrics": {key: distribution(values) for key, values in metrics.items()},
+        })
+    return {key: distribution(values) for key, values in pooled.items()}, sessions
+
+
+def print_table(summary: dict, out: dict) -> None:
+    config, totals = out["config"], out["totals"]
+    print(f"# {config['clients']} clients x {config['duration_s']:g} s at {config['speed']:g}x real time, "
+          f"partials every {config['partial_interval_ms']} ms, audio: {config['audio']}")
+    print(f"# {totals['segments']} segments, {totals['finals']} finals, {totals['partials']} partials, "
+          f"{totals['audio_seconds']:.0f} s of audio sent, {totals['failed_clients']} clients failed")
+    header = f"{'metric (ms)':<32} {'n':>6} " + " ".join(f"{f'p{p}':>8}" for p in PERCENTILES) + f" {'max':>8}"
+    print(header)
+    print("-" * len(header))
+    for key, label in METRICS.items():
+        stats = summary[key]
+        if not stats["n"]:
+            print(f"{label:<32} {0:>6} " + " ".join(f"{'-':>8}" for _ in PERCENTILES) + f" {'-':>8}")
+            continue
+        print(f"{label:<32} {stats['n']:>6} " + " ".join(f"{stats[f'p{p}']:8.1f}" for p in PERCENTILES)
+              + f" {stats['max']:8.1f}")
+    cpu = out["server_cpu"]
+    if cpu:
+        print(f"server CPU: {cpu['mean_percent_of_one_core']:.0f}% of one core on average"
+              + (f", {cpu['max_percent_of_one_core']:.0f}% at most" if cpu["max_percent_of_one_core"] is not None
+                 else "") + f" ({cpu['cpu_seconds']:.1f} CPU s over {cpu['wall_seconds']:.1f} s; {cpu['source']})")
+    else:
+        print("server CPU: not measured (give --server-pid for a local server)")
+
+
+def plot(path: str, records: list[ClientRecord], summary_series: dict, out: dict) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("--plot needs matplotlib (pip install matplotlib)") from None
+    pooled = {key: [] for key in METRICS}
+    for record in records:
+        for key, values in client_metrics(record).items():
+            pooled[key] += values
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax = axes[0][0]
+    for key in ("first_partial_latency_ms", "partial_latency_ms", "final_latency_ms", "end_to_final_ms"):
+        values = np.sort(pooled[key])
+        if values.size:
+            ax.plot(values, np.arange(1, values.size + 1) / values.size, label=METRICS[key])
+    ax.set(xlabel="ms", ylabel="fraction", title="latency CDFs")
+    ax.legend(fontsize=8)
+    ax = axes[0][1]
+    if pooled["partial_gap_ms"]:
+        ax.hist(pooled["partial_gap_ms"], bins=40)
+    ax.set(xlabel="ms", ylabel="count", title="gaps between partials of a segment")
+    ax = axes[1][0]
+    for record in records:
+        if record.lag_series:
+            xs, ys = zip(*record.lag_series)
+            ax.plot(xs, ys, linewidth=0.6)
+    ax.set(xlabel="s since start", ylabel="ms", title="send lag behind real time, per client")
+    ax = axes[1][1]
+    if summary_series["cpu"]:
+        xs, ys = zip(*summary_series["cpu"])
+        ax.plot(xs, ys)
+    ax.set(xlabel="s since start", ylabel="% of one core", title="server CPU")
+    config = out["config"]
+    fig.suptitle(f"qasr stream bench: {config['clients']} clients, {config['speed']:g}x real time, "
+                 f"{config['duration_s']:g} s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# ---- the run -----------------------------------------------------------------------------------------------------
+
+
+async def bench(args) -> dict:
+    from tqdm import tqdm
+
+    source = None
+    if args.audio:
+        from qasr.model.audio import load_audio
+
+        source = load_audio(args.audio, SAMPLE_RATE)
+    stream_seconds = args.duration * args.speed
+    audios = [client_audio(source, stream_seconds, i) for i in range(args.clients)]
+    parts = urlsplit(args.url)
+    metrics_url = f"{'https' if parts.scheme == 'wss' else 'http'}://{parts.netloc}/metrics"
+    cpu = CpuSampler(args.server_pid, metrics_url)
+    records = [ClientRecord(i) for i in range(args.clients)]
+    bench_start = time.perf_counter()
+    stop_at = bench_start + args.stagger_s + args.duration
+    await cpu.sample(bench_start)
+
+    async def staggered(i: int) -> None:
+        await asyncio.sleep(args.stagger_s * i / max(1, args.clients))
+        await run_client(args, i, audios[i], records[i], stop_at, bench_start)
+
+    clients = asyncio.ensure_future(asyncio.gather(*(staggered(i) for i in range(args.clients))))
+    limit = args.stagger_s + args.duration + args.drain_timeout_s
+    with tqdm(total=round(limit), unit="s", desc="streaming", disable=not args.progress, file=sys.stderr) as bar:
+        while not clients.done():
+            await asyncio.wait({clients}, timeout=args.sample_interval_s)
+            await cpu.sample(bench_start)
+            elapsed = time.perf_counter() - bench_start
+            bar.set_description("streaming" if elapsed < args.stagger_s + args.duration else "draining")
+            bar.update(max(0, min(round(elapsed), bar.total) - bar.n))
+            kinds = [event.get("type") for record in records for _, event in record.events]
+            lag = max((record.send_lag_ms[-1] for record in records if record.send_lag_ms), default=0.0)
+            bar.set_postfix(finals=kinds.count("final"), partials=kinds.count("partial"), lag_ms=f"{lag:.0f}")
+    await clients
+    summary, sessions = analyse(records)
+    totals = {key: sum(session[key] for session in sessions)
+              for key in ("segments", "partials", "finals", "errors", "audio_seconds")}
+    totals["failed_clients"] = sum(1 for session in sessions if session["error"] or not session["drained"])
+    out = {
+        "config": {"url": args.url, "clients": args.clients, "duration_s": args.duration, "speed": args.speed,
+                   "chunk_ms": args.chunk_ms, "partial_interval_ms": args.partial_interval_ms,
+                   "language": args.language, "audio": args.audio or "generated utterances with pauses",
+                   "stagger_s": args.stagger_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+        "wall_seconds": time.perf_counter() - bench_start,
+        "totals": totals,
+        "summary": summary,
+        "server_cpu": cpu.summary(),
+        "server_cpu_series": cpu.series,
+        "sessions": sessions,
+    }
+    print_table(summary, out)
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+    if args.plot:
+        plot(args.plot, records, {"cpu": cpu.series}, out)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="qasr-bench stream", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--url", default="ws://127.0.0.1:8765/v1/stream", help="the server's stream endpoint")
+    p.add_argument("--clients", type=int, default=8, help="concurrent streams")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds each client streams (wall time)")
+    p.add_argument("--speed", type=float, default=1.0, help="audio seconds sent per second (1: real time)")
+    p.add_argument("--audio", help="a WAV/FLAC file to stream (looped; each client from its own offset); "
+                                   "default: generated speech-like utterances with pauses")
+    p.add_argument("--chunk-ms", type=int, default=100, help="audio per message")
+    p.add_argument("--partial-interval-ms", type=int, default=1000, help="asked of the server in `start`")
+    p.add_argument("--language", default=None, help="force a language (default: the model detects it)")
+    p.add_argument("--stagger-s", type=float, default=1.0, help="client starts are spread over this long")
+    p.add_argument("--drain-timeout-s", type=float, default=60.0, help="after streaming, wait this long for finals")
+    p.add_argument("--server-pid", type=int, default=None, help="a local server's pid: its CPU use is measured")
+    p.add_argument("--sample-interval-s", type=float, default=0.5, help="CPU sampling and progress interval")
+    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
+    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    return p
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.clients < 1 or args.duration <= 0 or args.speed <= 0 or args.chunk_ms < 10:
+        parser.error("need --clients >= 1, --duration > 0, --speed > 0 and --chunk-ms >= 10")
+    if args.server_pid is not None and not Path(f"/proc/{args.server_pid}/stat").exists():
+        parser.error(f"--server-pid {args.server_pid}: no such local process (/proc/{args.server_pid}/stat)")
+    return asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""`qasr-bench stream` briefly against an in-process server (tiny random model, CPU) on a thread of its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from qasr.bench import stream as stream_bench
+from qasr.server.app import QasrServer, ServerConfig
+from qasr.streaming.engine import AsyncEngine, EngineOptions
+
+SR = 16000
+
+
+@pytest.fixture
+def server_url(tiny_model_dir):
+    """ws:// URL of a server with the tiny model, running on its own event loop in a thread (the bench runs its own)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> QasrServer:
+        options = EngineOptions(num_slots=8, max_len=1024, num_retained=8, tokens_per_second=4.0)
+        engine = AsyncEngine.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32", options=options)
+        await engine.start()
+        server = QasrServer(engine, ServerConfig(port=0, ping_interval_s=None))
+        await server.start()
+        return server
+
+    server = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=60)
+    try:
+        yield f"ws://127.0.0.1:{server.port}/v1/stream"
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(), loop).result(timeout=60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+def test_a_short_run_reports_every_metric_with_sane_values(server_url, tmp_path):
+    out_path, plot_path = tmp_path / "stream.json", tmp_path / "stream.png"
+    argv = ["--url", server_url, "--clients", "3", "--duration", "4", "--speed", "1.5", "--stagger-s", "0.3",
+            "--partial-interval-ms", "300", "--drain-timeout-s", "30", "--server-pid", str(os.getpid()),
+            "--sample-interval-s", "0.25", "--out", str(out_path), "--no-progress"]
+    has_matplotlib = True
+    try:
+        import matplotlib  # noqa: F401  (an optional bench dependency)
+    except ImportError:
+        has_matplotlib = False
+    result = stream_bench.main(argv + (["--plot", str(plot_path)] if has_matplotlib else []))
+
+    assert json.loads(out_path.read_text()) == json.loads(json.dumps(result))  # what it wrote is what it returned
+    sessions = result["sessions"]
+    assert len(sessions) == 3 and len({session["session_id"] for session in sessions}) == 3
+    for session in sessions:
+        assert session["close_code"] == 1000 and session["drained"] and not session["error"]
+        assert session["finals"] == session["segments"] >= 1
+        assert session["audio_seconds"] == pytest.approx(4 * 1.5, abs=0.3)
+    totals = result["totals"]
+    assert totals["failed_clients"] == 0 and totals["finals"] == sum(session["finals"] for session in sessions)
+    assert totals["partials"] > 0  # 300 ms partials at 1.5x real time on an idle tiny model
+    summary = result["summary"]
+    assert set(summary) == set(stream_bench.METRICS)
+    for key in ("first_partial_latency_ms", "partial_latency_ms", "final_latency_ms", "end_to_final_ms",
+                "send_lag_ms"):
+        stats = summary[key]
+        assert stats["n"] > 0, key
+        assert 0 <= stats["p50"] <= stats["p90"] <= stats["p95"] <= stats["p99"] <= stats["max"] < 30_000, key
+    assert summary["final_latency_ms"]["n"] == totals["finals"]
+    assert summary["send_lag_ms"]["n"] >= 3 * 4 * 1.5 * 10 - 3  # one per 100 ms chunk
+    cpu = result["server_cpu"]
+    assert cpu["source"] == f"/proc/{os.getpid()}/stat" and cpu["cpu_seconds"] > 0
+    assert 0 < cpu["mean_percent_of_one_core"] <= 100 * os.cpu_count() + 50
+    if has_matplotlib:
+        assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(SystemExit) as refused:
+        stream_bench.main(["--clients", "0"])
+    assert refused.value.code == 2
+    with pytest.raises(SystemExit):
+        stream_bench.main(["--server-pid", "999999999"])
+
+
+def test_generated_audio_has_pauses_that_end_segments_and_each_client_its_own_audio():
+    audio = stream_bench.utterances_with_pauses(20.0, seed=1)
+    assert audio.dtype == np.float32 and len(audio) == 20 * SR
+    frames = audio[: len(audio) // 160 * 160].reshape(-1, 160)
+    quiet = np.sqrt((frames**2).mean(axis=1)) < 0.01
+    longest_pause = max(len(run) for run in "".join("q" if q else "s" for q in quiet).split("s"))
+    assert longest_pause * 10 >= 800  # ms: longer than the VAD's end silence
+    assert not np.array_equal(stream_bench.client_audio(None, 5.0, 0), stream_bench.client_audio(None, 5.0, 1))
+    source = np.arange(3 * SR, dtype=np.float32)  # a 3 s "file": clients start at their own offsets and loop it
+    first, second = stream_bench.client_audio(source, 5.0, 0), stream_bench.client_audio(source, 5.0, 1)
+    assert len(first) == len(second) == 5 * SR
+    np.testing.assert_array_equal(first[: 3 * SR], source)
+    np.testing.assert_array_equal(first[3 * SR :], source[: 2 * SR])
+    assert second[0] == source[(7919 * SR // 1000) % len(source)]
