@@ -37,7 +37,7 @@ class StreamResampler:
         """chunk: [n] float at input_rate -> [m] float32 at output_rate (m may be 0: soxr buffers)."""
         if self._flushed:
             raise RuntimeError("process() after flush(): the stream has ended; start a new StreamResampler")
-        chunk = _as_float32_mono(chunk)
+        chunk = as_float32_mono(chunk)
         if self._stream is None:
             return chunk
         return self._stream.resample_chunk(chunk)
@@ -56,7 +56,7 @@ def downmix(interleaved: np.ndarray, channels: int) -> np.ndarray:
     """Average interleaved channels: [n * channels] (L R L R ...) -> [n] float32 mono."""
     if not isinstance(channels, (int, np.integer)) or channels < 1:
         raise ValueError(f"channels must be a positive integer, got {channels!r}")
-    interleaved = _as_float32_mono(interleaved)
+    interleaved = as_float32_mono(interleaved)
     if len(interleaved) % channels:
         raise ValueError(
             f"{len(interleaved)} interleaved samples do not divide into {channels} channels; send whole frames"
@@ -66,10 +66,11 @@ def downmix(interleaved: np.ndarray, channels: int) -> np.ndarray:
     return interleaved.reshape(-1, channels).mean(axis=1, dtype=np.float32)
 
 
-def _as_float32_mono(samples: np.ndarray) -> np.ndarray:
+def as_float32_mono(samples: np.ndarray) -> np.ndarray:
+    """Validate a 1-D float sample array (ValueError that says what to do otherwise) -> contiguous float32."""
     samples = np.asarray(samples)
     if samples.ndim != 1:
-        raise ValueError(f"expected a 1-D sample array, got shape {samples.shape}")
+        raise ValueError(f"expected mono samples of shape [n], got shape {samples.shape}; downmix first")
     if not np.issubdtype(samples.dtype, np.floating):
         raise ValueError(
             f"expected float samples in [-1, 1], got dtype {samples.dtype}; for int16 PCM divide by 32768 first"

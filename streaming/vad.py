@@ -38,6 +38,8 @@ from typing import Callable, Literal, Union
 import numpy as np
 import webrtcvad
 
+from .resample import as_float32_mono
+
 SAMPLE_RATE = 16_000  # Hz; the segmenter's only input rate (resample first: streaming/resample.py)
 SAMPLES_PER_MS = SAMPLE_RATE // 1000  # 16
 
@@ -271,7 +273,7 @@ class Segmenter:
         """Take the next samples ([n] float, 16 kHz mono, any n) and return the events they caused."""
         if self._flushed:
             raise RuntimeError("feed() after flush(): the stream has ended; start a new Segmenter")
-        samples = _as_float32_mono(samples)
+        samples = as_float32_mono(samples)
         self._buffer.append(samples)
         events: list[Event] = []
         frame = self.options.frame_samples
@@ -423,14 +425,3 @@ class Segmenter:
             return
         reach = self.options.pre_roll_samples + self.options.start_frames * self.options.frame_samples
         self._buffer.discard_before(max(self._previous_end, self._frames_end - reach))
-
-
-def _as_float32_mono(samples: np.ndarray) -> np.ndarray:
-    samples = np.asarray(samples)
-    if samples.ndim != 1:
-        raise ValueError(f"expected mono samples of shape [n], got shape {samples.shape}; downmix first")
-    if not np.issubdtype(samples.dtype, np.floating):
-        raise ValueError(
-            f"expected float samples in [-1, 1], got dtype {samples.dtype}; for int16 PCM divide by 32768 first"
-        )
-    return samples.astype(np.float32, copy=False)
