@@ -192,7 +192,6 @@ class StreamClient:
         return StreamClosed(closed.rcvd.code, closed.rcvd.reason, self._fatal_error)
 
 
-
 class AudioStream:
     """An audio source streamed to the server; iterate it for the events. See the module docstring."""
 

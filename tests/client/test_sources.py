@@ -93,7 +93,8 @@ def pulseaudio(tmp_path_factory):
         probe = subprocess.run([sys.executable, "-c", "import sounddevice as sd; sd.query_devices(None, 'input')"],
                                env=env, capture_output=True, text=True)
         if probe.returncode != 0:
-            pytest.skip(f"PortAudio sees no input through PulseAudio: {probe.stderr.strip().splitlines()[-1]}")
+            why = (probe.stderr.strip().splitlines() or ["no reason given"])[-1]
+            pytest.skip(f"PortAudio sees no input through PulseAudio: {why}")
         yield env
     finally:
         daemon.terminate()
