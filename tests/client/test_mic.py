@@ -2,7 +2,7 @@
 and as a subprocess through the installed console script for the signal and terminal paths (Ctrl-C mid-speech
 loses no final, a server that stops or vanishes mid-stream gives one clear line and exit 1, a terminal gets the
 rewritten partial line). The microphone path is checked with a stand-in sounddevice (no PortAudio, no device),
-and with the real one on a PulseAudio null sink where PulseAudio can run (tests/client/test_mic_pulse.py)."""
+and with the real one on a PulseAudio null sink where PulseAudio can run (tests/client/test_sources.py)."""
 
 from __future__ import annotations
 
