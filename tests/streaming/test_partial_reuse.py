@@ -33,7 +33,7 @@ def loud_start_speech(seconds: float, seed: int = 0) -> np.ndarray:
     return audio
 
 
-def prefix_work(engine: Engine, request: DecodeRequest):
+def decode_counting(engine: Engine, request: DecodeRequest):
     """Run one request; -> (result, counter deltas it caused)."""
     before = dict(engine.counters)
     result = engine.transcribe([request])[0]
@@ -42,7 +42,8 @@ def prefix_work(engine: Engine, request: DecodeRequest):
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir) -> Engine:
-    options = EngineOptions(num_slots=4, max_len=1024, num_retained=4)
+    # max_len 2048: each text prefix is the previous partial's output, which the random model makes long
+    options = EngineOptions(num_slots=4, max_len=2048, num_retained=4)
     return Engine.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32", options=options)
 
 
@@ -55,8 +56,8 @@ def growing_stream(engine):
         prefix = rollback_prefix(engine.tokenizer, raw_text) if raw_text else ""  # as sessions do
         request = dict(audio=audio[: seconds * SR], text_prefix=prefix, priority=Priority.PARTIAL,
                        max_new_tokens=MAX_NEW_TOKENS)
-        reused, work = prefix_work(engine, DecodeRequest(stream_id=STREAM_ID, **request))
-        fresh, fresh_work = prefix_work(engine, DecodeRequest(**request))
+        reused, work = decode_counting(engine, DecodeRequest(stream_id=STREAM_ID, **request))
+        fresh, fresh_work = decode_counting(engine, DecodeRequest(**request))
         runs.append((seconds, prefix, reused, work, fresh, fresh_work))
         raw_text = reused.raw_text
     return audio, runs
@@ -110,7 +111,7 @@ def test_partials_with_reuse_decode_the_same_tokens_as_without(growing_stream):
 def test_the_final_reads_nothing_cached_and_equals_a_fresh_offline_decode(engine, tiny_model_dir, growing_stream):
     audio, _ = growing_stream
     request = dict(audio=audio, max_new_tokens=FINAL_TOKENS)
-    final, work = prefix_work(engine, DecodeRequest(priority=Priority.FINAL, stream_id=STREAM_ID, **request))
+    final, work = decode_counting(engine, DecodeRequest(priority=Priority.FINAL, stream_id=STREAM_ID, **request))
     assert work["reused_tokens"] == 0 and work["reused_windows"] == 0
     fresh_engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32",
                                           options=engine.options)
