@@ -36,12 +36,13 @@ WEB_ROOT_ENV = "QASR_WEB_ROOT"
 
 def find_web_root(explicit: str | os.PathLike | None = None) -> Path | None:
     """The folder the web page is served from, or None; see the module docstring for the order."""
-    candidates = [explicit, os.environ.get(WEB_ROOT_ENV), Path(__file__).resolve().parents[1] / "web"]
-    for candidate in candidates:
+    if explicit:  # asked for by name: that folder or an error, never a silent fallback
+        if not (Path(explicit) / "index.html").is_file():
+            raise FileNotFoundError(f"--web-root {explicit} has no index.html")
+        return Path(explicit).resolve()
+    for candidate in (os.environ.get(WEB_ROOT_ENV), Path(__file__).resolve().parents[1] / "web"):
         if candidate and (Path(candidate) / "index.html").is_file():
             return Path(candidate).resolve()
-    if explicit:
-        raise FileNotFoundError(f"--web-root {explicit} has no index.html")
     return None
 
 

@@ -15,6 +15,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -92,7 +93,9 @@ class Engine:
         qwen = load_model(model_dir, device=device, dtype=dtype)
         if options.quantize == "int8":
             quantize_decoder_int8(qwen)
-        return cls(qwen, Tokenizer.from_pretrained(model_dir), options, name=str(model))
+        # clients see this name: a local checkpoint's folder name, not its path on the server
+        name = Path(model).name if Path(model).is_dir() else str(model)
+        return cls(qwen, Tokenizer.from_pretrained(model_dir), options, name=name)
 
     # -- submitting ------------------------------------------------------------------------------------------------
 
