@@ -213,16 +213,26 @@ class Engine:
         return int(qaudio.num_audio_tokens(frames)) + 32
 
     def _prepare_prompt(self, seq: Sequence, num_audio_tokens: int) -> None:
-        """The sequence's prompt and token budget; ValueError if it cannot fit a slot."""
+        """The sequence's prompt and token budget; ValueError if it cannot fit a slot.
+
+        A partial's text prefix is the previous hypothesis: when a model runs on (a hallucination loop) it can
+        outgrow what the audio could hold, so a prefix longer than the audio's token budget, or one that would not
+        fit the slot, is dropped and the partial decodes from the audio alone.
+        """
         req = seq.request
-        seq.prompt = build_prompt(self.tokenizer, context=req.context, language=req.language,
-                                  num_audio_tokens=num_audio_tokens, text_prefix=req.text_prefix)
+        seconds = req.audio.size / qaudio.SAMPLE_RATE
+        default_budget = 24 + math.ceil(self.options.tokens_per_second * seconds)
+        prompt = lambda prefix: build_prompt(self.tokenizer, context=req.context, language=req.language,  # noqa: E731
+                                             num_audio_tokens=num_audio_tokens, text_prefix=prefix)
+        seq.prompt = prompt(req.text_prefix)
+        if req.text_prefix:
+            prefix_tokens = len(seq.prompt.suffix_ids) - len(prompt("").suffix_ids)
+            if prefix_tokens > default_budget or seq.prompt.num_tokens >= self.options.max_len:
+                seq.prompt = prompt("")
         room = self.options.max_len - seq.prompt.num_tokens
         if room < 1:
             raise ValueError(f"the prompt ({seq.prompt.num_tokens} tokens for {req.audio.size / qaudio.SAMPLE_RATE:.1f}"
                              f" s of audio and the context) does not fit the engine's max_len {self.options.max_len}")
-        seconds = req.audio.size / qaudio.SAMPLE_RATE
-        default_budget = 24 + math.ceil(self.options.tokens_per_second * seconds)
         seq.budget = max(1, min(room, req.max_new_tokens or default_budget))
 
     def _encode(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
@@ -347,8 +357,7 @@ class Engine:
         seq.finish_reason = reason
         self.running.pop(seq.slot, None)
         heapq.heappush(self._free_slots, seq.slot)
-        req = seq.request
-        raw = req.text_prefix + self.tokenizer.decode(seq.generated)
+        raw = seq.prompt.text_prefix + self.tokenizer.decode(seq.generated)
         language, text = parse_output(raw, seq.prompt.language)
         seq.timings["decode_ms"] = (time.perf_counter() - seq.t_decode) * 1e3
         seq.finish(DecodeResult(text=text, language=language, raw_text=raw, token_ids=tuple(seq.generated),

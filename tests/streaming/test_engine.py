@@ -228,3 +228,17 @@ def test_a_request_that_cannot_fit_fails_alone_in_its_batch(tiny_model_dir):
     assert isinstance(got["lang"], ValueError) and "Klingon" in str(got["lang"])
     assert len(got["ok"].token_ids) == 4
     assert_idle(eng)
+
+
+def test_a_runaway_partial_prefix_is_dropped_not_failed(engine):
+    clip = speech(1.0, seed=4)
+    runaway = "la " * 400  # far more text than 1 s of audio could hold
+    (r,) = engine.transcribe([DecodeRequest(audio=clip, priority=Priority.PARTIAL, stream_id="x/0",
+                                            text_prefix=runaway, max_new_tokens=5)])
+    (plain,) = engine.transcribe([DecodeRequest(audio=clip, priority=Priority.PARTIAL, max_new_tokens=5)])
+    assert r.token_ids == plain.token_ids and not r.raw_text.startswith("la la")
+    short = "hello"
+    (p,) = engine.transcribe([DecodeRequest(audio=clip, priority=Priority.PARTIAL, text_prefix=short,
+                                            max_new_tokens=5)])
+    assert p.raw_text.startswith(short)  # a plausible prefix is kept
+    engine.release_stream("x/0")
