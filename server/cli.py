@@ -15,12 +15,17 @@ import logging
 import signal
 import sys
 
+from qasr.model.checkpoint import resolve_device
 from qasr.server.app import QasrServer, ServerConfig
 from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits, StreamDefaults
 from qasr.streaming.engine import EngineOptions
 
 log = logging.getLogger("qasr.server")
+
+# The KV cache is sized up front (slots x max_len): on the CPU the real 0.6B model in fp32 takes ~29 MB per slot
+# per 128 positions, so a GPU-sized default would reserve ~15 GB of host memory.
+CPU_SLOTS = 8
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,12 +55,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-segment-s", type=float, default=defaults.max_segment_s,
                         help="longest segment (default and limit); longer speech is cut at its quietest point")
     engine = EngineOptions()
-    parser.add_argument("--slots", type=int, default=engine.num_slots,
-                        help="sequences the engine decodes together (KV cache slots, the largest CUDA graph)")
+    parser.add_argument("--slots", type=int, default=None,
+                        help=f"sequences the engine decodes together (KV cache slots, the largest CUDA graph); "
+                             f"default {engine.num_slots} on a GPU, {CPU_SLOTS} on the CPU")
     parser.add_argument("--max-len", type=int, default=engine.max_len,
                         help="prompt + generated tokens per sequence (a 30 s segment needs ~800)")
-    parser.add_argument("--retained-slots", type=int, default=engine.num_retained,
-                        help="extra KV slots keeping streams' audio prefixes so partials prefill only what is new")
+    parser.add_argument("--retained-slots", type=int, default=None,
+                        help="extra KV slots keeping streams' audio prefixes so partials prefill only what is new; "
+                             "default: as many as --slots")
     parser.add_argument("--quantize", choices=["int8"], default=None,
                         help="weight-only int8 decoder projections (opt-in; transcripts can differ slightly)")
     parser.add_argument("--compile", action="store_true",
@@ -75,6 +82,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     defaults = StreamDefaults(partial_interval_ms=args.partial_interval_ms,
                               vad_aggressiveness=args.vad_aggressiveness, end_silence_ms=args.end_silence_ms,
                               max_segment_s=args.max_segment_s)
+    resolve_device(args.device)  # an unusable --device is a usage error, before anything starts
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     return ServerConfig(host=args.host, port=args.port, limits=limits, defaults=defaults,
@@ -85,7 +93,9 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; 1 if the model could not be loaded."""
     from qasr.streaming.engine import AsyncEngine
 
-    options = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=args.retained_slots,
+    slots = args.slots or (EngineOptions().num_slots if resolve_device(args.device).type == "cuda" else CPU_SLOTS)
+    retained = slots if args.retained_slots is None else args.retained_slots
+    options = EngineOptions(num_slots=slots, max_len=args.max_len, num_retained=retained,
                             compile=args.compile, quantize=args.quantize, max_audio_seconds=max(60.0, args.max_segment_s + 5))
     server = QasrServer(None, config)
     await server.start()
