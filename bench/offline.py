@@ -99,6 +99,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     engine.transcribe(requests(clips[: args.slots], args.tokens))  # warm the prefill/encoder shapes
     _sync(device)
     e0, t = energy.joules(), time.perf_counter()
+    rows0, steps0 = engine.counters["decode_rows"], engine.steps
     results = engine.transcribe(requests(clips, args.tokens))
     _sync(device)
     elapsed = time.perf_counter() - t
@@ -110,8 +111,8 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     if e0 is not None:
         out["qasr_energy_j_per_audio_hour"] = (e1 - e0) / audio_s * 3600
         out["qasr_avg_power_w"] = (e1 - e0) / elapsed
-    sizes = engine.stats_batch_sizes
-    out["qasr_mean_decode_batch"] = float(np.mean(sizes)) if sizes else 0.0
+    steps = engine.steps - steps0
+    out["qasr_mean_decode_batch"] = (engine.counters["decode_rows"] - rows0) / steps if steps else 0.0
 
     # decode step per bucket against the bandwidth floor
     if device.type == "cuda":

@@ -9,6 +9,7 @@ waits on the event loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import logging
 import math
@@ -81,11 +82,14 @@ class Engine:
         self._free_slots = list(range(options.num_slots))  # min-heap: low slots first keeps the bucket small
         self._lock = threading.Lock()  # guards the stream cache's release from other threads
         self._released: list[str] = []
-        self.stats_batch_sizes: list[int] = []
+        self.recent_batch_sizes: collections.deque[int] = collections.deque(maxlen=64)  # for metrics
+        self.max_batch_size = 0
         self.steps = 0
         # cumulative work, to measure what partials reuse: prompt positions prefilled vs copied from a retained
         # prefix, encoder windows computed vs kept from a stream's earlier partial
-        self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0}
+        # decode_rows / steps is the mean decode batch
+        self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0,
+                         "decode_rows": 0}
 
     @classmethod
     def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
@@ -163,7 +167,7 @@ class Engine:
             "free_slots": len(self._free_slots),
             "streams_cached": len(self.streams),
             "steps": self.steps,
-            "batch_sizes": list(self.stats_batch_sizes[-64:]),
+            "batch_sizes": list(self.recent_batch_sizes),
             "counters": dict(self.counters),
         }
 
@@ -319,7 +323,9 @@ class Engine:
 
     def _decode(self) -> None:
         rows = max(self.running) + 1
-        self.stats_batch_sizes.append(len(self.running))
+        self.recent_batch_sizes.append(len(self.running))
+        self.max_batch_size = max(self.max_batch_size, len(self.running))
+        self.counters["decode_rows"] += len(self.running)
         out = self.runner.decode(rows).numpy()
         self.steps += 1
         stopped = []

@@ -274,7 +274,7 @@ def test_two_dozen_concurrent_sessions_each_get_the_finals_of_their_own_audio(en
                        start={"partial_interval_ms": 300, "language": "English" if i % 2 else None, "vad": EXACT})
                 for i in range(count)))
             await until(lambda: idle(engine.stats()))  # every slot and stream released (at the engine's next step)
-            return results, max(engine.engine.stats_batch_sizes)
+            return results, engine.engine.max_batch_size
 
     results, max_batch = run(main())
     session_ids = set()

@@ -61,7 +61,7 @@ def test_more_requests_than_slots_all_finish_and_slots_return(engine, alone):
     reqs = [DecodeRequest(audio=c, max_new_tokens=b) for c, b in zip(clips, budgets)]  # 8 requests, 4 slots
     batched = engine.transcribe(reqs)
     assert [r.token_ids for r in batched] == [r.token_ids for r in out]
-    assert max(engine.stats_batch_sizes[-20:]) <= engine.options.num_slots
+    assert max(engine.recent_batch_sizes) <= engine.options.num_slots
     assert_idle(engine)
 
 
