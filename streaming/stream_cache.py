@@ -28,13 +28,16 @@ class StreamState:
 
 
 class StreamCache:
-    def __init__(self, retained_slots: range):
+    def __init__(self, retained_slots: range, max_streams: int = 4096):
         self._free = list(reversed(retained_slots))
         self._streams: collections.OrderedDict[str, StreamState] = collections.OrderedDict()  # LRU order
+        self.max_streams = max_streams  # a bound even if a caller never releases its streams
 
     def get(self, stream_id: str) -> StreamState:
         state = self._streams.get(stream_id)
         if state is None:
+            if len(self._streams) >= self.max_streams:
+                self.release(next(iter(self._streams)))  # the least recently used
             state = self._streams[stream_id] = StreamState()
         self._streams.move_to_end(stream_id)
         return state
