@@ -63,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--retained-slots", type=int, default=None,
                         help="extra KV slots keeping streams' audio prefixes so partials prefill only what is new; "
                              "default: as many as --slots")
+    parser.add_argument("--base-tokens", type=int, default=engine.base_tokens,
+                        help="decode budget per request: BASE + TOKENS_PER_SECOND x audio seconds (stops runaways)")
+    parser.add_argument("--tokens-per-second", type=float, default=engine.tokens_per_second,
+                        help="see --base-tokens")
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--quantize", choices=["int8"], default=None,
                         help="weight-only int8 decoder projections (opt-in; transcripts can differ slightly)")
     parser.add_argument("--compile", action="store_true",
@@ -96,7 +102,8 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     slots = args.slots or (EngineOptions().num_slots if resolve_device(args.device).type == "cuda" else CPU_SLOTS)
     retained = slots if args.retained_slots is None else args.retained_slots
     options = EngineOptions(num_slots=slots, max_len=args.max_len, num_retained=retained,
-                            compile=args.compile, quantize=args.quantize, max_audio_seconds=max(60.0, args.max_segment_s + 5))
+                            compile=args.compile, quantize=args.quantize, base_tokens=args.base_tokens,
+                            tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos, max_audio_seconds=max(60.0, args.max_segment_s + 5))
     server = QasrServer(None, config)
     await server.start()
     if config.web_root is None:

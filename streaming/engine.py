@@ -44,7 +44,8 @@ class EngineOptions:
     num_retained: int = 64  # extra KV slots keeping streams' reusable prefixes for their next partial
     max_prefill_tokens: int = 16384  # prompt tokens prefilled in one admission round
     max_audio_seconds: float = 60.0  # longest audio one request may carry
-    tokens_per_second: float = 12.0  # default token budget: 24 + this x audio seconds (speech is ~3-5 tok/s)
+    base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
+    tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)
     cuda_graphs: bool | None = None  # None: on a CUDA device
     compile: bool = False  # torch.compile decode step, prefill and encoder (opt-in: not yet measured faster, see
     # docs/benchmarks.md; compiling takes minutes)
@@ -225,7 +226,7 @@ class Engine:
         """
         req = seq.request
         seconds = req.audio.size / qaudio.SAMPLE_RATE
-        default_budget = 24 + math.ceil(self.options.tokens_per_second * seconds)
+        default_budget = self.options.base_tokens + math.ceil(self.options.tokens_per_second * seconds)
         prompt = lambda prefix: build_prompt(self.tokenizer, context=req.context, language=req.language,  # noqa: E731
                                              num_audio_tokens=num_audio_tokens, text_prefix=prefix)
         seq.prompt = prompt(req.text_prefix)
