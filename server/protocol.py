@@ -138,7 +138,7 @@ class NativeProtocol:
     def _receive_text(self, text: str) -> list[Command]:
         try:
             message = json.loads(text)
-        except ValueError as error:
+        except (ValueError, RecursionError) as error:  # RecursionError: nesting too deep for the parser
             raise MalformedMessage(f"text frames must be JSON objects: {error}") from None
         if not isinstance(message, dict):
             raise MalformedMessage(f"text frames must be JSON objects, got {type(message).__name__}")
