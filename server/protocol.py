@@ -156,7 +156,7 @@ class NativeProtocol:
             notices = _unknown_fields(message, {"type"}, kind)
             if kind == "end":
                 self.state = State.ENDED
-                return [End(), *notices]
+                return [*notices, End()]  # the notices first: nothing after End is read
             return [Flush(), *notices]
         if kind is None:
             raise MalformedMessage('text frames need a "type": start, flush or end')

@@ -248,6 +248,20 @@ def test_unknown_fields_get_an_error_event_and_the_stream_carries_on():
     assert len(finals(out)) == 2
 
 
+def test_an_unknown_field_in_end_gets_its_error_event_before_the_finals():
+    async def main():
+        async with running() as server:
+            audio, _ = speech_like([("silence", 0.3), ("speech", 1.0)])
+            return await attempt(server, json.dumps({"type": "start", "partials": False}), to_s16le(audio),
+                                 '{"type": "end", "why": "done"}')
+
+    out, code = run(main())
+    assert code == 1000
+    assert [event["type"] for event in out] == ["ready", "speech_started", "error", "final", "summary"]
+    assert out[2] == {"type": "error", "code": "unknown_field", "message": "end: ignored unknown field(s) why",
+                      "fatal": False}
+
+
 def test_an_idle_client_is_closed_with_1008_after_its_finals():
     async def main():
         async with running(idle_timeout_s=0.3) as server:
