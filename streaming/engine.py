@@ -440,6 +440,8 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_settle, future, result)
 
         seq = self.engine.add(request, on_done)
+        if self._stop.is_set() or self.error is not None:  # the loop ended meanwhile: nobody will finish `seq`
+            seq.finish(EngineClosed("the engine is not running"))
         self._wake.set()
         try:
             return await future

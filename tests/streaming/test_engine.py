@@ -217,6 +217,30 @@ def test_async_engine_results_cancel_and_close(tiny_model_dir):
     asyncio.run(scenario())
 
 
+def test_a_request_added_just_as_the_engine_loop_fails_gets_engine_closed_not_a_hang(tiny_model_dir):
+    async def scenario():
+        eng = AsyncEngine(make_engine(tiny_model_dir))
+        await eng.start()
+        add = eng.engine.add
+
+        def add_after_the_loop_failed(request, on_done):  # the race: the loop fails between the check and add
+            def broken_step():
+                raise RuntimeError("device lost")
+
+            eng.engine.step = broken_step
+            eng._wake.set()
+            eng._thread.join(5)
+            return add(request, on_done)
+
+        eng.engine.add = add_after_the_loop_failed
+        with pytest.raises(EngineClosed):
+            await asyncio.wait_for(eng.transcribe(DecodeRequest(audio=speech(1.0, seed=1))), 5)
+        assert eng.error is not None
+        await eng.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_request_that_cannot_fit_fails_alone_in_its_batch(tiny_model_dir):
     eng = make_engine(tiny_model_dir, max_len=128)
     got = {}
