@@ -61,10 +61,13 @@ async function start() {
   }
   const socket = new WebSocket(streamUrl());
   socket.binaryType = "arraybuffer";
-  const session = { socket, capture, ready: false, ending: false, samplesSent: 0, sentLog: [], fatal: null };
+  // The worklet downsamples to 16 kHz but cannot upsample: a slower context (8 kHz Bluetooth headsets) streams at
+  // its own rate, which the server resamples.
+  const rate = Math.min(SAMPLE_RATE, capture.context.sampleRate);
+  const session = { socket, capture, rate, ready: false, ending: false, samplesSent: 0, sentLog: [], fatal: null };
   stream = session;
   socket.onopen = () => socket.send(JSON.stringify({
-    type: "start", sample_rate: SAMPLE_RATE, encoding: "s16le",
+    type: "start", sample_rate: rate, encoding: "s16le",
     language: ui.language.value || null, context: ui.context.value,
   }));
   socket.onmessage = (message) => onEvent(session, JSON.parse(message.data));
@@ -203,7 +206,7 @@ function showFinal(session, event) {
 // Milliseconds since the chunk holding the segment's last sample was sent: what the person waited, including
 // the pause the server needs to decide the segment has ended.
 function sinceSent(session, endSeconds) {
-  const sample = endSeconds * SAMPLE_RATE;
+  const sample = endSeconds * session.rate;
   const entry = session.sentLog.find(([sent]) => sent >= sample);
   return entry ? performance.now() - entry[1] : null;
 }

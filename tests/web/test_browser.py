@@ -163,3 +163,35 @@ def test_the_capture_worklet_downsamples_to_16k_without_aliasing():
         assert result[f"pass{rate}"]["rms"] == pytest.approx(tone_rms, rel=0.02)  # speech band passes as is
         assert result[f"stop{rate}"]["rms"] < tone_rms / 100  # 12 kHz would alias to 4 kHz: at least -40 dB
     assert result["same16"]["rms"] == pytest.approx(tone_rms, rel=0.01)  # 16 kHz in: passed through
+
+
+def test_a_microphone_context_below_16k_is_declared_at_its_own_rate(tmp_path):
+    """An AudioContext under 16 kHz (a Bluetooth headset in call mode runs at 8 kHz) cannot be downsampled: the page
+    must tell the server the real rate, or the model hears the speech at double speed and every time is halved."""
+    audio, truth = speech_like([("silence", 1.0), ("speech", 1.5), ("silence", 1.5)], sample_rate=16000)
+    soundfile.write(tmp_path / "burst.wav", audio, 16000, subtype="PCM_16")
+    force_8k = """(() => {
+      const Original = window.AudioContext;
+      window.AudioContext = function () { return new Original({sampleRate: 8000}); };
+      return true;
+    })()"""
+
+    async def main(server: ThreadedServer):
+        async with Chromium.launch(fake_audio=tmp_path / "burst.wav") as browser:
+            page = await browser.new_page()
+            await page.navigate(server.http_url + "/")
+            await page.evaluate(force_8k)
+            await page.click("#toggle")
+            await page.wait_for(f"{STATE} === 'listening'")
+            await page.wait_for("document.querySelectorAll('#transcript li.final').length >= 1", timeout=30)
+            items = await page.evaluate(ITEMS)
+            await page.click("#toggle")
+            await page.wait_for(f"{STATE} === 'idle'")
+            return items
+
+    with ThreadedServer(lambda: FakeEngine(delay_s=0.005), web_root=WEB_ROOT) as server:
+        items = run(main(server))
+    final = next(item for item in items if item["kind"].startswith("final"))
+    heard_s = float(final["text"].rstrip("s"))  # the fake engine's transcript is the length of the audio it got
+    (start, end), = truth
+    assert heard_s == pytest.approx(end - start + 0.3, abs=0.4)  # + pre-roll
