@@ -166,6 +166,11 @@ class _EngineView:
     def ready(self) -> bool:
         return self._server.is_ready()
 
+    @property
+    def error(self) -> BaseException | None:
+        """Set when the engine loop died: the process is no longer healthy (orchestrators should restart it)."""
+        return getattr(self._server.engine, "error", None)
+
     def stats(self) -> dict:
         engine = self._server.engine
         return engine.stats() if engine is not None else {}

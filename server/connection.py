@@ -112,14 +112,17 @@ class StreamConnection:
             raise errors.ShuttingDown("server is shutting down")
         return task.result()
 
-    async def _recv(self) -> str | bytes:
+    async def _recv(self, timeout: float | None = None) -> str | bytes:
+        timeout = self.limits.idle_timeout_s if timeout is None else timeout
         try:
-            return await asyncio.wait_for(self.websocket.recv(), self.limits.idle_timeout_s)
+            return await asyncio.wait_for(self.websocket.recv(), timeout)
         except asyncio.TimeoutError:
-            raise errors.IdleTimeout(f"no message for {self.limits.idle_timeout_s:g} s") from None
+            raise errors.IdleTimeout(f"no message for {timeout:g} s") from None
 
     async def _receive_start(self) -> tuple[StreamConfig, list[Notice]]:
-        commands = self.protocol.receive(await self._recv())  # anything but a start raises MalformedMessage
+        # anything but a start raises MalformedMessage; a connection that sends nothing gives its slot back soon
+        wait = min(self.limits.start_timeout_s, self.limits.idle_timeout_s)
+        commands = self.protocol.receive(await self._recv(wait))
         start, *notices = commands
         assert isinstance(start, Start)  # the protocol guarantees it in AWAITING_START
         return start.config, notices
@@ -143,6 +146,12 @@ class StreamConnection:
     # -- the stream ------------------------------------------------------------------------------------------
 
     async def _open_session(self, config: StreamConfig, notices: list[Notice]) -> None:
+        check = getattr(self.engine, "check_context", None)
+        if check is not None:
+            try:  # a context that leaves no room for the longest segment would fail or cut every final later
+                check(config.context, language=config.language, max_audio_seconds=config.vad.max_segment_s)
+            except ValueError as error:
+                raise errors.MalformedMessage(str(error)) from None
         options = SessionOptions(input_rate=config.sample_rate, language=config.language, context=config.context,
                                  partials=config.partials, partial_interval_ms=config.partial_interval_ms,
                                  vad=config.vad.to_options(), max_pending_finals=self.limits.max_pending_finals)

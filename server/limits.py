@@ -13,6 +13,8 @@ class ServerLimits:
     max_sessions: int = 64  # concurrent streams; one more is closed with 1013
     max_message_bytes: int = 1 << 20  # largest frame a client may send; larger ones close with 1009
     idle_timeout_s: float = 30.0  # seconds without a frame from the client before closing with 1008
+    start_timeout_s: float = 10.0  # a new connection must send `start` this soon (1008), so idle sockets cannot
+    # hold the session slots
     min_sample_rate: int = 8000  # Hz
     max_sample_rate: int = 192000  # Hz
     max_channels: int = 8  # channels are averaged down to mono
@@ -28,6 +30,7 @@ class ServerLimits:
         _require(self.max_sessions >= 1, f"max_sessions must be >= 1, got {self.max_sessions}")
         _require(self.max_message_bytes >= 1024, f"max_message_bytes must be >= 1024, got {self.max_message_bytes}")
         _require(self.idle_timeout_s > 0, f"idle_timeout_s must be > 0, got {self.idle_timeout_s}")
+        _require(self.start_timeout_s > 0, f"start_timeout_s must be > 0, got {self.start_timeout_s}")
         _require(0 < self.min_sample_rate <= self.max_sample_rate,
                  f"need 0 < min_sample_rate <= max_sample_rate, got {self.min_sample_rate}, {self.max_sample_rate}")
         _require(self.max_channels >= 1, f"max_channels must be >= 1, got {self.max_channels}")

@@ -127,6 +127,20 @@ class Engine:
         if not np.isfinite(audio).all():
             raise ValueError("audio contains NaN or infinite samples")
 
+    def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
+        """ValueError unless a request with this context and up to `max_audio_seconds` of audio fits a slot with
+        its full default token budget (the server checks a stream's context once, at `start`)."""
+        tokens = int(qaudio.num_audio_tokens(qaudio.num_frames(int(max_audio_seconds * qaudio.SAMPLE_RATE))))
+        prompt = build_prompt(self.tokenizer, context=context, language=language, num_audio_tokens=tokens)
+        budget = self.options.base_tokens + math.ceil(self.options.tokens_per_second * max_audio_seconds)
+        if prompt.num_tokens + budget > self.options.max_len:
+            bare = build_prompt(self.tokenizer, language=language, num_audio_tokens=tokens).num_tokens
+            room = max(0, self.options.max_len - bare - budget)
+            raise ValueError(
+                f"context too long: {prompt.num_tokens - bare} tokens, but with segments up to "
+                f"{max_audio_seconds:g} s this server has room for {room} (shorten the context or the maximum "
+                f"segment, or start the server with a larger --max-len)")
+
     def release_stream(self, stream_id: str) -> None:
         """Forget a stream's cached windows and retained KV (thread-safe; applied before the next step)."""
         with self._lock:
@@ -453,6 +467,9 @@ class AsyncEngine:
     def release_stream(self, stream_id: str) -> None:
         self.engine.release_stream(stream_id)
         self._wake.set()
+
+    def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
+        self.engine.check_context(context, language=language, max_audio_seconds=max_audio_seconds)
 
     def stats(self) -> dict:
         return self.engine.stats()

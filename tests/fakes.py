@@ -78,6 +78,12 @@ class FakeEngine:
         self.released.append(stream_id)
         self.streams.discard(stream_id)
 
+    MAX_CONTEXT_CHARS = 500  # the fake's stand-in for "the context leaves no room in a slot"
+
+    def check_context(self, context: str, *, language=None, max_audio_seconds: float) -> None:
+        if len(context) > self.MAX_CONTEXT_CHARS:
+            raise ValueError(f"context too long: {len(context)} characters (fake limit {self.MAX_CONTEXT_CHARS})")
+
     async def transcribe(self, request: DecodeRequest) -> DecodeResult:
         if self.closed:
             raise EngineClosed("engine closed")

@@ -432,3 +432,39 @@ def test_an_engine_that_dies_closes_its_streams_with_1011_without_details():
     assert closed_code == 1011
     assert closed_out[-1] == {"type": "error", "code": "internal", "message": "internal server error",
                               "fatal": True}
+
+
+def test_a_connection_that_never_starts_gives_its_slot_back_after_the_start_timeout():
+    async def main():
+        async with running(idle_timeout_s=30, start_timeout_s=0.3, max_sessions=1) as server:
+            silent = await attempt(server)  # connects and sends nothing
+            ok = await attempt(server, START, json.dumps({"type": "end"}))  # the slot is free again
+            return silent, ok
+
+    (silent_out, silent_code), (ok_out, ok_code) = run(main())
+    assert silent_code == 1008 and silent_out[0]["code"] == "idle_timeout"
+    assert ok_code == 1000 and ok_out[-1]["type"] == "summary"
+
+
+def test_a_context_the_engine_cannot_fit_is_refused_at_start():
+    async def main():
+        async with running(FakeEngine()) as server:
+            start = json.dumps({"type": "start", "context": "x" * (FakeEngine.MAX_CONTEXT_CHARS + 1)})
+            return await attempt(server, start)
+
+    out, code = run(main())
+    assert code == 1007 and out[0]["type"] == "error" and "context too long" in out[0]["message"]
+
+
+def test_healthz_fails_once_the_engine_has_died():
+    async def main():
+        engine = FakeEngine()
+        async with running(engine) as server:
+            alive = await http_get(server, "/healthz")
+            engine.error = RuntimeError("CUDA error: an illegal memory access was encountered")
+            dead = await http_get(server, "/healthz")
+            return alive, dead
+
+    (alive_status, _, _), (dead_status, _, dead_body) = run(main())
+    assert alive_status == 200
+    assert dead_status == 500 and b"engine failed: RuntimeError" in dead_body

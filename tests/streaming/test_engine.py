@@ -266,3 +266,9 @@ def test_a_runaway_partial_prefix_is_dropped_not_failed(engine):
                                             max_new_tokens=5)])
     assert p.raw_text.startswith(short)  # a plausible prefix is kept
     engine.release_stream("x/0")
+
+
+def test_check_context_refuses_a_context_that_leaves_no_room_for_the_longest_segment(engine):
+    engine.check_context("Names: Qasr, Qwen.", max_audio_seconds=2.0)  # fits: no error
+    with pytest.raises(ValueError, match="context too long"):
+        engine.check_context("word " * 200, max_audio_seconds=2.0)  # max_len is 256 in these tests
