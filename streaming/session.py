@@ -31,6 +31,7 @@ from qasr.streaming.request import DecodeRequest, DecodeResult, EngineClosed, Pr
 from qasr.streaming.resample import StreamResampler
 
 log = logging.getLogger("qasr.session")
+BACKLOG_EVENTS = 8  # unsent events beyond which a new partial replaces an unsent one of the same segment
 
 
 class Engine(Protocol):
@@ -129,8 +130,9 @@ class Session:
 
         self._outbox: collections.deque[events.ServerEvent] = collections.deque()
         self._wakeup = asyncio.Event()  # something for next_event()
-        self._capacity = asyncio.Event()  # fewer than max_pending_finals segments await their final
+        self._capacity = asyncio.Event()  # fewer than max_pending_finals finals are pending or unsent
         self._capacity.set()
+        self._unsent_finals = 0  # finals in the outbox, not yet taken by next_event()
         self._failure: BaseException | None = None
         self._ended = False  # end() called: no more input
         self._finished = False  # the summary is queued: no more events after it
@@ -200,8 +202,7 @@ class Session:
         closed = _ClosedSegment(segment.segment_id, segment.start, self._segmenter_offset + event.end_sample,
                                 reason, segment.stream_id, decided_at=self._clock())
         self._closing.append(closed)
-        if len(self._closing) >= self.options.max_pending_finals:
-            self._capacity.clear()
+        self._update_capacity()
         request = DecodeRequest(audio=event.audio, context=self.options.context, language=self.options.language,
                                 priority=Priority.FINAL, stream_id=segment.stream_id)
         closed.task = self._start(self._run_final(closed, request), segment.stream_id)
@@ -289,8 +290,7 @@ class Session:
             self._observer.final_sent(latency_s)
             self._emit(events.Final(closed.segment_id, text, language, closed.start / SAMPLE_RATE,
                                     closed.end / SAMPLE_RATE, closed.reason, round(latency_s * 1000.0, 3)))
-        if len(self._closing) < self.options.max_pending_finals:
-            self._capacity.set()
+        self._update_capacity()
         if self._ended and not self._closing and not self._finished:
             self._finished = True
             self._emit(self.summary())
@@ -310,7 +310,11 @@ class Session:
         """The next event, in order; None after the summary. Raises the engine's failure (e.g. EngineClosed)."""
         while True:
             if self._outbox:
-                return self._outbox.popleft()
+                event = self._outbox.popleft()
+                if isinstance(event, events.Final):
+                    self._unsent_finals -= 1
+                    self._update_capacity()
+                return event
             if self._failure is not None:
                 raise self._failure
             if self._finished or self._aborted:
@@ -385,8 +389,23 @@ class Session:
     def _emit(self, event: events.ServerEvent) -> None:
         if self._aborted:
             return
-        self._outbox.append(event)
+        last = self._outbox[-1] if self._outbox else None
+        if isinstance(event, events.Partial) and isinstance(last, events.Partial) \
+                and last.segment_id == event.segment_id and len(self._outbox) >= BACKLOG_EVENTS:
+            self._outbox[-1] = event  # a reader that fell behind gets the newest hypothesis, not a backlog
+        else:
+            self._outbox.append(event)
+        if isinstance(event, events.Final):
+            self._unsent_finals += 1
         self._wakeup.set()
+
+    def _update_capacity(self) -> None:
+        """Backpressure: reading pauses while max_pending_finals finals are being decoded or not yet sent, so a
+        client that sends fast and reads slowly cannot make the outbox grow without bound."""
+        if len(self._closing) + self._unsent_finals >= self.options.max_pending_finals:
+            self._capacity.clear()
+        else:
+            self._capacity.set()
 
     def _fail(self, error: BaseException) -> None:
         if self._failure is None:

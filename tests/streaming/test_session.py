@@ -306,10 +306,30 @@ def test_wait_for_capacity_blocks_while_too_many_finals_are_pending():
         await settle()
         assert not waiter.done()
         engine.complete(engine.pending(Priority.FINAL)[0])
+        await settle()
+        assert not waiter.done()  # the final is made but not yet sent: it still counts against the client
+        while not isinstance(await session.next_event(), events.Final):
+            pass
         await asyncio.wait_for(waiter, 1)
         await session.abort()
 
     run(main())
+
+
+def test_a_slow_reader_gets_the_newest_partial_not_a_backlog():
+    async def main():
+        session = Session(FakeEngine(), "s", SessionOptions(partial_interval_ms=200, vad=EXACT_VAD))
+        audio, _ = speech_like([("silence", 0.3), ("speech", 6.0)])
+        await feed(session, audio, chunk=800)  # nobody reads while partials keep coming
+        await settle()
+        backlog = list(session._outbox)
+        await session.abort()
+        return backlog
+
+    backlog = run(main())
+    partials = [event for event in backlog if isinstance(event, events.Partial)]
+    assert len(backlog) <= 8 + 1 and partials  # without the replacement: ~20 events (one partial per 200 ms)
+    assert partials[-1].end == max(p.end for p in partials)  # the newest hypothesis is the one kept
 
 
 def test_other_input_rates_are_resampled_and_timestamps_stay_true():
