@@ -279,6 +279,9 @@ class AudioStream:
                 except StreamClosed:  # the receiving side reports how; keep the chunk for a reconnect
                     self._unsent = chunk
                     return
+                except asyncio.CancelledError:  # a reconnect cut a send stuck on backpressure: not sent either
+                    self._unsent = chunk
+                    raise
         except Exception as error:  # the source (or a chunk it produced) failed
             self._source_error = error
             self._source_done = True

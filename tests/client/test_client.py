@@ -348,3 +348,50 @@ def test_non_fatal_errors_are_events(tmp_path):
     errors = of_type(events, Error)
     assert [(error.code, error.fatal) for error in errors] == [("unknown_field", False)]
     assert isinstance(events[-1], Summary)
+
+
+def test_a_send_stuck_on_backpressure_when_the_connection_drops_is_resent_after_the_reconnect(tmp_path,
+                                                                                               monkeypatch):
+    """A reconnect cancels the pump while a send waits for the server to read (backpressure): that chunk must go
+    out first on the new connection, or it is lost and every later time is one chunk early."""
+    pattern = [("silence", 0.3), ("speech", 1.0), ("silence", 0.8), ("speech", 1.0), ("silence", 0.8)]
+    write_wav(tmp_path / "talk.wav", pattern)
+    port = free_port()
+    send_audio, sends = StreamClient.send_audio, []
+
+    async def stuck_once(client, chunk):  # the 8th send never completes on its connection, as under backpressure
+        sends.append(len(chunk))
+        if len(sends) == 8:
+            await asyncio.Event().wait()
+        await send_audio(client, chunk)
+
+    monkeypatch.setattr(StreamClient, "send_audio", stuck_once)
+
+    async def main():
+        events = []
+        async with contextlib.AsyncExitStack() as servers:
+            first = await servers.enter_async_context(serving(fake_engine(), port=port))
+            stream = stream_audio(stream_url(port), file_source(tmp_path / "talk.wav", speed=4.0), vad=EXACT,
+                                  reconnect=5, reconnect_delay_s=0.05)
+            restarted = False
+            async for event in stream:
+                events.append(event)
+                if isinstance(event, Ready) and len(sends) < 8:
+                    asyncio.ensure_future(restart_when_stuck(first))
+                if isinstance(event, Reconnecting) and not restarted:
+                    await first.wait_stopped()
+                    await servers.enter_async_context(serving(fake_engine(), port=port))
+                    restarted = True
+        return events
+
+    async def restart_when_stuck(server):
+        while len(sends) < 8:
+            await asyncio.sleep(0.01)
+        await server.stop()  # 1001 while the 8th send is still waiting
+
+    events = run(main())
+    assert len(of_type(events, Ready)) == 2
+    summary = events[-1]
+    assert isinstance(summary, Summary)
+    # every sample of the file reached a server, once: the timeline after the reconnect is the file's own
+    assert summary.audio_seconds == pytest.approx(sum(seconds for _, seconds in pattern), abs=0.01)
