@@ -3,6 +3,7 @@
 
 const SAMPLE_RATE = 16000;
 const CHUNK_MS = 100;
+const FLUSH_TIMEOUT_MS = 1000; // for the worklet's last samples at Stop
 const LANGUAGES = ["Chinese", "English", "Cantonese", "Arabic", "German", "French", "Spanish", "Portuguese",
   "Indonesian", "Italian", "Korean", "Russian", "Thai", "Vietnamese", "Japanese", "Turkish", "Hindi", "Malay",
   "Dutch", "Swedish", "Danish", "Finnish", "Polish", "Czech", "Filipino", "Persian", "Greek", "Romanian",
@@ -77,20 +78,32 @@ async function start() {
 
 function stop() {
   const session = stream;
-  if (!session) return;
+  if (!session || session.ending) return;
   session.ending = true;
-  closeMicrophone(session.capture);
-  if (session.socket.readyState === WebSocket.OPEN) {
-    session.socket.send(JSON.stringify({ type: "end" }));
-    setState("stopping");
-  } else {
+  if (session.socket.readyState !== WebSocket.OPEN) {
+    closeMicrophone(session.capture);
     session.socket.close();
+    return;
   }
+  setState("stopping");
+  // The worklet still holds the partly filled last chunk, and chunks may be on their way here: ask it for the
+  // rest and send `end` on its acknowledgement, which comes after them; the timeout covers a worklet that died.
+  session.capture.node.port.postMessage("flush");
+  session.flushTimer = setTimeout(() => endStream(session), FLUSH_TIMEOUT_MS);
 }
 
-function onChunk(session, { pcm, level }) {
+function endStream(session) {
+  if (session.ended) return;
+  session.ended = true;
+  clearTimeout(session.flushTimer);
+  closeMicrophone(session.capture);
+  if (session.socket.readyState === WebSocket.OPEN) session.socket.send(JSON.stringify({ type: "end" }));
+}
+
+function onChunk(session, { pcm, level, flushed }) {
+  if (flushed) return endStream(session);
   ui.level.value = Math.max(0, Math.min(1, (20 * Math.log10(level + 1e-9) + 60) / 60)); // -60..0 dBFS
-  if (!session.ready || session.ending || session.socket.readyState !== WebSocket.OPEN) return;
+  if (!session.ready || session.ended || session.socket.readyState !== WebSocket.OPEN) return;
   session.socket.send(pcm);
   session.samplesSent += pcm.byteLength / 2;
   session.sentLog.push([session.samplesSent, performance.now()]); // for the page-side latency of finals

@@ -1,5 +1,6 @@
 // Microphone capture on the audio thread: downsample to 16 kHz mono, convert to 16-bit PCM (s16le) and post
-// one chunk per `chunkMs` to the page, with the chunk's RMS level for the meter.
+// one chunk per `chunkMs` to the page, with the chunk's RMS level for the meter. The message "flush" ends capture:
+// the rest is posted as a shorter chunk, then `{flushed: true}`.
 //
 // Downsampling is a windowed-sinc low-pass evaluated at fractional input positions, so any input rate works
 // (48000, 44100, ...) without aliasing speech harmonics above 8 kHz into the band the model hears.
@@ -25,7 +26,23 @@ class CaptureProcessor extends AudioWorkletProcessor {
     }
     this.port.onmessage = (message) => {
       if (message.data === "stop") this.stopped = true;
+      else if (message.data === "flush") this.flush();
     };
+  }
+
+  // Stop: post the partly filled last chunk, then `{flushed: true}`, so the page sends all of it before `end`.
+  flush() {
+    if (!this.stopped) {
+      this.stopped = true;
+      if (this.step > 1) this.resample(new Float32Array(this.halfWidth + 1)); // the filter's held-back samples
+      if (this.filled > 0) {
+        const level = Math.sqrt(this.sumSquares / Math.max(1, this.inputCount));
+        const pcm = this.chunk.slice(0, this.filled).buffer;
+        this.port.postMessage({ pcm, level }, [pcm]);
+        this.filled = 0;
+      }
+    }
+    this.port.postMessage({ flushed: true });
   }
 
   process(inputs) {

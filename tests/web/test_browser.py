@@ -195,3 +195,90 @@ def test_a_microphone_context_below_16k_is_declared_at_its_own_rate(tmp_path):
     heard_s = float(final["text"].rstrip("s"))  # the fake engine's transcript is the length of the audio it got
     (start, end), = truth
     assert heard_s == pytest.approx(end - start + 0.3, abs=0.4)  # + pre-roll
+
+
+# Test instruments, installed before Start: a tap worklet beside the capture worklet counts the input frames the
+# capture was handed (same graph, same render quanta) until frozen; the socket's received events are kept.
+INSTRUMENT = """(() => {
+  const tapModule = URL.createObjectURL(new Blob([`
+    registerProcessor('qasr-test-tap', class extends AudioWorkletProcessor {
+      constructor() {
+        super();
+        this.frames = 0;
+        this.frozen = false;
+        this.port.onmessage = () => { this.frozen = true; this.port.postMessage(this.frames); };
+      }
+      process(inputs) {
+        if (!this.frozen && inputs[0].length) this.frames += inputs[0][0].length;
+        return true;
+      }
+    });`], {type: 'text/javascript'}));
+  const addModule = AudioWorklet.prototype.addModule;
+  AudioWorklet.prototype.addModule = async function (url, options) {
+    await addModule.call(this, tapModule);
+    return addModule.call(this, url, options);
+  };
+  const OriginalNode = window.AudioWorkletNode;
+  window.AudioWorkletNode = class extends OriginalNode {
+    constructor(context, name, options) {
+      super(context, name, options);
+      if (name !== 'qasr-capture') return;
+      window.qasrCapture = this;
+      window.qasrTap = new OriginalNode(context, 'qasr-test-tap');
+      window.qasrTap.connect(context.destination);  // rendered like the capture; it outputs silence
+    }
+  };
+  const connect = AudioNode.prototype.connect;
+  AudioNode.prototype.connect = function (destination, ...rest) {
+    if (destination === window.qasrCapture) connect.call(this, window.qasrTap);
+    return connect.call(this, destination, ...rest);
+  };
+  window.qasrEvents = [];
+  const OriginalSocket = window.WebSocket;
+  window.WebSocket = class extends OriginalSocket {
+    constructor(...args) {
+      super(...args);
+      this.addEventListener('message', (message) => window.qasrEvents.push(JSON.parse(message.data)));
+    }
+  };
+  return true;
+})()"""
+
+# Stop ~50 ms after a chunk left the worklet, so about half a chunk is still being filled there; the tap is frozen
+# in the same task as the click: what it counted is the audio captured until stop.
+STOP_MID_CHUNK = """(async () => {
+  await new Promise((resolve) => window.qasrCapture.port.addEventListener('message',
+                                                                         () => setTimeout(resolve, 50), {once: true}));
+  const counted = new Promise((resolve) => { window.qasrTap.port.onmessage = ({data}) => resolve(data); });
+  window.qasrTap.port.postMessage('freeze');
+  document.getElementById('toggle').click();
+  return {frames: await counted, rate: window.qasrTap.context.sampleRate};
+})()"""
+
+
+def test_stop_sends_every_captured_sample_before_end(tmp_path):
+    """Stop mid-chunk: the worklet's partly filled chunk and any chunk still on its way to the page are sent
+    before `end`, so the server hears everything the microphone captured until Stop (within one 10 ms frame)."""
+    audio, _ = speech_like([("silence", 0.5), ("speech", 3.0), ("silence", 0.5)])
+    soundfile.write(str(tmp_path / "speech.wav"), audio, 16000, subtype="PCM_16")
+
+    async def main(server: ThreadedServer):
+        async with Chromium.launch(fake_audio=tmp_path / "speech.wav") as browser:
+            page = await browser.new_page()
+            await page.navigate(server.http_url + "/")
+            await page.evaluate(INSTRUMENT)
+            await page.click("#toggle")
+            await page.wait_for(f"{STATE} === 'listening'")
+            await asyncio.sleep(1.5)
+            captured = await page.evaluate(STOP_MID_CHUNK)
+            await page.wait_for(f"{STATE} === 'idle'")
+            events = await page.evaluate("window.qasrEvents")
+            return captured, events, page.console
+
+    with ThreadedServer(lambda: FakeEngine(delay_s=0.005), web_root=WEB_ROOT) as server:
+        captured, events, console = run(main(server))
+    summary = events[-1]
+    assert summary["type"] == "summary", events[-3:]
+    captured_s = captured["frames"] / captured["rate"]
+    assert captured_s > 1.0
+    assert summary["audio_seconds"] == pytest.approx(captured_s, abs=0.01), (summary, captured, console)
