@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import shutil
 import signal
 import sys
@@ -25,7 +26,7 @@ from typing import TextIO
 
 from qasr.client.errors import AudioSourceError, ServerUnreachable, StreamClosed
 from qasr.client.sources import file_source, list_input_devices, microphone_source
-from qasr.client.stream import Reconnecting, StreamEvent, stream_audio
+from qasr.client.stream import AudioDropped, Reconnecting, StreamEvent, stream_audio
 from qasr.streaming.events import Error, Final, Partial, Ready, Summary
 
 DEFAULT_URL = "ws://127.0.0.1:8765/v1/stream"
@@ -140,8 +141,15 @@ async def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     printer = TranscriptPrinter(out, live=out.isatty() and not args.no_partials and not args.jsonl,
                                 jsonl=args.jsonl, output=output)
     interrupted = _on_interrupt(stream, printer)
+    logging.getLogger("qasr.client").addHandler(logging.NullHandler())  # its warnings reach people as events, below
+    warned_of_drops = False
     try:
         async for event in stream:
+            if isinstance(event, AudioDropped) and not warned_of_drops:  # once: the rest says nothing new
+                printer.clear_line()
+                note(f"warning: the stream fell more than 30 s behind the microphone (server or network too "
+                     f"slow); {event.dropped_s:.1f} s of the oldest audio was dropped, unsent")
+                warned_of_drops = True
             _report(event, printer, source_is_file=bool(args.file))
             printer.show(event)
         return EXIT_OK

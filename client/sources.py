@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import os
 from dataclasses import dataclass
 from typing import AsyncIterator
@@ -19,6 +20,8 @@ from typing import AsyncIterator
 import numpy as np
 
 from qasr.client.errors import AudioSourceError
+
+log = logging.getLogger(__name__)
 
 
 class FileSource:
@@ -90,8 +93,10 @@ class MicrophoneSource:
     """Blocks from a sounddevice InputStream, opened when iteration starts and closed when it ends.
 
     The PortAudio callback runs on its own thread: it only copies the block and schedules it onto the event loop.
-    If the consumer falls behind by more than `max_buffer_s`, the oldest blocks are dropped (counted in
-    `dropped_blocks`) so memory stays bounded and the stream stays live.
+    If the consumer falls behind by more than `max_buffer_s`, the oldest blocks are dropped so memory stays bounded
+    and the stream stays live; never silently: the first drop logs a warning (logger `qasr.client.sources`), the
+    totals are in `dropped_blocks` and `dropped_s`, and `stream_audio` yields an `AudioDropped` event with the
+    seconds lost so far after the next server event once the total grows.
     """
 
     def __init__(self, device: int | str | None = None, *, sample_rate: int | None = 16000, channels: int = 1,
@@ -104,6 +109,7 @@ class MicrophoneSource:
         self.blocksize = max(1, self.sample_rate * chunk_ms // 1000)
         self.max_blocks = max(1, int(max_buffer_s * 1000 // chunk_ms))
         self.dropped_blocks = 0
+        self.dropped_s = 0.0  # audio dropped in all, in seconds (see the class docstring)
         self.overflows = 0  # PortAudio's own input overflows (the callback was late)
 
     def _input_device(self, device) -> dict:
@@ -137,8 +143,13 @@ class MicrophoneSource:
 
         def push(block: np.ndarray) -> None:  # on the event loop
             if len(blocks) >= self.max_blocks:
-                blocks.popleft()
+                dropped = blocks.popleft()
+                if self.dropped_blocks == 0:
+                    log.warning("the stream is more than %g s behind the microphone (the server or the "
+                                "network is too slow): dropping the oldest audio", self.max_blocks * len(dropped)
+                                / self.sample_rate)
                 self.dropped_blocks += 1
+                self.dropped_s += len(dropped) / self.sample_rate
             blocks.append(block)
             arrived.set()
 

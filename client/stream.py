@@ -51,7 +51,17 @@ class Reconnecting:
     reason: str  # why the previous connection ended
 
 
-StreamEvent = Union[ServerEvent, Reconnecting]
+@dataclass(frozen=True)
+class AudioDropped:
+    """Client-side event: the source fell too far behind and dropped its oldest audio, which was never sent
+    (`MicrophoneSource` past its `max_buffer_s`). Yielded after the next server event once the total grows; any
+    source with a `dropped_s` attribute reports this way."""
+
+    TYPE: ClassVar[str] = "audio_dropped"
+    dropped_s: float  # in all since the stream began
+
+
+StreamEvent = Union[ServerEvent, Reconnecting, AudioDropped]
 
 
 class StreamClient:
@@ -213,6 +223,7 @@ class AudioStream:
         self._source_error: BaseException | None = None
         self._source_done = False  # the source ran out (or failed): `end` goes out after the last chunk
         self._iterating = False
+        self._dropped_reported_s = 0.0
 
     def stop(self) -> None:
         """End the stream: stop reading the source, send `end`; the remaining finals and the summary still
@@ -243,6 +254,8 @@ class AudioStream:
                     pump = asyncio.ensure_future(self._pump(self.client))
                     async for event in self.client.events():
                         yield timeline.shift(event)
+                        if (dropped := self._newly_dropped()) is not None:
+                            yield dropped
                     if self._source_error is not None:
                         raise self._source_error
                     return
@@ -268,6 +281,13 @@ class AudioStream:
     def _may_retry(self, error: ClientError, attempts: int) -> bool:
         return (error.retryable and attempts < self.reconnect and not self.stopping and not self._source_done
                 and not (self.client is not None and self.client.ended))
+
+    def _newly_dropped(self) -> AudioDropped | None:
+        dropped_s = getattr(self.source, "dropped_s", 0.0)
+        if dropped_s <= self._dropped_reported_s:
+            return None
+        self._dropped_reported_s = dropped_s
+        return AudioDropped(dropped_s)
 
     async def _pump(self, client: StreamClient) -> None:
         """Source -> socket until the source ends or stop(); then `end`. A failing source ends the stream

@@ -6,6 +6,7 @@ and with the real one on a PulseAudio null sink where PulseAudio can run (tests/
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pty
@@ -18,6 +19,7 @@ import time
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import soundfile
 
@@ -307,3 +309,43 @@ def test_a_terminal_sees_the_partial_rewritten_in_place(server, tmp_path):
     assert CLEAR_LINE + "0." in text or CLEAR_LINE + "1." in text  # a partial ("0.90s") drawn on a cleared line
     assert CLEAR_LINE + "[0." in text  # the final replaces it on the same line
     assert text.rstrip("\r\n").endswith(CLEAR_LINE) or text.splitlines()[-1].startswith(("[", "\x1b"))
+
+
+class StandInInputStream:
+    """sounddevice.InputStream without a device: start() delivers BURST blocks at once (the consumer can only read
+    them once the event loop runs again: as far behind as it gets), then presses Ctrl-C half a second later."""
+
+    BURST = 303  # the buffer holds 30 s = 300 blocks of 100 ms: the 3 oldest are dropped
+
+    def __init__(self, *, callback, blocksize, channels, **_):
+        self.callback, self.blocksize, self.channels = callback, blocksize, channels
+
+    def start(self):
+        status = types.SimpleNamespace(input_overflow=False)
+        for _ in range(self.BURST):
+            self.callback(np.zeros((self.blocksize, self.channels), np.float32), self.blocksize, None, status)
+        asyncio.get_running_loop().call_later(0.5, signal.raise_signal, signal.SIGINT)  # stop, cleanly
+
+    def stop(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_microphone_too_far_behind_drops_the_oldest_audio_with_a_warning(server, monkeypatch, capsys, caplog):
+    class PortAudioError(Exception):
+        pass
+
+    device = {"name": "stand-in microphone", "default_samplerate": 16000.0, "max_input_channels": 1}
+    stand_in = types.SimpleNamespace(PortAudioError=PortAudioError, query_devices=lambda *args, **kwargs: device,
+                                     check_input_settings=lambda *args, **kwargs: None, InputStream=StandInInputStream,
+                                     default=types.SimpleNamespace(device=(0, 0)))
+    monkeypatch.setattr(sources, "_sounddevice", lambda: stand_in)
+
+    assert mic.main(["--url", server.url]) == mic.EXIT_OK
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "dropped" in line]
+    assert warnings == ["qasr-mic: warning: the stream fell more than 30 s behind the microphone (server or network "
+                        "too slow); 0.3 s of the oldest audio was dropped, unsent"]
+    logged = [record for record in caplog.records if record.name == "qasr.client.sources"]
+    assert len(logged) == 1 and logged[0].levelname == "WARNING" and "30 s behind" in logged[0].getMessage()
