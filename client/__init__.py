@@ -7,7 +7,7 @@
             print(f"[{event.start:.2f}-{event.end:.2f}] {event.text}")
 
 Events are the server's (`Ready`, `SpeechStarted`, `Partial`, `Final`, `Error`, `Summary`, from
-`qasr.streaming.events`) plus the client's own `Reconnecting`. The wire format lives in `qasr.client.protocol`,
+`qasr.streaming.events`) plus the client's own `Reconnecting` and `AudioDropped` (a microphone that fell too far behind). The wire format lives in `qasr.client.protocol`,
 errors in `qasr.client.errors`. `qasr-mic` (qasr.client.mic) is the terminal client built on this.
 """
 
@@ -16,12 +16,12 @@ from qasr.client.errors import (AudioSourceError, ClientError, ConnectionLost, P
 from qasr.client.protocol import StreamOptions
 from qasr.client.sources import (FileSource, InputDevice, MicrophoneSource, file_source, list_input_devices,
                                  microphone_source)
-from qasr.client.stream import AudioStream, Reconnecting, StreamClient, StreamEvent, stream_audio
+from qasr.client.stream import AudioDropped, AudioStream, Reconnecting, StreamClient, StreamEvent, stream_audio
 from qasr.streaming.events import Error, Final, Partial, Ready, SpeechStarted, Summary
 
 __all__ = [
     "stream_audio", "AudioStream", "StreamClient", "StreamOptions", "StreamEvent",
     "file_source", "microphone_source", "list_input_devices", "FileSource", "MicrophoneSource", "InputDevice",
-    "Ready", "SpeechStarted", "Partial", "Final", "Error", "Summary", "Reconnecting",
+    "Ready", "SpeechStarted", "Partial", "Final", "Error", "Summary", "Reconnecting", "AudioDropped",
     "ClientError", "ServerUnreachable", "StreamClosed", "ConnectionLost", "ProtocolMismatch", "AudioSourceError",
 ]
