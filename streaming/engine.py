@@ -372,7 +372,8 @@ class Engine:
         if not w or len(tokens) < w:
             return False
         tail = tokens[-w:]
-        return any(all(tail[i] == tail[i - p] for i in range(p, w)) for p in range(1, 9))
+        # compare from the newest token back: a sequence that is not looping fails at once (this runs per row per step)
+        return any(all(tail[i] == tail[i - p] for i in range(w - 1, p - 1, -1)) for p in range(1, 9))
 
     def _complete(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
