@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .config import AudioEncoderConfig, ModelConfig, TextDecoderConfig
 
 
@@ -286,6 +287,7 @@ class TextDecoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # set by use_fused_kernels
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] -> cos, sin [B, T, head_dim], computed in float32 then cast (as the official)
@@ -293,8 +295,17 @@ class TextDecoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+    def use_fused_kernels(self, num_positions: int | None) -> None:
+        """Switch prefill and decode to the Triton kernels (model/kernels.py) for positions < num_positions
+        (the cache length), or back to plain PyTorch with None. The RoPE table is computed here, once, with the
+        same ops as `rope`, so both paths rotate by identical values."""
+        if num_positions is None:
+            self.rope_table = None
+            return
+        dtype = self.embed_tokens.weight.dtype
+        positions = torch.arange(num_positions, device=self.inv_freq.device)[None]
+        cos, sin = self.rope(positions, dtype)
+        self.rope_table = (cos[0].contiguous(), sin[0].contiguous())
 
     def run_layers(self, x, positions, write_slots, write_pos, read_keys, mask, cache: KVCache):
         """The shared layer loop.
@@ -318,7 +329,8 @@ class TextDecoder(nn.Module):
     def prefill(self, embeds, slots, starts, lengths, cache: KVCache, num_keys: int | None = None) -> torch.Tensor:
         """Append `lengths[b]` new tokens to slot `slots[b]` after its first `starts[b]` cached positions.
 
-        embeds: [B, T, D] (row b valid for t < lengths[b]); slots, starts, lengths: [B] long -> hidden [B, T, D].
+        embeds: [B, T, D] (row b valid for t < lengths[b]); slots, starts, lengths: [B] long -> final-normed hidden
+        [B, T, D] (lm_head of a position gives its logits).
         num_keys: cache positions to attend over, >= max(starts + lengths) (computed here when not given; passing it
         keeps this function free of device syncs). Reading the cache through `slots` copies those rows: fine for
         prefill, which is not on the per-token path.
@@ -334,7 +346,19 @@ class TextDecoder(nn.Module):
         # a new token sees every cached position of its slot up to itself; padded rows see position 0 (no NaN)
         mask = (keys_at[None, None, :] <= positions[:, :, None]) | (keys_at[None, None, :] == 0)
         read = lambda i: (cache.k[i][slots, :, :num_keys], cache.v[i][slots, :, :num_keys])
-        return self.run_layers(embeds, positions, slots, write_pos, read, mask, cache)
+        if self.rope_table is None:
+            return self.norm(self.run_layers(embeds, positions, slots, write_pos, read, mask, cache))
+
+        def attend(i, q):  # q: [B*T, H, hd] -> [B*T, H*hd], masked SDPA over the slot's cached keys
+            attn = self.layers[i].self_attn
+            keys, values = read(i)
+            return attn.attend(q.view(B, T, *q.shape[1:]).transpose(1, 2), keys, values, mask).view(B * T, -1)
+
+        rope_pos = positions.clamp(max=self.rope_table[0].shape[0] - 1)  # padded positions may run past the table
+        slot_of = slots[:, None].expand_as(write_pos)
+        h = self.run_layers_fused(embeds.reshape(B * T, -1), rope_pos.reshape(-1), slot_of.reshape(-1),
+                                  write_pos.reshape(-1), attend, cache)
+        return h.view(B, T, -1)
 
     def decode(self, tokens, positions, cache: KVCache) -> torch.Tensor:
         """One new token for each of the first B slots (row b = slot b): fixed shapes, CUDA-graph friendly.
@@ -349,9 +373,33 @@ class TextDecoder(nn.Module):
         keys_at = torch.arange(cache.length, device=tokens.device)
         mask = (keys_at[None, None, :] <= pos[:, :, None]) & (keys_at[None, None, :] < cache.max_len)
         slots = torch.arange(B, device=tokens.device)
+        if self.rope_table is not None:
+            attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
+            h = self.run_layers_fused(x[:, 0], pos[:, 0], slots, write_pos[:, 0], attend, cache)
+            return self.lm_head(h)
         read = lambda i: (cache.k[i][:B], cache.v[i][:B])
         h = self.run_layers(x, pos, slots, write_pos, read, mask, cache)
-        return self.logits(h[:, 0])
+        return self.lm_head(self.norm(h[:, 0]))
+
+    def run_layers_fused(self, x, rope_pos, slots, write_pos, attend, cache: KVCache) -> torch.Tensor:
+        """The layer loop on the fused kernels, over N flattened tokens -> final-normed hidden [N, D].
+
+        x: [N, D]; rope_pos, slots, write_pos: [N]; attend(layer, q [N, H, hd]) -> [N, H * hd]. Each residual add is
+        fused into the RMSNorm that follows it, the last one into the final norm.
+        """
+        eps = self.cfg.rms_norm_eps
+        cos, sin = self.rope_table
+        residual = x.contiguous().clone()
+        h = kernels.rms_norm(residual, self.layers[0].input_layernorm.weight, eps)
+        for i, layer in enumerate(self.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            q = kernels.qk_norm_rope_store(attn.qkv_proj(h), attn.q_norm.weight, attn.k_norm.weight, cos, sin,
+                                           rope_pos, slots, write_pos, cache.k[i], cache.v[i],
+                                           attn.num_heads, attn.num_kv_heads, eps)
+            h = kernels.rms_norm(attn.o_proj(attend(i, q)), layer.post_attention_layernorm.weight, eps, residual)
+            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h = kernels.rms_norm(mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h))), following.weight, eps, residual)
+        return h
 
 
 # ----------------------------------------------------------------------------------------------------------------

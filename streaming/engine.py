@@ -49,6 +49,7 @@ class EngineOptions:
     cuda_graphs: bool | None = None  # None: on a CUDA device
     compile: bool = False  # torch.compile decode step, prefill and encoder (opt-in: not yet measured faster, see
     # docs/benchmarks.md; compiling takes minutes)
+    fused_kernels: bool | None = None  # Triton kernels for the decoder (None: on CUDA when Triton is installed)
     repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
     ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
     quantize: str | None = None  # "int8": weight-only int8 decoder projections (opt-in; see model/quantize.py)
@@ -76,6 +77,7 @@ class Engine:
             eos_ids=self.eos_ids,
             cuda_graphs=options.cuda_graphs,
             compile=options.compile,
+            fused_kernels=options.fused_kernels,
         )
         self.scheduler = Scheduler()
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))

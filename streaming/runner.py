@@ -11,6 +11,7 @@ import logging
 
 import torch
 
+from qasr.model import kernels
 from qasr.model.modeling import Qwen3ASR, prefill_keys
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class ModelRunner:
         eos_ids: tuple[int, ...] = (151645, 151643),
         cuda_graphs: bool | None = None,
         compile: bool = False,
+        fused_kernels: bool | None = None,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
     ):
         self.model = model
@@ -47,6 +49,11 @@ class ModelRunner:
         self.out_host = torch.zeros(2, S, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.buckets = tuple(b for b in buckets if b < S) + (S,)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # fused Triton kernels for the decoder: on CUDA when Triton is installed, unless asked otherwise
+        self.fused_kernels = kernels.available(self.device) if fused_kernels is None else fused_kernels
+        if self.fused_kernels and not kernels.available(self.device):
+            raise ValueError(f"fused kernels need Triton and a CUDA device (got {self.device})")
+        model.decoder.use_fused_kernels(self.cache.length if self.fused_kernels else None)
         # compile: the eager step is ~50 small kernels per layer, launched from Python; Inductor fuses the norms,
         # rope and elementwise work. dynamic=True: one compilation serves every bucket (and every prefill shape).
         enc, dec = model.encoder, model.decoder
@@ -138,7 +145,7 @@ class ModelRunner:
         num_keys = prefill_keys(max(s + n for s, n in zip(starts, lengths)), self.cache)
         hidden = self._prefill_fn(x, dev(slots), dev(starts), lengths_t, self.cache, num_keys)
         last = hidden[torch.arange(len(embeds), device=self.device), lengths_t - 1]
-        return self.model.decoder.logits(last).argmax(dim=-1).tolist()
+        return self.model.decoder.lm_head(last).argmax(dim=-1).tolist()
 
     @torch.inference_mode()
     def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

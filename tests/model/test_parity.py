@@ -258,7 +258,7 @@ def our_prompt_logits(model, tokenizer, wav: np.ndarray, context: str, language:
     one = lambda value: torch.tensor([value])  # noqa: E731
     with torch.no_grad():
         hidden = model.decoder.prefill(embeds[None], one(0), one(0), one(T), cache)
-        return ids, model.decoder.logits(hidden)[0]
+        return ids, model.decoder.lm_head(hidden)[0]
 
 
 @pytest.mark.parametrize("seconds, language, context", LOGIT_CASES)

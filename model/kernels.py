@@ -1,0 +1,208 @@
+"""Fused Triton kernels for the text decoder on CUDA.
+
+The plain PyTorch decoder runs ~50 tiny kernels per layer (an RMSNorm alone is seven: cast, pow, mean, rsqrt, mul,
+cast, mul); in a CUDA graph each still costs ~2.5 us of GPU time, so at batch 1 the step was kernel-count bound, not
+bandwidth bound (docs/benchmarks.md). These kernels bring a layer down to nine: add+RMSNorm, qkv matmul,
+q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up matmul, SiLU*mul, down matmul.
+
+Each kernel rounds to the activation dtype wherever the PyTorch reference does (modeling.py), so the two paths differ
+only in reduction order. Every row is computed by its own programs: a row's result never depends on its batch mates.
+The tests run them on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the decoder uses its PyTorch path
+    triton = None
+
+
+def available(device: torch.device) -> bool:
+    """Whether the fused kernels can run on tensors of `device`."""
+    if triton is None:
+        return False
+    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(X, R, W, Y, D, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        # one row: h = residual + x (stored back into the residual) or h = x; y = norm(h) * w
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        h = tl.load(X + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_RESIDUAL:
+            r = tl.load(R + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+            h = (h + r).to(Y.dtype.element_ty)
+            tl.store(R + row * D + cols, h, mask=mask)
+            h = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (h * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
+        tl.store(Y + row * D + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _qk_norm_rope_store_kernel(
+        QKV, Q, K_CACHE, V_CACHE, QW, KW, COS, SIN, ROPE_POS, SLOT, WRITE_POS,
+        stride_qkv, stride_cs, stride_ch, stride_cl, eps,
+        H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr,
+    ):
+        # program (token n, head j): j < H is a query head (-> Q[n, j]); j >= H is KV head j - H, whose normed and
+        # rotated key and plain value go to the cache at [slot[n], j - H, write_pos[n]]
+        n = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1)
+        half = tl.arange(0, HD // 2)
+        is_q = j < H
+        base = QKV + n * stride_qkv + j * HD
+        x1 = tl.load(base + half).to(tl.float32)
+        x2 = tl.load(base + HD // 2 + half).to(tl.float32)
+        dt = Q.dtype.element_ty
+        rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
+        if is_q:
+            w1 = tl.load(QW + half).to(tl.float32)
+            w2 = tl.load(QW + HD // 2 + half).to(tl.float32)
+        else:
+            w1 = tl.load(KW + half).to(tl.float32)
+            w2 = tl.load(KW + HD // 2 + half).to(tl.float32)
+        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
+        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
+        # RoPE: cos/sin rows are [c, c] and [s, s] (the two halves repeat), rotate_half(x) = [-x2, x1]
+        p = tl.load(ROPE_POS + n)
+        c = tl.load(COS + p * HD + half).to(tl.float32)
+        s = tl.load(SIN + p * HD + half).to(tl.float32)
+        o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
+        o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
+        if is_q:
+            out = Q + (n * H + j) * HD
+            tl.store(out + half, o1)
+            tl.store(out + HD // 2 + half, o2)
+        else:
+            kvh = j - H
+            at = tl.load(SLOT + n).to(tl.int64) * stride_cs + kvh * stride_ch + tl.load(WRITE_POS + n) * stride_cl
+            tl.store(K_CACHE + at + half, o1)
+            tl.store(K_CACHE + at + HD // 2 + half, o2)
+            full = tl.arange(0, HD)
+            v = tl.load(QKV + n * stride_qkv + (H + KVH + kvh) * HD + full)
+            tl.store(V_CACHE + at + full, v)
+
+    @triton.jit
+    def _decode_attention_kernel(
+        Q, K, V, OUT, POS, stride_cs, stride_ch, stride_cl, scale,
+        H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # program (row b, kv head): the G query heads sharing that KV head attend over positions 0 .. POS[b] of slot b
+        # (online softmax in float32); a padding row (POS < 0) attends to position 0 only
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        g = tl.arange(0, G_BLOCK)
+        d = tl.arange(0, HD)
+        gmask = g < G
+        heads = kvh * G + g
+        q = tl.load(Q + (b * H + heads[:, None]) * HD + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+        q = q * (scale * 1.4426950408889634)  # exp2 domain
+        n_keys = tl.maximum(tl.load(POS + b), 0) + 1
+        base = b * stride_cs + kvh * stride_ch
+        m = tl.full([G_BLOCK], float("-inf"), tl.float32)
+        l = tl.zeros([G_BLOCK], tl.float32)
+        acc = tl.zeros([G_BLOCK, HD], tl.float32)
+        for start in range(0, n_keys, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            kmask = keys < n_keys
+            offs = base + keys[:, None] * stride_cl + d[None, :]
+            k = tl.load(K + offs, mask=kmask[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_N]
+            s = tl.where(kmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            v = tl.load(V + offs, mask=kmask[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(OUT + (b * H + heads[:, None]) * HD + d[None, :], out.to(OUT.dtype.element_ty), mask=gmask[:, None])
+
+    @triton.jit
+    def _silu_mul_kernel(GU, OUT, I, BLOCK: tl.constexpr):
+        # [N, 2I] gate|up -> [N, I] silu(gate) * up, rounded after the silu as F.silu(gate) * up is
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < I
+        gate = tl.load(GU + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(GU + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
+        dt = OUT.dtype.element_ty
+        act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
+        tl.store(OUT + row * I + cols, (act * up).to(dt), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """norm(x) * weight over the last dim; with `residual`: residual += x first (in place) and norm that.
+
+    x, residual: contiguous [N, D] -> [N, D].
+    """
+    N, D = x.shape
+    assert x.is_contiguous() and (residual is None or residual.is_contiguous())
+    y = torch.empty_like(x)
+    block = triton.next_power_of_2(D)
+    _rms_norm_kernel[(N,)](x, residual if residual is not None else x, weight, y, D, eps,
+                           HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+    return y
+
+
+def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos, k_cache, v_cache,
+                       num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
+    """The attention's input side in one kernel.
+
+    qkv: [N, (H + 2 KVH) hd] projections of N tokens; cos/sin: [P, hd] tables; rope_pos, slots, write_pos: [N].
+    Writes each token's normed, rotated key and its value into k_cache/v_cache [S, KVH, L, hd] at
+    [slots[n], :, write_pos[n]] and returns the normed, rotated queries [N, H, hd].
+    """
+    N = qkv.shape[0]
+    hd = k_cache.shape[-1]
+    # the kernel indexes these as plain [N] arrays: an expanded index tensor (stride 0) would be read past its end
+    rope_pos, slots, write_pos = rope_pos.contiguous(), slots.contiguous(), write_pos.contiguous()
+    assert qkv.stride(1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    q = torch.empty((N, num_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    sc, sh, sl, _ = k_cache.stride()
+    _qk_norm_rope_store_kernel[(N, num_heads + num_kv_heads)](
+        qkv, q, k_cache, v_cache, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos,
+        qkv.stride(0), sc, sh, sl, eps, H=num_heads, KVH=num_kv_heads, HD=hd, num_warps=1)
+    return q
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Row b (= slot b) attends over cache positions 0 .. positions[b] (position 0 only when it is -1).
+
+    q: [B, H, hd]; caches [S >= B, KVH, L, hd]; positions: [B] -> [B, H * hd]. Reads only the live keys of each row.
+    """
+    B, H, hd = q.shape
+    kvh = k_cache.shape[1]
+    q, positions = q.contiguous(), positions.contiguous()
+    assert k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    group = H // kvh
+    out = torch.empty((B, H * hd), dtype=q.dtype, device=q.device)
+    sc, sh, sl, _ = k_cache.stride()
+    _decode_attention_kernel[(B, kvh)](
+        q, k_cache, v_cache, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
+        H=H, G=group, G_BLOCK=max(2, triton.next_power_of_2(group)), HD=hd, BLOCK_N=32, num_warps=4)
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[N, 2I] -> [N, I]: silu(gate) * up."""
+    N, two_i = gate_up.shape
+    assert gate_up.is_contiguous()
+    I = two_i // 2
+    out = torch.empty((N, I), dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(N, triton.cdiv(I, block))](gate_up, out, I, BLOCK=block, num_warps=4)
+    return out

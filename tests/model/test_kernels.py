@@ -1,0 +1,27 @@
+"""The fused Triton kernels (model/kernels.py) on the CPU, through Triton's interpreter.
+
+The interpreter is chosen when the kernels are defined, so the cases (kernel_cases.py) run in a child pytest with
+TRITON_INTERPRET=1; this test passes when all of them pass and shows their report when one fails.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+
+def test_fused_kernels_match_the_pytorch_reference():
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(here.parent),
+         str(here / "kernel_cases.py")],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    report = proc.stdout[-6000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, report
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, report
