@@ -9,6 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,power.limit --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
+python3 -m qasr.bench.kernel_check 0.6B 2>&1 | tee "$out/kernel-check-0.6B.json"
 for size in ${SIZES:-0.6B 1.7B}; do
   extra=""
   [ "$size" = "1.7B" ] && extra="--independence-requests 24 --eager-requests 6"

@@ -7,6 +7,7 @@ official qwen-asr transformers backend timed in the same run on the same checkpo
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -100,6 +101,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     _sync(device)
     e0, t = energy.joules(), time.perf_counter()
     rows0, steps0 = engine.counters["decode_rows"], engine.steps
+    engine.recent_batch_sizes = collections.deque()  # every step of this run, for the batch-size histogram
     results = engine.transcribe(requests(clips, args.tokens))
     _sync(device)
     elapsed = time.perf_counter() - t
@@ -113,6 +115,9 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
         out["qasr_avg_power_w"] = (e1 - e0) / elapsed
     steps = engine.steps - steps0
     out["qasr_mean_decode_batch"] = (engine.counters["decode_rows"] - rows0) / steps if steps else 0.0
+    sizes = np.array(engine.recent_batch_sizes)
+    out["qasr_decode_batch_percentiles"] = {p: float(np.percentile(sizes, p)) for p in (5, 25, 50, 75, 95)} if sizes.size else {}
+    engine.recent_batch_sizes = collections.deque(maxlen=64)
 
     # decode step per bucket against the bandwidth floor
     if device.type == "cuda":
@@ -191,10 +196,11 @@ def correctness(engine: Engine, args) -> dict:
     tok_same = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(batched, alone))
     res["batch_independence_exact_match"] = f"{same}/{n}"
     res["batch_independence_token_agreement"] = tok_same / max(1, tok_total)
-    # agreement with the eager batch-1 path (no graphs): a fresh eager engine on the same model
+    # agreement with the eager batch-1 path: a fresh engine on the same model in plain PyTorch (no graphs, no fused
+    # kernels, no compile), the reference the fast path must reproduce
     eager = Engine(engine.model, engine.tokenizer, EngineOptions(num_slots=1, max_len=engine.options.max_len,
                                                                num_retained=0, ignore_eos=True, repetition_window=0,
-                                                               cuda_graphs=False, compile=False))
+                                                               cuda_graphs=False, compile=False, fused_kernels=False))
     k = min(args.eager_requests, n)
     eager_out = [eager.transcribe([r])[0] for r in reqs[:k]]
     agree = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(eager_out, batched[:k]))

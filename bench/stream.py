@@ -347,29 +347,75 @@ def plot(path: str, records: list[ClientRecord], summary_series: dict, out: dict
 # ---- the run -----------------------------------------------------------------------------------------------------
 
 
-async def bench(args) -> dict:
-    from tqdm import tqdm
-
+async def run_clients(args, indices: list[int], bench_start: float, stop_at: float) -> list[ClientRecord]:
+    """Run the clients `indices` (of args.clients), each starting at its place in the stagger."""
     source = None
     if args.audio:
         from qasr.model.audio import load_audio
 
         source = load_audio(args.audio, SAMPLE_RATE)
-    stream_seconds = args.duration * args.speed
-    audios = [client_audio(source, stream_seconds, i) for i in range(args.clients)]
+    records = [ClientRecord(i) for i in indices]
+
+    async def staggered(record: ClientRecord) -> None:
+        audio = client_audio(source, args.duration * args.speed, record.index)
+        due = bench_start + args.stagger_s * record.index / max(1, args.clients)
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        await run_client(args, record.index, audio, record, stop_at, bench_start)
+
+    await asyncio.gather(*(staggered(r) for r in records))
+    return records
+
+
+async def run_workers(args, bench_start: float, stop_at: float, tmp: str) -> asyncio.Future:
+    """--processes K: K child processes share the clients (client i in process i % K), so that one Python event
+    loop on the client side is not what limits a large run. perf_counter is the system's monotonic clock, so the
+    children's times compare with ours. -> a future of all their records."""
+    procs = []
+    for k in range(args.processes):
+        cmd = [sys.executable, "-m", "qasr.bench.stream", *args.argv, "--processes", "1", "--no-progress",
+               "--worker", f"{k}/{args.processes}", "--bench-start", repr(bench_start),
+               "--records-out", f"{tmp}/records-{k}.json"]
+        procs.append(await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.DEVNULL))
+
+    async def collect() -> list[ClientRecord]:
+        codes = await asyncio.gather(*(p.wait() for p in procs))
+        if any(codes):
+            raise RuntimeError(f"client processes exited with {codes}")
+        records = []
+        for k in range(args.processes):
+            for raw in json.loads(Path(f"{tmp}/records-{k}.json").read_text()):
+                raw["events"] = [tuple(e) for e in raw["events"]]
+                raw["lag_series"] = [tuple(x) for x in raw["lag_series"]]
+                records.append(ClientRecord(**raw))
+        return sorted(records, key=lambda r: r.index)
+
+    return asyncio.ensure_future(collect())
+
+
+async def bench(args) -> dict:
+    import dataclasses
+    import tempfile
+
+    from tqdm import tqdm
+
+    bench_start = args.bench_start or time.perf_counter()
+    stop_at = bench_start + args.stagger_s + args.duration
+    if args.worker:  # one of --processes children: run our share, hand the records to the parent
+        k, n = (int(x) for x in args.worker.split("/"))
+        records = await run_clients(args, list(range(k, args.clients, n)), bench_start, stop_at)
+        Path(args.records_out).write_text(json.dumps([dataclasses.asdict(r) for r in records]))
+        return {}
     parts = urlsplit(args.url)
     metrics_url = f"{'https' if parts.scheme == 'wss' else 'http'}://{parts.netloc}/metrics"
     cpu = CpuSampler(args.server_pid, metrics_url)
-    records = [ClientRecord(i) for i in range(args.clients)]
-    bench_start = time.perf_counter()
-    stop_at = bench_start + args.stagger_s + args.duration
     await cpu.sample(bench_start)
-
-    async def staggered(i: int) -> None:
-        await asyncio.sleep(args.stagger_s * i / max(1, args.clients))
-        await run_client(args, i, audios[i], records[i], stop_at, bench_start)
-
-    clients = asyncio.ensure_future(asyncio.gather(*(staggered(i) for i in range(args.clients))))
+    tmp = tempfile.TemporaryDirectory()
+    if args.processes > 1:
+        clients = await run_workers(args, bench_start, stop_at, tmp.name)
+        records: list[ClientRecord] = []
+    else:
+        records = [ClientRecord(i) for i in range(args.clients)]
+        clients = asyncio.ensure_future(run_clients(args, list(range(args.clients)), bench_start, stop_at))
     limit = args.stagger_s + args.duration + args.drain_timeout_s
     with tqdm(total=round(limit), unit="s", desc="streaming", disable=not args.progress, file=sys.stderr) as bar:
         while not clients.done():
@@ -378,10 +424,8 @@ async def bench(args) -> dict:
             elapsed = time.perf_counter() - bench_start
             bar.set_description("streaming" if elapsed < args.stagger_s + args.duration else "draining")
             bar.update(max(0, min(round(elapsed), bar.total) - bar.n))
-            kinds = [event.get("type") for record in records for _, event in record.events]
-            lag = max((record.send_lag_ms[-1] for record in records if record.send_lag_ms), default=0.0)
-            bar.set_postfix(finals=kinds.count("final"), partials=kinds.count("partial"), lag_ms=f"{lag:.0f}")
-    await clients
+    records = await clients
+    tmp.cleanup()
     summary, sessions = analyse(records)
     totals = {key: sum(session[key] for session in sessions)
               for key in ("segments", "partials", "finals", "errors", "audio_seconds")}
@@ -425,17 +469,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the results as JSON here")
     p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    p.add_argument("--processes", type=int, default=1,
+                   help="spread the clients over this many client processes (for hundreds of clients)")
+    # internal: a --processes child
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--bench-start", type=float, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--records-out", help=argparse.SUPPRESS)
     return p
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.clients < 1 or args.duration <= 0 or args.speed <= 0 or args.chunk_ms < 10:
-        parser.error("need --clients >= 1, --duration > 0, --speed > 0 and --chunk-ms >= 10")
+    if args.clients < 1 or args.duration <= 0 or args.speed <= 0 or args.chunk_ms < 10 or args.processes < 1:
+        parser.error("need --clients >= 1, --duration > 0, --speed > 0, --chunk-ms >= 10 and --processes >= 1")
+    args.argv = [a for a in (argv if argv is not None else sys.argv[1:])]
     if args.server_pid is not None and not Path(f"/proc/{args.server_pid}/stat").exists():
         parser.error(f"--server-pid {args.server_pid}: no such local process (/proc/{args.server_pid}/stat)")
-    return asyncio.run(bench(args))
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(bench(args))
+    return uvloop.run(bench(args))
 
 
 if __name__ == "__main__":

@@ -287,7 +287,6 @@ class TextDecoder(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # set by use_fused_kernels
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [B, T] -> cos, sin [B, T, head_dim], computed in float32 then cast (as the official)
@@ -295,18 +294,12 @@ class TextDecoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def use_fused_kernels(self, num_positions: int | None) -> None:
-        """Switch prefill and decode to the Triton kernels (model/kernels.py) for positions < num_positions
-        (the cache length), or back to plain PyTorch with None. The RoPE table is computed here, once, with the
-        same ops as `rope`, so both paths rotate by identical values."""
-        if num_positions is None:
-            self.rope_table = None
-            return
-        dtype = self.embed_tokens.weight.dtype
+    def rope_table(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [num_positions, head_dim] for the fused kernels: the same ops as `rope`, so both paths rotate by
+        identical values. Passing it to `prefill`/`decode` selects the fused Triton kernels (model/kernels.py)."""
         positions = torch.arange(num_positions, device=self.inv_freq.device)[None]
-        cos, sin = self.rope(positions, dtype)
-        self.rope_table = (cos[0].contiguous(), sin[0].contiguous())
-
+        cos, sin = self.rope(positions, self.embed_tokens.weight.dtype)
+        return cos[0].contiguous(), sin[0].contiguous()
     def run_layers(self, x, positions, write_slots, write_pos, read_keys, mask, cache: KVCache):
         """The shared layer loop.
 
@@ -326,14 +319,15 @@ class TextDecoder(nn.Module):
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
-    def prefill(self, embeds, slots, starts, lengths, cache: KVCache, num_keys: int | None = None) -> torch.Tensor:
+    def prefill(self, embeds, slots, starts, lengths, cache: KVCache, num_keys: int | None = None,
+                rope_table=None) -> torch.Tensor:
         """Append `lengths[b]` new tokens to slot `slots[b]` after its first `starts[b]` cached positions.
 
         embeds: [B, T, D] (row b valid for t < lengths[b]); slots, starts, lengths: [B] long -> final-normed hidden
         [B, T, D] (lm_head of a position gives its logits).
         num_keys: cache positions to attend over, >= max(starts + lengths) (computed here when not given; passing it
         keeps this function free of device syncs). Reading the cache through `slots` copies those rows: fine for
-        prefill, which is not on the per-token path.
+        prefill, which is not on the per-token path. rope_table (see `rope_table`): run on the fused kernels.
         """
         B, T, _ = embeds.shape
         if num_keys is None:
@@ -346,7 +340,7 @@ class TextDecoder(nn.Module):
         # a new token sees every cached position of its slot up to itself; padded rows see position 0 (no NaN)
         mask = (keys_at[None, None, :] <= positions[:, :, None]) | (keys_at[None, None, :] == 0)
         read = lambda i: (cache.k[i][slots, :, :num_keys], cache.v[i][slots, :, :num_keys])
-        if self.rope_table is None:
+        if rope_table is None:
             return self.norm(self.run_layers(embeds, positions, slots, write_pos, read, mask, cache))
 
         def attend(i, q):  # q: [B*T, H, hd] -> [B*T, H*hd], masked SDPA over the slot's cached keys
@@ -354,16 +348,17 @@ class TextDecoder(nn.Module):
             keys, values = read(i)
             return attn.attend(q.view(B, T, *q.shape[1:]).transpose(1, 2), keys, values, mask).view(B * T, -1)
 
-        rope_pos = positions.clamp(max=self.rope_table[0].shape[0] - 1)  # padded positions may run past the table
+        rope_pos = positions.clamp(max=rope_table[0].shape[0] - 1)  # padded positions may run past the table
         slot_of = slots[:, None].expand_as(write_pos)
         h = self.run_layers_fused(embeds.reshape(B * T, -1), rope_pos.reshape(-1), slot_of.reshape(-1),
-                                  write_pos.reshape(-1), attend, cache)
+                                  write_pos.reshape(-1), attend, cache, rope_table)
         return h.view(B, T, -1)
 
-    def decode(self, tokens, positions, cache: KVCache) -> torch.Tensor:
+    def decode(self, tokens, positions, cache: KVCache, rope_table=None) -> torch.Tensor:
         """One new token for each of the first B slots (row b = slot b): fixed shapes, CUDA-graph friendly.
 
         tokens: [B] long; positions: [B] long, -1 for a padding row (writes only scratch, output ignored) -> logits [B, V].
+        rope_table (see `rope_table`): run on the fused kernels.
         """
         B = tokens.shape[0]
         x = self.embed_tokens(tokens)[:, None]
@@ -373,22 +368,22 @@ class TextDecoder(nn.Module):
         keys_at = torch.arange(cache.length, device=tokens.device)
         mask = (keys_at[None, None, :] <= pos[:, :, None]) & (keys_at[None, None, :] < cache.max_len)
         slots = torch.arange(B, device=tokens.device)
-        if self.rope_table is not None:
+        if rope_table is not None:
             attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
-            h = self.run_layers_fused(x[:, 0], pos[:, 0], slots, write_pos[:, 0], attend, cache)
+            h = self.run_layers_fused(x[:, 0], pos[:, 0], slots, write_pos[:, 0], attend, cache, rope_table)
             return self.lm_head(h)
         read = lambda i: (cache.k[i][:B], cache.v[i][:B])
         h = self.run_layers(x, pos, slots, write_pos, read, mask, cache)
         return self.lm_head(self.norm(h[:, 0]))
 
-    def run_layers_fused(self, x, rope_pos, slots, write_pos, attend, cache: KVCache) -> torch.Tensor:
+    def run_layers_fused(self, x, rope_pos, slots, write_pos, attend, cache: KVCache, rope_table) -> torch.Tensor:
         """The layer loop on the fused kernels, over N flattened tokens -> final-normed hidden [N, D].
 
         x: [N, D]; rope_pos, slots, write_pos: [N]; attend(layer, q [N, H, hd]) -> [N, H * hd]. Each residual add is
         fused into the RMSNorm that follows it, the last one into the final norm.
         """
         eps = self.cfg.rms_norm_eps
-        cos, sin = self.rope_table
+        cos, sin = rope_table
         residual = x.contiguous().clone()
         h = kernels.rms_norm(residual, self.layers[0].input_layernorm.weight, eps)
         for i, layer in enumerate(self.layers):

@@ -17,6 +17,9 @@ from qasr.model.modeling import Qwen3ASR, prefill_keys
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# encoder windows per graphed call; more windows than the largest bucket run eagerly (a batch that large is
+# compute bound, so its launch overhead no longer matters)
+ENCODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class ModelRunner:
@@ -49,11 +52,12 @@ class ModelRunner:
         self.out_host = torch.zeros(2, S, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.buckets = tuple(b for b in buckets if b < S) + (S,)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.encoder_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # windows -> (graph, output)
         # fused Triton kernels for the decoder: on CUDA when Triton is installed, unless asked otherwise
         self.fused_kernels = kernels.available(self.device) if fused_kernels is None else fused_kernels
         if self.fused_kernels and not kernels.available(self.device):
             raise ValueError(f"fused kernels need Triton and a CUDA device (got {self.device})")
-        model.decoder.use_fused_kernels(self.cache.length if self.fused_kernels else None)
+        self.rope_table = model.decoder.rope_table(self.cache.length) if self.fused_kernels else None
         # compile: the eager step is ~50 small kernels per layer, launched from Python; Inductor fuses the norms,
         # rope and elementwise work. dynamic=True: one compilation serves every bucket (and every prefill shape).
         enc, dec = model.encoder, model.decoder
@@ -63,6 +67,7 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         if use_graphs:
             self.capture_graphs()
+            self.capture_encoder_graphs()
 
     # -- decode ----------------------------------------------------------------------------------------------------
 
@@ -70,7 +75,7 @@ class ModelRunner:
         """One decode step for rows [0, B): pure tensor ops on persistent buffers, so it can be graphed."""
         pos = self.positions[:B]
         live = pos >= 0
-        logits = self.model.decoder.decode(self.tokens[:B], pos, self.cache)
+        logits = self.model.decoder.decode(self.tokens[:B], pos, self.cache, self.rope_table)
         nxt = logits.argmax(dim=-1)
         counts = self.counts[:B] + live.long()
         finished = live & ((nxt[:, None] == self.eos[None, :]).any(-1) | (counts >= self.budgets[:B]))
@@ -143,14 +148,51 @@ class ModelRunner:
         dev = lambda v: torch.tensor(v, device=self.device)
         lengths_t = dev(lengths)
         num_keys = prefill_keys(max(s + n for s, n in zip(starts, lengths)), self.cache)
-        hidden = self._prefill_fn(x, dev(slots), dev(starts), lengths_t, self.cache, num_keys)
+        hidden = self._prefill_fn(x, dev(slots), dev(starts), lengths_t, self.cache, num_keys, self.rope_table)
         last = hidden[torch.arange(len(embeds), device=self.device), lengths_t - 1]
         return self.model.decoder.lm_head(last).argmax(dim=-1).tolist()
 
     @torch.inference_mode()
     def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The encoder's transformer over packed windows [W, window_tokens, D] (compiled when asked)."""
-        return self._encode_fn(windows, lengths)
+        """The encoder's transformer over packed windows [W, window_tokens, D] -> [W, window_tokens, out].
+
+        Up to the largest encoder bucket this replays a captured graph: eagerly, the encoder's ~200 small launches
+        per call cost more CPU time than its GPU work at a few windows.
+        """
+        W = windows.shape[0]
+        bucket = next((b for b in self.encoder_graphs if b >= W), None)
+        if bucket is None:
+            return self._encode_fn(windows, lengths)
+        graph, out = self.encoder_graphs[bucket]
+        self._enc_windows[:W].copy_(windows)
+        self._enc_windows[W:bucket].zero_()
+        self._enc_lengths[:W].copy_(lengths)
+        self._enc_lengths[W:bucket] = 1  # padding windows attend to one (zero) token: no empty softmax
+        graph.replay()
+        return out[:W].clone()  # callers keep windows (a stream's cache): the graph's output is overwritten next call
+
+    @torch.inference_mode()
+    def capture_encoder_graphs(self) -> None:
+        """One encoder graph per window-count bucket, largest first, in a memory pool of their own."""
+        cfg = self.model.encoder.cfg
+        top = ENCODER_BUCKETS[-1]
+        self._enc_windows = torch.zeros(top, cfg.window_tokens, cfg.d_model, dtype=self.model.dtype, device=self.device)
+        self._enc_lengths = torch.ones(top, dtype=torch.long, device=self.device)
+        pool = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for W in reversed(ENCODER_BUCKETS):
+                for _ in range(2):
+                    self._encode_fn(self._enc_windows[:W], self._enc_lengths[:W])
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    out = self._encode_fn(self._enc_windows[:W], self._enc_lengths[:W])
+                pool = graph.pool() if pool is None else pool
+                self.encoder_graphs[W] = (graph, out)
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        self.encoder_graphs = dict(sorted(self.encoder_graphs.items()))
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst` (all layers)."""

@@ -80,6 +80,20 @@ def test_a_short_run_reports_every_metric_with_sane_values(server_url, tmp_path)
         assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_clients_spread_over_processes_are_all_reported(server_url, tmp_path):
+    argv = ["--url", server_url, "--clients", "4", "--processes", "2", "--duration", "3", "--speed", "1.5",
+            "--stagger-s", "0.2", "--partial-interval-ms", "300", "--drain-timeout-s", "30", "--no-progress"]
+    result = stream_bench.main(argv)
+    sessions = result["sessions"]
+    assert [session["client"] for session in sessions] == [0, 1, 2, 3]
+    assert len({session["session_id"] for session in sessions}) == 4
+    for session in sessions:
+        assert session["drained"] and not session["error"] and session["finals"] == session["segments"] >= 1
+    assert result["totals"]["failed_clients"] == 0
+    assert result["summary"]["final_latency_ms"]["n"] == result["totals"]["finals"]
+    assert result["summary"]["send_lag_ms"]["n"] >= 4 * 3 * 1.5 * 10 - 4
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit) as refused:
         stream_bench.main(["--clients", "0"])

@@ -121,7 +121,7 @@ def engines(tiny_model_dir):
     opts = dict(num_slots=4, max_len=256, num_retained=2)
     fused = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(**opts, fused_kernels=True))
     plain = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(**opts, fused_kernels=False))
-    assert fused.model.decoder.rope_table is not None and plain.model.decoder.rope_table is None
+    assert fused.runner.rope_table is not None and plain.runner.rope_table is None
     return fused, plain
 
 
