@@ -40,7 +40,8 @@ def kernel_cases(cfg, device) -> dict:
         cfg.intermediate_size, 64
     eps = cfg.rms_norm_eps
     out = {}
-    x, residual, w = (torch.randn(N, D, device=device, dtype=bf) for _ in range(3))
+    x, residual = torch.randn(N, D, device=device, dtype=bf), torch.randn(N, D, device=device, dtype=bf)
+    w = torch.randn(D, device=device, dtype=bf)
     norm = RMSNorm(D, eps).to(device, bf)
     norm.weight.data = w
     out["rms_norm"] = compare(kernels.rms_norm(x, w, eps), norm(x))

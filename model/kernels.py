@@ -100,15 +100,16 @@ if triton is not None:
         H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         # program (row b, kv head): the G query heads sharing that KV head attend over positions 0 .. POS[b] of slot b
-        # (online softmax in float32); a padding row (POS < 0) attends to position 0 only
+        # (a padding row, POS < 0, attends to position 0 only). The G heads are padded to a G_BLOCK >= 16 tile so
+        # both products run on tensor cores; online softmax in float32, as flash attention does.
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         g = tl.arange(0, G_BLOCK)
         d = tl.arange(0, HD)
         gmask = g < G
         heads = kvh * G + g
-        q = tl.load(Q + (b * H + heads[:, None]) * HD + d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
-        q = q * (scale * 1.4426950408889634)  # exp2 domain
+        q = tl.load(Q + (b * H + heads[:, None]) * HD + d[None, :], mask=gmask[:, None], other=0.0)
+        qk_scale = scale * 1.4426950408889634  # exp2 domain
         n_keys = tl.maximum(tl.load(POS + b), 0) + 1
         base = b * stride_cs + kvh * stride_ch
         m = tl.full([G_BLOCK], float("-inf"), tl.float32)
@@ -118,14 +119,14 @@ if triton is not None:
             keys = start + tl.arange(0, BLOCK_N)
             kmask = keys < n_keys
             offs = base + keys[:, None] * stride_cl + d[None, :]
-            k = tl.load(K + offs, mask=kmask[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [G, BLOCK_N]
+            k = tl.load(K + offs, mask=kmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale  # [G_BLOCK, BLOCK_N]
             s = tl.where(kmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
-            v = tl.load(V + offs, mask=kmask[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            v = tl.load(V + offs, mask=kmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
         out = acc / l[:, None]
@@ -193,7 +194,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sc, sh, sl, _ = k_cache.stride()
     _decode_attention_kernel[(B, kvh)](
         q, k_cache, v_cache, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
-        H=H, G=group, G_BLOCK=max(2, triton.next_power_of_2(group)), HD=hd, BLOCK_N=32, num_warps=4)
+        H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, num_warps=4)
     return out
 
 

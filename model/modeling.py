@@ -143,13 +143,13 @@ class AudioEncoder(nn.Module):
         """Cut every clip's tokens into fixed windows and stack them: -> ([W, window, D], lengths [W], owner per window)."""
         size = self.cfg.window_tokens
         pieces, lengths, owners = [], [], []
-        for i, x in enumerate(clips):
-            for start in range(0, x.shape[0], size):
-                piece = x[start : start + size]
-                lengths.append(piece.shape[0])
-                pieces.append(F.pad(piece, (0, 0, 0, size - piece.shape[0])))
-                owners.append(i)
-        windows = torch.stack(pieces)
+        for i, x in enumerate(clips):  # one pad per clip (not per window): launches are the cost here
+            n = x.shape[0]
+            k = -(-n // size)
+            pieces.append(F.pad(x, (0, 0, 0, k * size - n)).view(k, size, x.shape[1]))
+            lengths += [size] * (k - 1) + [n - (k - 1) * size]
+            owners += [i] * k
+        windows = torch.cat(pieces)
         return windows, torch.tensor(lengths, device=windows.device), owners
 
     @staticmethod
@@ -420,6 +420,11 @@ class Qwen3ASR(nn.Module):
 
     def embed_prompt(self, input_ids: torch.Tensor, audio: torch.Tensor, audio_offset: int) -> torch.Tensor:
         # input_ids: [T]; audio: [N, D] placed at positions audio_offset .. audio_offset + N -> [T, D]
-        x = self.decoder.embed_tokens(input_ids)
+        return self.splice_audio(self.decoder.embed_tokens(input_ids), audio, audio_offset)
+
+    @staticmethod
+    def splice_audio(token_embeds: torch.Tensor, audio: torch.Tensor, audio_offset: int) -> torch.Tensor:
+        """The prompt's embedded tokens [T, D] with the audio placeholders from audio_offset replaced by audio [N, D]."""
         n = audio.shape[0]
+        x = token_embeds
         return torch.cat([x[:audio_offset], audio.to(x.dtype), x[audio_offset + n :]])

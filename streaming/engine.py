@@ -263,8 +263,11 @@ class Engine:
         embeddings [T, D], and how many leading positions can be copied from a retained KV prefix.
         """
         enc = self.model.encoder
-        # torch.tensor copies: session audio is a read-only view, and the copy is what crosses to the device anyway
-        feats, frames = qaudio.log_mel_batch([torch.tensor(s.request.audio) for s in seqs], device=self.device)
+        # every clip crosses to the device in one copy (one per clip cost ~0.3 ms of CPU each in a large admission)
+        sizes = [s.request.audio.size for s in seqs]
+        flat = torch.from_numpy(np.concatenate([s.request.audio for s in seqs]).astype(np.float32, copy=False))
+        clips = list(torch.split(flat.to(self.device), sizes))
+        feats, frames = qaudio.log_mel_batch(clips, device=self.device)
         fitting = []
         for seq, f, mel in zip(seqs, frames.tolist(), feats):
             try:
@@ -290,8 +293,11 @@ class Engine:
         per_seq: list[list[torch.Tensor]] = [[] for _ in fitting]
         for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
             per_seq[owner].append(out[w, :n])
+        ids = np.concatenate([seq.prompt.input_ids for seq, _, _ in fitting])  # one copy and one lookup for all
+        token_embeds = self.model.decoder.embed_tokens(torch.from_numpy(ids).to(self.device))
+        token_embeds = token_embeds.split([seq.prompt.num_tokens for seq, _, _ in fitting])
         embeds, starts = [], []
-        for (seq, f, _mel), keep, new in zip(fitting, reused, per_seq):
+        for (seq, f, _mel), keep, new, tokens in zip(fitting, reused, per_seq, token_embeds):
             state = self._stream_state(seq)
             if state is not None:
                 kept = state.windows[:keep]
@@ -300,8 +306,7 @@ class Engine:
                 audio = torch.cat(kept + new)
             else:
                 audio = torch.cat(new)
-            ids = torch.tensor(seq.prompt.input_ids, device=self.device)
-            embeds.append(self.model.embed_prompt(ids, audio, seq.prompt.audio_offset))
+            embeds.append(self.model.splice_audio(tokens, audio, seq.prompt.audio_offset))
             starts.append(self._reusable_positions(seq, keep))
         return [seq for seq, _, _ in fitting], embeds, starts
 

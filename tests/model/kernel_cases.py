@@ -89,7 +89,7 @@ def test_qk_norm_rope_store_matches_reference_and_writes_only_its_positions():
 def test_decode_attention_reads_each_rows_live_keys(heads, kv_heads):
     hd, S, L = 16, 7, 80
     k_cache, v_cache = torch.randn(S, kv_heads, L, hd), torch.randn(S, kv_heads, L, hd)
-    positions = torch.tensor([0, 5, -1, 70, 33, 31])  # crosses the 32-key blocks; -1 is a padding row
+    positions = torch.tensor([0, 5, -1, 70, 63, 64])  # around the 64-key blocks; -1 is a padding row
     B = len(positions)
     q = torch.randn(B, heads, hd)
     out = kernels.decode_attention(q, k_cache, v_cache, positions)
