@@ -26,7 +26,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = make_test_model(f"{tmp}/m", size=size, dtype="bfloat16")
         opts = EngineOptions(num_slots=256, max_len=320, num_retained=0, ignore_eos=True, repetition_window=0,
-                             cuda_graphs=False, max_prefill_tokens=32768)
+                             max_prefill_tokens=32768)
         engine = Engine.from_pretrained(str(d), device="cuda", dtype="bfloat16", options=opts)
     runner = engine.runner
     print("fused kernels:", runner.fused_kernels)
@@ -58,6 +58,25 @@ def main(argv=None) -> None:
     print(table(prof, "cuda_time_total", 30))
     print("== admission of 188 clips, by CPU time")
     print(table(prof, "cpu_time_total", 30))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backends = {"default": None, "no-cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                                              SDPBackend.MATH]}
+    for name, allowed in backends.items():
+        for n in (1, 16, 188):
+            reqs = [DecodeRequest(audio=c, max_new_tokens=1) for c in clips[:n]]
+            parts = []
+            for _ in range(6):
+                with sdpa_kernel(allowed) if allowed else torch.autograd.profiler.record_function("default"):
+                    engine.transcribe(reqs)  # warm
+                    torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    (r, *_) = engine.transcribe(reqs)
+                    torch.cuda.synchronize()
+                parts.append(((time.perf_counter() - t) * 1e3, r.timings["encode_ms"], r.timings["prefill_ms"]))
+            parts.sort()
+            total, enc, pre = parts[len(parts) // 2]
+            print(f"sdpa {name}: admission of {n} clips: {total:.1f} ms (encode {enc:.1f}, prefill {pre:.1f})")
     for label, n in (("bs1", 1), ("bs16", 16)):
         reqs = [DecodeRequest(audio=c, max_new_tokens=1) for c in clips[:n]]
         engine.transcribe(reqs)

@@ -21,6 +21,12 @@ from .config import AudioEncoderConfig, ModelConfig, TextDecoderConfig
 # Audio encoder
 
 
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True: may attend) -> 0 / -inf bias, built once per forward: SDPA would convert a bool mask again
+    in every layer (two extra launches each)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
 def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:
     """Whisper-style positions, computed exactly as the official encoder does (float32)."""
     log_timescale_increment = math.log(max_timescale) / (channels // 2 - 1)
@@ -39,11 +45,11 @@ class EncoderAttention(nn.Module):
         self.v_proj = nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        # x: [W, T, D] windows; key_mask: [W, 1, 1, T] True where the key is a real token
+    def forward(self, x: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+        # x: [W, T, D] windows; key_bias: [W, 1, 1, T] 0 where the key is a real token, -inf elsewhere
         W, T, D = x.shape
         q, k, v = (p(x).view(W, T, self.num_heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_bias)
         return self.out_proj(out.transpose(1, 2).reshape(W, T, D))
 
 
@@ -56,8 +62,8 @@ class EncoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, x: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.self_attn_layer_norm(x), key_mask)
+    def forward(self, x: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.self_attn_layer_norm(x), key_bias)
         x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
         if x.dtype == torch.float16:  # as the official encoder: keep fp16 activations finite
             clamp = torch.finfo(x.dtype).max - 1000
@@ -95,9 +101,10 @@ class AudioEncoder(nn.Module):
         # windows: [W, window_tokens, D] zero-padded; lengths: [W] real tokens per window -> [W, window_tokens, out]
         T = windows.shape[1]
         key_mask = (torch.arange(T, device=windows.device)[None, :] < lengths[:, None])[:, None, None, :]
+        key_bias = additive_mask(key_mask, windows.dtype)
         x = windows
         for layer in self.layers:
-            x = layer(x, key_mask)
+            x = layer(x, key_bias)
         return self.proj2(F.gelu(self.proj1(self.ln_post(x))))
 
     def forward(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -246,14 +253,18 @@ class DecoderAttention(nn.Module):
         k = k * cos + rotate_half(k) * sin
         return q, k, v
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        # q: [B, H, T, hd]; keys/values: [B, KVH, L, hd]; mask: [B, T, L] bool -> [B, T, H * hd]
+    def attention_bias(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """bool [B, T, L] (True: may attend) -> the additive [B, 1, group * T, L] bias `attend` takes (once per
+        forward, not per layer)."""
+        group = self.num_heads // self.num_kv_heads
+        return additive_mask(mask.repeat(1, group, 1) if group > 1 else mask, dtype)[:, None]
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        # q: [B, H, T, hd]; keys/values: [B, KVH, L, hd]; bias: from attention_bias -> [B, T, H * hd]
         # Grouped-query attention without copying K/V: fold each KV head's query heads into the query axis.
         B, H, T, hd = q.shape
-        group = H // self.num_kv_heads
-        q = q.reshape(B, self.num_kv_heads, group * T, hd)
-        mask = mask[:, None].repeat(1, 1, group, 1) if group > 1 else mask[:, None]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        q = q.reshape(B, self.num_kv_heads, H // self.num_kv_heads * T, hd)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias)
         return out.reshape(B, H, T, hd).transpose(1, 2).reshape(B, T, H * hd)
 
 
@@ -307,6 +318,7 @@ class TextDecoder(nn.Module):
         their K/V go in the cache; read_keys(layer) -> the [B, KVH, L, hd] K/V views to attend over; mask [B, T, L].
         """
         cos, sin = self.rope(positions, x.dtype)
+        bias = self.layers[0].self_attn.attention_bias(mask, x.dtype)
         slot_index = write_slots[:, None].expand_as(write_pos)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
@@ -315,7 +327,7 @@ class TextDecoder(nn.Module):
             cache.k[i][slot_index, :, write_pos] = k.transpose(1, 2)
             cache.v[i][slot_index, :, write_pos] = v.transpose(1, 2)
             keys, values = read_keys(i)
-            x = x + attn.o_proj(attn.attend(q, keys, values, mask))
+            x = x + attn.o_proj(attn.attend(q, keys, values, bias))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return x
 
@@ -343,10 +355,12 @@ class TextDecoder(nn.Module):
         if rope_table is None:
             return self.norm(self.run_layers(embeds, positions, slots, write_pos, read, mask, cache))
 
+        bias = self.layers[0].self_attn.attention_bias(mask, embeds.dtype)
+
         def attend(i, q):  # q: [B*T, H, hd] -> [B*T, H*hd], masked SDPA over the slot's cached keys
             attn = self.layers[i].self_attn
             keys, values = read(i)
-            return attn.attend(q.view(B, T, *q.shape[1:]).transpose(1, 2), keys, values, mask).view(B * T, -1)
+            return attn.attend(q.view(B, T, *q.shape[1:]).transpose(1, 2), keys, values, bias).view(B * T, -1)
 
         rope_pos = positions.clamp(max=rope_table[0].shape[0] - 1)  # padded positions may run past the table
         slot_of = slots[:, None].expand_as(write_pos)
