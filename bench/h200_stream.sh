@@ -22,8 +22,8 @@ for _ in $(seq 180); do ready && break; sleep 1; done
 ready || { echo "server not ready"; tail -30 "$out/server.log"; kill "$server"; exit 1; }
 echo "server ready after ${SECONDS}s"
 for n in $counts; do
-  python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration 40 \
-    --stagger-s 10 --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$n.json" \
+  python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration ${DURATION:-40} \
+    --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$n.json" \
     > "$out/stream-$n.log" 2>&1
   cat "$out/stream-$n.log"
   python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8765/metrics').read().decode())" \

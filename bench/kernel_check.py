@@ -82,6 +82,25 @@ def kernel_cases(cfg, device) -> dict:
     ref = F.scaled_dot_product_attention(qd[:, :, None], kc.repeat_interleave(H // KVH, 1),
                                          vc.repeat_interleave(H // KVH, 1), attn_mask=mask)
     out["decode_attention"] = compare(got, ref[:, :, 0].reshape(S, -1))
+
+    slots_p, starts, lengths = torch.tensor([2, 5], device=device), torch.tensor([0, 150], device=device), \
+        torch.tensor([170, 60], device=device)
+    T = 170
+    qp = torch.randn(2 * T, H, hd, device=device, dtype=bf)
+    got = kernels.prefill_attention(qp, kc, vc, slots_p, starts, lengths).view(2, T, -1)
+    worst = {"identical": 1.0, "max_abs": 0.0}
+    rows_got, rows_ref = [], []
+    for b in range(2):
+        n = int(starts[b]) + int(lengths[b])
+        keys = torch.arange(n, device=device)
+        pos = int(starts[b]) + torch.arange(int(lengths[b]), device=device)
+        mask = (keys[None, :] <= pos[:, None])[None, None]
+        qb = qp.view(2, T, H, hd)[b, : int(lengths[b])].transpose(0, 1)[None]  # [1, H, t, hd]
+        ref = F.scaled_dot_product_attention(qb, kc[slots_p[b], :, :n].repeat_interleave(H // KVH, 0)[None],
+                                             vc[slots_p[b], :, :n].repeat_interleave(H // KVH, 0)[None], attn_mask=mask)
+        rows_ref.append(ref[0].transpose(0, 1).reshape(int(lengths[b]), -1))
+        rows_got.append(got[b, : int(lengths[b])])
+    out["prefill_attention"] = compare(torch.cat(rows_got), torch.cat(rows_ref))
     return out
 
 

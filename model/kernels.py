@@ -3,7 +3,9 @@
 The plain PyTorch decoder runs ~50 tiny kernels per layer (an RMSNorm alone is seven: cast, pow, mean, rsqrt, mul,
 cast, mul); in a CUDA graph each still costs ~2.5 us of GPU time, so at batch 1 the step was kernel-count bound, not
 bandwidth bound (docs/benchmarks.md). These kernels bring a layer down to nine: add+RMSNorm, qkv matmul,
-q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up matmul, SiLU*mul, down matmul.
+q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up matmul, SiLU*mul, down matmul. Prefill uses the same
+nine (its attention reads the cache in place: no gathered copies, masks or SDPA), so a small admission is ~250
+launches instead of ~1,500.
 
 Each kernel rounds to the activation dtype wherever the PyTorch reference does (modeling.py), so the two paths differ
 only in reduction order. Every row is computed by its own programs: a row's result never depends on its batch mates.
@@ -133,6 +135,51 @@ if triton is not None:
         tl.store(OUT + (b * H + heads[:, None]) * HD + d[None, :], out.to(OUT.dtype.element_ty), mask=gmask[:, None])
 
     @triton.jit
+    def _prefill_attention_kernel(
+        Q, K, V, OUT, SLOTS, STARTS, LENGTHS, T, stride_cs, stride_ch, stride_cl, scale,
+        H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        # program (sequence b, block of BLOCK_M of its new tokens, kv head): token t (at position starts[b] + t)
+        # attends over positions 0 .. its own of slot slots[b], whose K/V (cached prefix and the new tokens) are
+        # already in the cache. Tile rows are (token, query head of this KV head) pairs. A padded token
+        # (t >= lengths[b]) attends to position 0 only. Keys past a row's position get exactly zero weight, so a row
+        # does not depend on the other rows of its tile: a sequence's result does not depend on its batch.
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(2)
+        r = tl.arange(0, BLOCK_M * G_BLOCK)
+        t = tl.program_id(1) * BLOCK_M + r // G_BLOCK
+        g = r % G_BLOCK
+        rmask = (t < T) & (g < G)
+        d = tl.arange(0, HD)
+        q_rows = ((b * T + t) * H + kvh * G + g) * HD
+        q = tl.load(Q + q_rows[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
+        qk_scale = scale * 1.4426950408889634  # exp2 domain
+        start, length = tl.load(STARTS + b), tl.load(LENGTHS + b)
+        n_keys = tl.where(t < length, start + t, 0) + 1  # per row
+        tile_keys = tl.max(tl.where(rmask, n_keys, 0), axis=0)
+        base = tl.load(SLOTS + b).to(tl.int64) * stride_cs + kvh * stride_ch
+        m = tl.full([BLOCK_M * G_BLOCK], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M * G_BLOCK], tl.float32)
+        acc = tl.zeros([BLOCK_M * G_BLOCK, HD], tl.float32)
+        for key0 in range(0, tile_keys, BLOCK_N):
+            keys = key0 + tl.arange(0, BLOCK_N)
+            offs = base + keys[:, None] * stride_cl + d[None, :]
+            kmask = keys < tile_keys
+            k = tl.load(K + offs, mask=kmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(keys[None, :] < n_keys[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            v = tl.load(V + offs, mask=kmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+        out = acc / l[:, None]
+        tl.store(OUT + q_rows[:, None] + d[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
+
+    @triton.jit
     def _silu_mul_kernel(GU, OUT, I, BLOCK: tl.constexpr):
         # [N, 2I] gate|up -> [N, I] silu(gate) * up, rounded after the silu as F.silu(gate) * up is
         row = tl.program_id(0).to(tl.int64)
@@ -195,6 +242,30 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_attention_kernel[(B, kvh)](
         q, k_cache, v_cache, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
         H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, num_warps=4)
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                      starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Causal attention of new tokens over their slot's cache (the cached prefix and the new tokens' own K/V).
+
+    q: [B * T, H, hd], row b * T + t = token t of sequence b, at position starts[b] + t of slot slots[b] (valid for
+    t < lengths[b]); caches [S, KVH, L, hd] -> [B * T, H * hd].
+    """
+    B = slots.shape[0]
+    N, H, hd = q.shape
+    T = N // B
+    kvh = k_cache.shape[1]
+    group = H // kvh
+    q, slots, starts, lengths = q.contiguous(), slots.contiguous(), starts.contiguous(), lengths.contiguous()
+    assert N == B * T and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    out = torch.empty((N, H * hd), dtype=q.dtype, device=q.device)
+    sc, sh, sl, _ = k_cache.stride()
+    g_block = triton.next_power_of_2(group)
+    block_m = max(1, 32 // g_block)  # 32 tile rows: (token, query head) pairs
+    _prefill_attention_kernel[(B, triton.cdiv(T, block_m), kvh)](
+        q, k_cache, v_cache, out, slots, starts, lengths, T, sc, sh, sl, 1.0 / math.sqrt(hd),
+        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, num_warps=4)
     return out
 
 

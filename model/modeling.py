@@ -337,36 +337,30 @@ class TextDecoder(nn.Module):
 
         embeds: [B, T, D] (row b valid for t < lengths[b]); slots, starts, lengths: [B] long -> final-normed hidden
         [B, T, D] (lm_head of a position gives its logits).
-        num_keys: cache positions to attend over, >= max(starts + lengths) (computed here when not given; passing it
-        keeps this function free of device syncs). Reading the cache through `slots` copies those rows: fine for
-        prefill, which is not on the per-token path. rope_table (see `rope_table`): run on the fused kernels.
+        rope_table (see `rope_table`): run on the fused kernels, whose attention reads the cache in place.
+        Otherwise (plain PyTorch) num_keys is the cache positions to attend over, >= max(starts + lengths) (computed
+        here when not given; passing it keeps this function free of device syncs), and reading the cache through
+        `slots` copies those rows.
         """
         B, T, _ = embeds.shape
-        if num_keys is None:
-            num_keys = prefill_keys(int((starts + lengths).max()), cache)
         t = torch.arange(T, device=embeds.device)
         positions = starts[:, None] + t[None, :]
         valid = t[None, :] < lengths[:, None]
         write_pos = torch.where(valid, positions, torch.full_like(positions, cache.scratch))
+        if rope_table is not None:
+            rope_pos = positions.clamp(max=rope_table[0].shape[0] - 1)  # padded positions may run past the table
+            slot_of = slots[:, None].expand_as(write_pos)
+            attend = lambda i, q: kernels.prefill_attention(q, cache.k[i], cache.v[i], slots, starts, lengths)  # noqa: E731
+            h = self.run_layers_fused(embeds.reshape(B * T, -1), rope_pos.reshape(-1), slot_of.reshape(-1),
+                                      write_pos.reshape(-1), attend, cache, rope_table)
+            return h.view(B, T, -1)
+        if num_keys is None:
+            num_keys = prefill_keys(int((starts + lengths).max()), cache)
         keys_at = torch.arange(num_keys, device=embeds.device)
         # a new token sees every cached position of its slot up to itself; padded rows see position 0 (no NaN)
         mask = (keys_at[None, None, :] <= positions[:, :, None]) | (keys_at[None, None, :] == 0)
-        read = lambda i: (cache.k[i][slots, :, :num_keys], cache.v[i][slots, :, :num_keys])
-        if rope_table is None:
-            return self.norm(self.run_layers(embeds, positions, slots, write_pos, read, mask, cache))
-
-        bias = self.layers[0].self_attn.attention_bias(mask, embeds.dtype)
-
-        def attend(i, q):  # q: [B*T, H, hd] -> [B*T, H*hd], masked SDPA over the slot's cached keys
-            attn = self.layers[i].self_attn
-            keys, values = read(i)
-            return attn.attend(q.view(B, T, *q.shape[1:]).transpose(1, 2), keys, values, bias).view(B * T, -1)
-
-        rope_pos = positions.clamp(max=rope_table[0].shape[0] - 1)  # padded positions may run past the table
-        slot_of = slots[:, None].expand_as(write_pos)
-        h = self.run_layers_fused(embeds.reshape(B * T, -1), rope_pos.reshape(-1), slot_of.reshape(-1),
-                                  write_pos.reshape(-1), attend, cache, rope_table)
-        return h.view(B, T, -1)
+        read = lambda i: (cache.k[i][slots, :, :num_keys], cache.v[i][slots, :, :num_keys])  # noqa: E731
+        return self.norm(self.run_layers(embeds, positions, slots, write_pos, read, mask, cache))
 
     def decode(self, tokens, positions, cache: KVCache, rope_table=None) -> torch.Tensor:
         """One new token for each of the first B slots (row b = slot b): fixed shapes, CUDA-graph friendly.

@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="decode budget per request: BASE + TOKENS_PER_SECOND x audio seconds (stops runaways)")
     parser.add_argument("--tokens-per-second", type=float, default=engine.tokens_per_second,
                         help="see --base-tokens")
+    parser.add_argument("--admission-interval-ms", type=float, default=engine.admission_interval_ms,
+                        help="while the engine decodes, admit new requests at most this often (batches arrivals "
+                             "into one encode + prefill; 0: between every decode step)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--quantize", choices=["int8"], default=None,
@@ -103,7 +106,9 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     retained = slots if args.retained_slots is None else args.retained_slots
     options = EngineOptions(num_slots=slots, max_len=args.max_len, num_retained=retained,
                             compile=args.compile, quantize=args.quantize, base_tokens=args.base_tokens,
-                            tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos, max_audio_seconds=max(60.0, args.max_segment_s + 5))
+                            tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
+                            admission_interval_ms=args.admission_interval_ms,
+                            max_audio_seconds=max(60.0, args.max_segment_s + 5))
     server = QasrServer(None, config)
     await server.start()
     if config.web_root is None:

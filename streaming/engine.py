@@ -43,6 +43,9 @@ class EngineOptions:
     max_len: int = 1024  # prompt + generated tokens per sequence (a 30 s segment is ~410 prompt tokens)
     num_retained: int = 64  # extra KV slots keeping streams' reusable prefixes for their next partial
     max_prefill_tokens: int = 16384  # prompt tokens prefilled in one admission round
+    admission_interval_ms: float = 20.0  # while sequences decode, admit new ones at most this often: an admission
+    # has a fixed cost (~8 ms at 0.6B on an H200) that, paid between every decode step under a steady stream of
+    # partials, would leave decoding a fraction of the GPU (docs/benchmarks.md)
     max_audio_seconds: float = 60.0  # longest audio one request may carry
     base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
     tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)
@@ -55,7 +58,8 @@ class EngineOptions:
     quantize: str | None = None  # "int8": weight-only int8 decoder projections (opt-in; see model/quantize.py)
 
     def __post_init__(self):
-        if self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1:
+        if (self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1
+                or self.admission_interval_ms < 0):
             raise ValueError(f"invalid engine options: {self}")
         if self.quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {self.quantize!r}")
@@ -88,6 +92,7 @@ class Engine:
         self.recent_batch_sizes: collections.deque[int] = collections.deque(maxlen=64)  # for metrics
         self.max_batch_size = 0
         self.steps = 0
+        self._last_admission = -math.inf
         # cumulative work, to measure what partials reuse: prompt positions prefilled vs copied from a retained
         # prefix, encoder windows computed vs kept from a stream's earlier partial
         # decode_rows / steps is the mean decode batch
@@ -157,10 +162,16 @@ class Engine:
     def step(self) -> None:
         self._apply_releases()
         self._drop_cancelled()
-        if self._free_slots and len(self.scheduler):
+        if self._free_slots and len(self.scheduler) and self._admission_due():
+            self._last_admission = time.perf_counter()
             self._admit()
         if self.running:
             self._decode()
+
+    def _admission_due(self) -> bool:
+        """Admit at once when nothing decodes; otherwise batch arrivals into one admission per interval."""
+        interval = self.options.admission_interval_ms / 1e3
+        return not self.running or time.perf_counter() - self._last_admission >= interval
 
     def run_until_done(self) -> None:
         while self.has_work():

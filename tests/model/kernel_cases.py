@@ -105,6 +105,29 @@ def test_decode_attention_reads_each_rows_live_keys(heads, kv_heads):
     assert torch.equal(kernels.decode_attention(q, k_cache, v_cache, positions), out)
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2)])
+def test_prefill_attention_is_causal_over_each_slots_cache(heads, kv_heads):
+    hd, S, L = 16, 6, 96
+    k_cache, v_cache = torch.randn(S, kv_heads, L, hd), torch.randn(S, kv_heads, L, hd)
+    slots = torch.tensor([3, 0, 5])
+    starts = torch.tensor([0, 40, 7])  # sequence 1 continues after 40 cached positions (a reused prefix)
+    lengths = torch.tensor([20, 37, 1])
+    B, T = 3, 37  # crosses the 16-token tiles and a 64-key block
+    q = torch.randn(B * T, heads, hd)
+    out = kernels.prefill_attention(q, k_cache, v_cache, slots, starts, lengths).view(B, T, heads * hd)
+    group = heads // kv_heads
+    for b in range(B):
+        for t in range(int(lengths[b])):
+            n = int(starts[b]) + t + 1
+            k = k_cache[slots[b], :, :n].repeat_interleave(group, 0)
+            v = v_cache[slots[b], :, :n].repeat_interleave(group, 0)
+            expected = F.scaled_dot_product_attention(q[b * T + t][:, None], k, v)[:, 0].reshape(-1)
+            assert torch.allclose(out[b, t], expected, atol=TOL, rtol=TOL), (b, t)
+    # a sequence's rows do not depend on its batch mates
+    alone = kernels.prefill_attention(q[T : 2 * T], k_cache, v_cache, slots[1:2], starts[1:2], lengths[1:2])
+    assert torch.equal(alone.view(T, -1)[:37], out[1, :37])
+
+
 # -- the engine on the kernels ---------------------------------------------------------------------------------------
 
 

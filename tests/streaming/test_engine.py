@@ -65,6 +65,22 @@ def test_more_requests_than_slots_all_finish_and_slots_return(engine, alone):
     assert_idle(engine)
 
 
+def test_arrivals_while_decoding_wait_for_the_admission_interval(tiny_model_dir, alone):
+    clips, budgets, out = alone
+    engine = make_engine(tiny_model_dir, admission_interval_ms=1e6)  # never again while something decodes
+    results = {}
+    engine.add(DecodeRequest(audio=clips[3], max_new_tokens=budgets[3]), lambda r: results.__setitem__(3, r))
+    engine.step()  # nothing was decoding: admitted at once
+    for i in (0, 1):
+        engine.add(DecodeRequest(audio=clips[i], max_new_tokens=budgets[i]), lambda r, i=i: results.__setitem__(i, r))
+    for _ in range(3):
+        engine.step()
+    assert list(engine.running) == [0] and len(engine.scheduler) == 2  # batched for later, not admitted per step
+    engine.run_until_done()  # admitted together once clip 3 is done
+    assert {i: results[i].token_ids for i in (0, 1, 3)} == {i: out[i].token_ids for i in (0, 1, 3)}
+    assert_idle(engine)
+
+
 def test_requests_joining_mid_flight_get_the_same_tokens(engine, alone):
     clips, budgets, out = alone
     results = {}
