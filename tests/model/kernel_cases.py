@@ -158,6 +158,18 @@ def test_engine_on_kernels_gives_the_plain_engines_tokens(engines):
     assert all(len(r.token_ids) == b for r, b in zip(got, budgets))
 
 
+def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines):
+    _, plain = engines
+    padded = Engine.from_pretrained(str(tiny_model_dir), device="cpu",
+                                    options=EngineOptions(num_slots=4, max_len=256, num_retained=2, fused_kernels=True))
+    padded.runner.build_prefill_buckets(capture=False)  # the graphed path's padding, run eagerly
+    assert padded.runner._prefill_bucket(3, 100) is padded.runner.prefill_buckets[(4, 128)]
+    clips = [speech(s, seed=20 + i) for i, s in enumerate([0.7, 2.5, 1.1])]
+    reqs = [DecodeRequest(audio=c, max_new_tokens=8) for c in clips]
+    assert [r.token_ids for r in padded.transcribe(reqs)] == [r.token_ids for r in plain.transcribe(reqs)]
+    assert [padded.transcribe([r])[0].token_ids for r in reqs] == [r.token_ids for r in plain.transcribe(reqs)]
+
+
 def test_identical_inputs_give_identical_rows_on_kernels(engines):
     fused, _ = engines
     clip = speech(1.7, seed=9)
