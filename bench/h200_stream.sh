@@ -8,7 +8,7 @@
 #     -d .whl websockets webrtcvad-wheels soxr soundfile tqdm
 # Usage (repo root, from the device tool with carry [".whl"]): bash bench/h200_stream.sh OUTDIR "100 400 1000"
 set -uo pipefail
-out=${1:?OUTDIR}; counts=${2:-"100 400 1000"}
+out=${1:?OUTDIR}; mkdir -p "$out"; counts=${2:-"100 400 1000"}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/qasr . || exit 1
 export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1
