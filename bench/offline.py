@@ -74,7 +74,7 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     clip = speech_like(args.clip_seconds, seed=1)
     opts = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
-                         repetition_window=0, compile=args.compile, max_prefill_tokens=args.prefill_tokens,
+                         repetition_window=0, max_prefill_tokens=args.prefill_tokens,
                          quantize=args.quantize)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
@@ -150,7 +150,7 @@ def step_times(engine: Engine, args) -> dict[int, float]:
             if B in runner.graphs:
                 runner.graphs[B].replay()
             else:
-                runner._step_fn(B)
+                runner._step(B)
             end.record()
             end.synchronize()
             samples.append(start.elapsed_time(end))
@@ -197,10 +197,10 @@ def correctness(engine: Engine, args) -> dict:
     res["batch_independence_exact_match"] = f"{same}/{n}"
     res["batch_independence_token_agreement"] = tok_same / max(1, tok_total)
     # agreement with the eager batch-1 path: a fresh engine on the same model in plain PyTorch (no graphs, no fused
-    # kernels, no compile), the reference the fast path must reproduce
+    # kernels), the reference the fast path must reproduce
     eager = Engine(engine.model, engine.tokenizer, EngineOptions(num_slots=1, max_len=engine.options.max_len,
                                                                num_retained=0, ignore_eos=True, repetition_window=0,
-                                                               cuda_graphs=False, compile=False, fused_kernels=False))
+                                                               cuda_graphs=False, fused_kernels=False))
     k = min(args.eager_requests, n)
     eager_out = [eager.transcribe([r])[0] for r in reqs[:k]]
     agree = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(eager_out, batched[:k]))
@@ -273,7 +273,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--step-runs", type=int, default=50)
     p.add_argument("--independence-requests", type=int, default=200)
     p.add_argument("--eager-requests", type=int, default=40)
-    p.add_argument("--compile", action="store_true", help="torch.compile the engine's steps (opt-in)")
     p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only decoder (opt-in)")
     p.add_argument("--official", action="store_true", help="time the official qwen-asr backend in the same run")
     p.add_argument("--official-batch", type=int, default=128)

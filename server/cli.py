@@ -74,8 +74,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--quantize", choices=["int8"], default=None,
                         help="weight-only int8 decoder projections (opt-in; transcripts can differ slightly)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the engine's steps before capturing graphs (slow start; opt-in)")
     parser.add_argument("--web-root", default=None,
                         help="folder with the web page's index.html (default: $QASR_WEB_ROOT, then the web/ "
                              "folder beside the package)")
@@ -105,7 +103,7 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     slots = args.slots or (EngineOptions().num_slots if resolve_device(args.device).type == "cuda" else CPU_SLOTS)
     retained = slots if args.retained_slots is None else args.retained_slots
     options = EngineOptions(num_slots=slots, max_len=args.max_len, num_retained=retained,
-                            compile=args.compile, quantize=args.quantize, base_tokens=args.base_tokens,
+                            quantize=args.quantize, base_tokens=args.base_tokens,
                             tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
                             admission_interval_ms=args.admission_interval_ms,
                             max_audio_seconds=max(60.0, args.max_segment_s + 5))

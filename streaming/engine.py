@@ -50,8 +50,6 @@ class EngineOptions:
     base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
     tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)
     cuda_graphs: bool | None = None  # None: on a CUDA device
-    compile: bool = False  # torch.compile decode step, prefill and encoder (opt-in: not yet measured faster, see
-    # docs/benchmarks.md; compiling takes minutes)
     fused_kernels: bool | None = None  # Triton kernels for the decoder (None: on CUDA when Triton is installed)
     repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
     ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
@@ -80,7 +78,6 @@ class Engine:
             num_retained=options.num_retained,
             eos_ids=self.eos_ids,
             cuda_graphs=options.cuda_graphs,
-            compile=options.compile,
             fused_kernels=options.fused_kernels,
         )
         self.scheduler = Scheduler()

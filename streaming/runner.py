@@ -65,7 +65,6 @@ class ModelRunner:
         num_retained: int = 0,
         eos_ids: tuple[int, ...] = (151645, 151643),
         cuda_graphs: bool | None = None,
-        compile: bool = False,
         fused_kernels: bool | None = None,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
     ):
@@ -91,12 +90,6 @@ class ModelRunner:
         if self.fused_kernels and not kernels.available(self.device):
             raise ValueError(f"fused kernels need Triton and a CUDA device (got {self.device})")
         self.rope_table = model.decoder.rope_table(self.cache.length) if self.fused_kernels else None
-        # compile: the eager step is ~50 small kernels per layer, launched from Python; Inductor fuses the norms,
-        # rope and elementwise work. dynamic=True: one compilation serves every bucket (and every prefill shape).
-        enc, dec = model.encoder, model.decoder
-        self._step_fn = torch.compile(self._step, dynamic=True, fullgraph=True) if compile else self._step
-        self._prefill_fn = torch.compile(dec.prefill, dynamic=True) if compile else dec.prefill
-        self._encode_fn = torch.compile(enc.encode_windows, dynamic=True) if compile else enc.encode_windows
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.prefill_buckets: dict[tuple[int, int], PrefillBucket] = {}
         if use_graphs:
@@ -132,11 +125,11 @@ class ModelRunner:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for B in reversed(self.buckets):
-                for _ in range(2):  # warm-up (and compile) outside the graph
-                    self._step_fn(B)
+                for _ in range(2):  # warm-up (Triton compiles its kernels) outside the graph
+                    self._step(B)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._step_fn(B)
+                    self._step(B)
                 pool = graph.pool() if pool is None else pool
                 self.graphs[B] = graph
         torch.cuda.current_stream().wait_stream(stream)
@@ -150,7 +143,7 @@ class ModelRunner:
         if B in self.graphs:
             self.graphs[B].replay()
         else:
-            self._step_fn(B)
+            self._step(B)
         host = self.out_host[:, :B]
         host.copy_(self.out[:, :B], non_blocking=True)
         if self.device.type == "cuda":
@@ -190,7 +183,7 @@ class ModelRunner:
 
     def _prefill_first(self, x, slots, starts, lengths, num_keys) -> torch.Tensor:
         """Prefill, then the greedy first token of each sequence [B] (a row of length 0 reads its position 0)."""
-        hidden = self._prefill_fn(x, slots, starts, lengths, self.cache, num_keys, self.rope_table)
+        hidden = self.model.decoder.prefill(x, slots, starts, lengths, self.cache, num_keys, self.rope_table)
         last = hidden[torch.arange(x.shape[0], device=x.device), (lengths - 1).clamp(min=0)]
         return self.model.decoder.lm_head(last).argmax(dim=-1)
 
@@ -240,7 +233,7 @@ class ModelRunner:
         W = windows.shape[0]
         bucket = next((b for b in self.encoder_graphs if b >= W), None)
         if bucket is None:
-            return self._encode_fn(windows, lengths)
+            return self.model.encoder.encode_windows(windows, lengths)
         graph, out = self.encoder_graphs[bucket]
         self._enc_windows[:W].copy_(windows)
         self._enc_windows[W:bucket].zero_()
@@ -262,10 +255,10 @@ class ModelRunner:
         with torch.cuda.stream(stream):
             for W in reversed(ENCODER_BUCKETS):
                 for _ in range(2):
-                    self._encode_fn(self._enc_windows[:W], self._enc_lengths[:W])
+                    self.model.encoder.encode_windows(self._enc_windows[:W], self._enc_lengths[:W])
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self._encode_fn(self._enc_windows[:W], self._enc_lengths[:W])
+                    out = self.model.encoder.encode_windows(self._enc_windows[:W], self._enc_lengths[:W])
                 pool = graph.pool() if pool is None else pool
                 self.encoder_graphs[W] = (graph, out)
         torch.cuda.current_stream().wait_stream(stream)
