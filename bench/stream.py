@@ -360,7 +360,9 @@ async def run_clients(args, indices: list[int], bench_start: float, stop_at: flo
         audio = client_audio(source, args.duration * args.speed, record.index)
         due = bench_start + args.stagger_s * record.index / max(1, args.clients)
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
-        await run_client(args, record.index, audio, record, stop_at, bench_start)
+        # a client that starts late (a --processes child still importing) still streams its whole --duration
+        await run_client(args, record.index, audio, record, max(stop_at, time.perf_counter() + args.duration),
+                         bench_start)
 
     await asyncio.gather(*(staggered(r) for r in records))
     return records
