@@ -111,6 +111,20 @@ class MicrophoneSource:
         self.dropped_blocks = 0
         self.dropped_s = 0.0  # audio dropped in all, in seconds (see the class docstring)
         self.overflows = 0  # PortAudio's own input overflows (the callback was late)
+        self._stream = None
+        self._capture_stopped = False
+        self._wake: asyncio.Event | None = None
+
+    async def stop_capture(self) -> None:
+        """Stop recording: iteration then yields the blocks already captured and ends, so nothing recorded is lost
+        (AudioStream.stop() calls this)."""
+        if self._capture_stopped:
+            return
+        self._capture_stopped = True
+        if self._stream is not None:  # PortAudio hands over the blocks it holds before stop() returns
+            await asyncio.to_thread(self._stream.stop)
+        if self._wake is not None:
+            self._wake.set()
 
     def _input_device(self, device) -> dict:
         sd = self._sd
@@ -139,7 +153,7 @@ class MicrophoneSource:
     async def __aiter__(self) -> AsyncIterator[np.ndarray]:
         loop = asyncio.get_running_loop()
         blocks: collections.deque[np.ndarray] = collections.deque()
-        arrived = asyncio.Event()
+        arrived = self._wake = asyncio.Event()
 
         def push(block: np.ndarray) -> None:  # on the event loop
             if len(blocks) >= self.max_blocks:
@@ -162,15 +176,20 @@ class MicrophoneSource:
             except RuntimeError:  # the loop closed while the stream was stopping
                 pass
 
+        if self._capture_stopped:  # stopped before recording began: nothing to hand over
+            return
         try:
             stream = self._sd.InputStream(device=self.device, channels=self.channels, samplerate=self.sample_rate,
                                           dtype="float32", blocksize=self.blocksize, callback=callback)
             stream.start()
         except self._sd.PortAudioError as error:
             raise AudioSourceError(f"cannot open input device {self.device_info['name']!r}: {error}") from None
+        self._stream = stream
         try:
             while True:
                 while not blocks:
+                    if self._capture_stopped:
+                        return
                     arrived.clear()
                     await arrived.wait()
                 yield blocks.popleft()

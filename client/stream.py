@@ -224,6 +224,7 @@ class AudioStream:
         self._source_done = False  # the source ran out (or failed): `end` goes out after the last chunk
         self._iterating = False
         self._dropped_reported_s = 0.0
+        self._capture_stopped = False  # stop() asked a live source to stop recording; draining what it holds
 
     def stop(self) -> None:
         """End the stream: stop reading the source, send `end`; the remaining finals and the summary still
@@ -309,21 +310,31 @@ class AudioStream:
             await client.end()
 
     async def _next_chunk(self) -> np.ndarray | None:
-        """The next chunk from the source; None once it ends or stop() was called."""
+        """The next chunk from the source; None once it ends or stop() was called. A live source that can stop
+        capturing (`stop_capture`, the microphone) is drained on stop(): what it already recorded is still sent."""
         if self._unsent is not None:
             chunk, self._unsent = self._unsent, None
             return chunk
-        if self.stopping or self._source_done:
+        if self._source_done:
             return None
+        stop_capture = getattr(self.source, "stop_capture", None)
+        if self.stopping and stop_capture is None:
+            return None
+        if self.stopping and not self._capture_stopped:
+            self._capture_stopped = True
+            await stop_capture()
         if self._next_chunk_task is None:
             self._next_chunk_task = asyncio.ensure_future(anext(self._chunks))
-        stop_wait = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait({self._next_chunk_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop_wait.cancel()
-        if not self._next_chunk_task.done():
-            return None  # stopped; the pending read is cancelled when the source is closed
+        if self._capture_stopped:  # draining: the source ends by itself
+            await asyncio.wait({self._next_chunk_task})
+        else:
+            stop_wait = asyncio.ensure_future(self._stopping.wait())
+            try:
+                await asyncio.wait({self._next_chunk_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop_wait.cancel()
+            if not self._next_chunk_task.done():  # stopped while waiting
+                return None if stop_capture is None else await self._next_chunk()
         task, self._next_chunk_task = self._next_chunk_task, None
         try:
             return task.result()

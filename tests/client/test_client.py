@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import types
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from qasr.client import (ConnectionLost, Error, Final, Partial, Ready, Reconnect
                          SpeechStarted, StreamClient, StreamClosed, StreamOptions, Summary, file_source, stream_audio)
 
 # tests/ is on sys.path (tests/conftest.py)
+from qasr.client import sources
 from fakes import FakeEngine, speech_like
 from live_server import abort_connections, real_engine, serving, spoken_wav, stream_url
 
@@ -147,6 +149,50 @@ def test_stop_ends_the_stream_and_the_open_segment_still_gets_its_final(tmp_path
     final = of_type(events, Final)[0]
     assert final.reason == "end" and final.end < 29  # cut short, not the whole file
     assert events[-1].audio_seconds < 29
+
+
+class CapturedInputStream:
+    """sounddevice.InputStream without a device: start() hands over 2 s of captured audio (20 blocks of 100 ms) at
+    once and then calls `on_started` (the test stops the stream there): a microphone whose blocks have not all been
+    sent when the user stops."""
+
+    on_started = None
+
+    def __init__(self, *, callback, blocksize, channels, **_):
+        self.callback, self.blocksize, self.channels = callback, blocksize, channels
+        self.stopped = False
+
+    def start(self):
+        status = types.SimpleNamespace(input_overflow=False)
+        for _ in range(20):
+            self.callback(np.full((self.blocksize, self.channels), 0.01, np.float32), self.blocksize, None, status)
+        asyncio.get_running_loop().call_soon(CapturedInputStream.on_started)  # after the blocks are handed over
+
+    def stop(self):
+        self.stopped = True
+
+    def close(self):
+        pass
+
+
+def test_stop_still_sends_what_the_microphone_already_captured(monkeypatch):
+    device = {"name": "stand-in microphone", "default_samplerate": 16000.0, "max_input_channels": 1}
+    stand_in = types.SimpleNamespace(PortAudioError=OSError, query_devices=lambda *args, **kwargs: device,
+                                     check_input_settings=lambda *args, **kwargs: None,
+                                     InputStream=CapturedInputStream)
+    monkeypatch.setattr(sources, "_sounddevice", lambda: stand_in)
+
+    async def main():
+        async with serving(fake_engine()) as server:
+            microphone = sources.microphone_source()
+            stream = stream_audio(stream_url(server.port), microphone)
+            monkeypatch.setattr(CapturedInputStream, "on_started", stream.stop)  # at most one block sent by then
+            events = [event async for event in stream]
+            return events, microphone
+
+    events, microphone = run(main())
+    assert microphone._stream.stopped
+    assert events[-1].audio_seconds == pytest.approx(2.0)  # every captured block reached the server
 
 
 def test_the_low_level_client_flushes_and_ends():
