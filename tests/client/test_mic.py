@@ -244,7 +244,8 @@ def test_ctrl_c_mid_speech_ends_cleanly_and_the_open_segments_final_is_kept(serv
 
 
 def test_a_server_shutting_down_mid_stream_is_a_clean_message_and_exit_1(tmp_path):
-    write_wav(tmp_path / "long.wav", [("silence", 0.3), ("speech", 1.0), ("silence", 0.8), ("speech", 30.0)])
+    # long enough that the file cannot run out before the stop, however loaded the machine
+    write_wav(tmp_path / "long.wav", [("silence", 0.3), ("speech", 1.0), ("silence", 0.8), ("speech", 120.0)])
     with ThreadedServer(lambda: FakeEngine(delay_s=0.005)) as server:
         process = start_mic("--url", server.url, "--file", str(tmp_path / "long.wav"), "--speed", "2")
         try:
