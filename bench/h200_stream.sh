@@ -21,13 +21,28 @@ ready() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.
 for _ in $(seq 180); do ready && break; sleep 1; done
 ready || { echo "server not ready"; tail -30 "$out/server.log"; kill "$server"; exit 1; }
 echo "server ready after ${SECONDS}s"
+metrics() { python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8765/metrics').read().decode())"; }
+# the engine thread's time during one run, from two /metrics snapshots: where it went, per second of the run
+engine_time() { python3 - "$1" "$2" <<'PY'
+import re, sys
+def read(path):
+    text = open(path).read()
+    out = {k: float(v) for k, v in re.findall(r'^qasr_engine_seconds\{kind="(\w+)"\} (\S+)$', text, re.M)}
+    out["steps"] = float(re.search(r"^qasr_engine_steps (\S+)$", text, re.M).group(1))
+    return out
+a, b = read(sys.argv[1]), read(sys.argv[2])
+print("engine thread during the run:", ", ".join(f"{k} {b[k] - a[k]:.1f}" + ("" if k == "steps" else " s")
+                                                   for k in sorted(b)))
+PY
+}
 for n in $counts; do
+  metrics > "$out/metrics-$n-before.txt"
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration ${DURATION:-40} \
     --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$n.json" \
     > "$out/stream-$n.log" 2>&1
   cat "$out/stream-$n.log"
-  python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8765/metrics').read().decode())" \
-    > "$out/metrics-$n.txt"
+  metrics > "$out/metrics-$n.txt"
+  engine_time "$out/metrics-$n-before.txt" "$out/metrics-$n.txt"
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$out/metrics-$n.txt"
 done
 kill -TERM "$server"; wait "$server"

@@ -95,6 +95,11 @@ class Engine:
         # decode_rows / steps is the mean decode batch
         self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0,
                          "decode_rows": 0}
+        # where the engine thread's time goes (wall seconds): admissions (encode + prefill), decode steps (launch and
+        # wait for the GPU), the host's per-row work after each step, and (AsyncEngine) waiting for work. Their
+        # rates under load say whether the GPU, the engine's Python or something outside it (the event loop) bounds
+        # a server.
+        self.seconds = {"admit": 0.0, "decode_gpu": 0.0, "decode_host": 0.0, "idle": 0.0}
 
     @classmethod
     def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
@@ -162,6 +167,7 @@ class Engine:
         if self._free_slots and len(self.scheduler) and self._admission_due():
             self._last_admission = time.perf_counter()
             self._admit()
+            self.seconds["admit"] += time.perf_counter() - self._last_admission
         if self.running:
             self._decode()
 
@@ -194,6 +200,7 @@ class Engine:
             "steps": self.steps,
             "batch_sizes": list(self.recent_batch_sizes),
             "counters": dict(self.counters),
+            "seconds": dict(self.seconds),
         }
 
     # -- admit: prompt, encoder, prefill -----------------------------------------------------------------------------
@@ -356,7 +363,10 @@ class Engine:
         self.recent_batch_sizes.append(len(self.running))
         self.max_batch_size = max(self.max_batch_size, len(self.running))
         self.counters["decode_rows"] += len(self.running)
+        t0 = time.perf_counter()
         out = self.runner.decode(rows).numpy()
+        t1 = time.perf_counter()
+        self.seconds["decode_gpu"] += t1 - t0
         self.steps += 1
         stopped = []
         for slot, seq in list(self.running.items()):
@@ -369,6 +379,7 @@ class Engine:
                 stopped.append(slot)
                 self._complete(seq, "repetition")
         self.runner.stop_rows(stopped)
+        self.seconds["decode_host"] += time.perf_counter() - t1
 
     def _accept(self, seq: Sequence, tok: int, device_finished: bool | None = None) -> bool:
         """Record one generated token; returns whether the sequence keeps running."""
@@ -498,8 +509,10 @@ class AsyncEngine:
                     engine.step()
                 else:
                     engine.step()  # applies releases and drops cancelled work even when idle
+                    t = time.perf_counter()
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
+                    engine.seconds["idle"] += time.perf_counter() - t
         except BaseException as e:  # a broken engine fails every waiter instead of leaving them hanging
             log.exception("engine loop failed")
             self.error = e

@@ -65,6 +65,17 @@ def test_more_requests_than_slots_all_finish_and_slots_return(engine, alone):
     assert_idle(engine)
 
 
+def test_stats_say_where_the_engine_threads_time_went(tiny_model_dir, alone):
+    clips, budgets, _ = alone
+    engine = make_engine(tiny_model_dir)
+    before = engine.stats()["seconds"]
+    assert set(before) == {"admit", "decode_gpu", "decode_host", "idle"} and not any(before.values())
+    engine.transcribe([DecodeRequest(audio=c, max_new_tokens=b) for c, b in zip(clips[:3], budgets[:3])])
+    seconds = engine.stats()["seconds"]
+    assert seconds["admit"] > 0 and seconds["decode_gpu"] > 0 and seconds["decode_host"] > 0
+    assert seconds["idle"] == 0  # only AsyncEngine waits for work
+
+
 def test_arrivals_while_decoding_wait_for_the_admission_interval(tiny_model_dir, alone):
     clips, budgets, out = alone
     engine = make_engine(tiny_model_dir, admission_interval_ms=1e6)  # never again while something decodes
