@@ -311,6 +311,7 @@ class TextDecoder(nn.Module):
         positions = torch.arange(num_positions, device=self.inv_freq.device)[None]
         cos, sin = self.rope(positions, self.embed_tokens.weight.dtype)
         return cos[0].contiguous(), sin[0].contiguous()
+
     def run_layers(self, x, positions, write_slots, write_pos, read_keys, mask, cache: KVCache):
         """The shared layer loop.
 
@@ -373,14 +374,14 @@ class TextDecoder(nn.Module):
         live = positions >= 0
         pos = positions.clamp(min=0)[:, None]
         write_pos = torch.where(live[:, None], pos, torch.full_like(pos, cache.scratch))
-        keys_at = torch.arange(cache.length, device=tokens.device)
-        mask = (keys_at[None, None, :] <= pos[:, :, None]) & (keys_at[None, None, :] < cache.max_len)
         slots = torch.arange(B, device=tokens.device)
-        if rope_table is not None:
+        if rope_table is not None:  # the kernel reads each row's positions itself: no mask to build
             attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
             h = self.run_layers_fused(x[:, 0], pos[:, 0], slots, write_pos[:, 0], attend, cache, rope_table)
             return self.lm_head(h)
-        read = lambda i: (cache.k[i][:B], cache.v[i][:B])
+        keys_at = torch.arange(cache.length, device=tokens.device)
+        mask = (keys_at[None, None, :] <= pos[:, :, None]) & (keys_at[None, None, :] < cache.max_len)
+        read = lambda i: (cache.k[i][:B], cache.v[i][:B])  # noqa: E731
         h = self.run_layers(x, pos, slots, write_pos, read, mask, cache)
         return self.lm_head(self.norm(h[:, 0]))
 
@@ -433,6 +434,5 @@ class Qwen3ASR(nn.Module):
     @staticmethod
     def splice_audio(token_embeds: torch.Tensor, audio: torch.Tensor, audio_offset: int) -> torch.Tensor:
         """The prompt's embedded tokens [T, D] with the audio placeholders from audio_offset replaced by audio [N, D]."""
-        n = audio.shape[0]
-        x = token_embeds
-        return torch.cat([x[:audio_offset], audio.to(x.dtype), x[audio_offset + n :]])
+        end = audio_offset + audio.shape[0]
+        return torch.cat([token_embeds[:audio_offset], audio.to(token_embeds.dtype), token_embeds[end:]])

@@ -7,6 +7,7 @@ The decode step feeds its own argmax back and checks EOS and token budgets on th
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -24,6 +25,28 @@ ENCODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # the GPU work (a 10.9 s clip: 8.4 ms eager, measured on the H200); larger ones run eagerly
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
 PREFILL_TOKEN_STEP = 64
+
+
+@contextlib.contextmanager
+def capture_stream():
+    """A side stream to capture graphs on (as torch.cuda.graph requires), joined back and synchronized after."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        yield stream
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
+def capture_graph(fn, stream: torch.cuda.Stream, pool, warmups: int) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Run `fn` `warmups` times outside the graph (Triton compiles its kernels then), then record it into `pool`
+    (None: a new pool, then `graph.pool()` for the graphs after it) -> (graph, what the recorded call returned)."""
+    for _ in range(warmups):
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream):
+        out = fn()
+    return graph, out
 
 
 class PrefillBucket:
@@ -44,9 +67,12 @@ class PrefillBucket:
     def forward(self) -> torch.Tensor:
         return self.runner._prefill_first(self.x, self.meta[0], self.meta[1], self.meta[2], None)
 
-    def run(self, x: torch.Tensor, meta: list[list[int]]) -> torch.Tensor:
-        B, T = x.shape[:2]
-        self.x[:B, :T].copy_(x)
+    def run(self, embeds: list[torch.Tensor], meta: list[list[int]]) -> torch.Tensor:
+        """embeds: per sequence [T_i, D], written straight into the static input (its stale tail is padding:
+        tokens past a sequence's length are never read by its real tokens)."""
+        B = len(embeds)
+        for i, e in enumerate(embeds):
+            self.x[i, : e.shape[0]].copy_(e)
         pad = self.meta.shape[1] - B
         self.meta.copy_(torch.tensor([row + [0] * pad for row in meta]), non_blocking=False)
         if self.graph is None:
@@ -121,19 +147,10 @@ class ModelRunner:
     def capture_graphs(self) -> None:
         """Capture one graph per bucket, largest first, all in one memory pool. Needs every slot idle."""
         pool = None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with capture_stream() as stream:
             for B in reversed(self.buckets):
-                for _ in range(2):  # warm-up (Triton compiles its kernels) outside the graph
-                    self._step(B)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._step(B)
-                pool = graph.pool() if pool is None else pool
-                self.graphs[B] = graph
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
+                self.graphs[B], _ = capture_graph(lambda: self._step(B), stream, pool, warmups=2)
+                pool = self.graphs[B].pool() if pool is None else pool
         log.info("captured decode graphs for buckets %s", list(self.graphs))
 
     @torch.inference_mode()
@@ -172,11 +189,11 @@ class ModelRunner:
         embeds: per sequence [T_i, D] (the prompt positions from starts[i] on) -> first generated token each.
         """
         lengths = [e.shape[0] for e in embeds]
-        B, T = len(embeds), max(lengths)
-        x = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, T - e.shape[0])) for e in embeds])
-        bucket = self._prefill_bucket(B, T)
+        T = max(lengths)
+        bucket = self._prefill_bucket(len(embeds), T)
         if bucket is not None:
-            return bucket.run(x, [slots, starts, lengths]).tolist()
+            return bucket.run(embeds, [slots, starts, lengths]).tolist()
+        x = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, T - e.shape[0])) for e in embeds])
         dev = lambda v: torch.tensor(v, device=self.device)  # noqa: E731
         num_keys = prefill_keys(max(s + n for s, n in zip(starts, lengths)), self.cache)
         return self._prefill_first(x, dev(slots), dev(starts), dev(lengths), num_keys).tolist()
@@ -204,24 +221,15 @@ class ModelRunner:
         top = -(-self.max_len // PREFILL_TOKEN_STEP) * PREFILL_TOKEN_STEP
         keys = [(b, t) for b in PREFILL_BATCH_BUCKETS for t in range(PREFILL_TOKEN_STEP, top + 1, PREFILL_TOKEN_STEP)]
         keys.sort(key=lambda k: k[0] * k[1], reverse=True)
-        pool = None
-        stream = torch.cuda.Stream() if capture else None
+        buckets = {key: PrefillBucket(self, *key) for key in keys}
         if capture:
-            stream.wait_stream(torch.cuda.current_stream())
-        for key in keys:
-            bucket = PrefillBucket(self, *key)
-            if capture:
-                with torch.cuda.stream(stream):
-                    bucket.forward()  # warm-up (lengths 0: writes only scratch)
-                    bucket.graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(bucket.graph, pool=pool, stream=stream):
-                        bucket.first = bucket.forward()
-                pool = bucket.graph.pool() if pool is None else pool
-            self.prefill_buckets[key] = bucket
-        if capture:
-            torch.cuda.current_stream().wait_stream(stream)
-            torch.cuda.synchronize()
+            pool = None
+            with capture_stream() as stream:
+                for bucket in buckets.values():  # warm-up with lengths 0: writes only scratch
+                    bucket.graph, bucket.first = capture_graph(bucket.forward, stream, pool, warmups=1)
+                    pool = bucket.graph.pool() if pool is None else pool
             log.info("captured %d prefill graphs", len(keys))
+        self.prefill_buckets = buckets
 
     @torch.inference_mode()
     def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -249,20 +257,14 @@ class ModelRunner:
         top = ENCODER_BUCKETS[-1]
         self._enc_windows = torch.zeros(top, cfg.window_tokens, cfg.d_model, dtype=self.model.dtype, device=self.device)
         self._enc_lengths = torch.ones(top, dtype=torch.long, device=self.device)
+        encode = self.model.encoder.encode_windows
         pool = None
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        with capture_stream() as stream:
             for W in reversed(ENCODER_BUCKETS):
-                for _ in range(2):
-                    self.model.encoder.encode_windows(self._enc_windows[:W], self._enc_lengths[:W])
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    out = self.model.encoder.encode_windows(self._enc_windows[:W], self._enc_lengths[:W])
+                graph, out = capture_graph(lambda: encode(self._enc_windows[:W], self._enc_lengths[:W]), stream, pool,
+                                     warmups=2)
                 pool = graph.pool() if pool is None else pool
                 self.encoder_graphs[W] = (graph, out)
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
         self.encoder_graphs = dict(sorted(self.encoder_graphs.items()))
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:

@@ -20,7 +20,7 @@ import asyncio
 import collections
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import numpy as np

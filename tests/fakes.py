@@ -9,12 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import types
 
 import numpy as np
 
 from qasr.streaming.request import DecodeRequest, DecodeResult, EngineClosed, Priority, Superseded
 
 SAMPLE_RATE = 16000
+
+
+def stand_in_sounddevice(input_stream) -> types.SimpleNamespace:
+    """The part of the sounddevice module MicrophoneSource uses, with one 16 kHz mono device and `input_stream` as
+    its InputStream class (constructed with callback=, blocksize=, channels=, ...)."""
+
+    class PortAudioError(Exception):
+        pass
+
+    device = {"name": "stand-in microphone", "default_samplerate": 16000.0, "max_input_channels": 1}
+    return types.SimpleNamespace(PortAudioError=PortAudioError, query_devices=lambda *args, **kwargs: device,
+                                 check_input_settings=lambda *args, **kwargs: None, InputStream=input_stream,
+                                 default=types.SimpleNamespace(device=(0, 0)))
 
 
 def describe_audio(request: DecodeRequest) -> str:

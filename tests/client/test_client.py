@@ -18,7 +18,7 @@ from qasr.client import (ConnectionLost, Error, Final, Partial, Ready, Reconnect
 
 # tests/ is on sys.path (tests/conftest.py)
 from qasr.client import sources
-from fakes import FakeEngine, speech_like
+from fakes import FakeEngine, speech_like, stand_in_sounddevice
 from live_server import abort_connections, real_engine, serving, spoken_wav, stream_url
 
 THREE_BURSTS = [("silence", 0.4), ("speech", 1.6), ("silence", 0.8), ("speech", 1.2), ("silence", 0.8),
@@ -176,11 +176,7 @@ class CapturedInputStream:
 
 
 def test_stop_still_sends_what_the_microphone_already_captured(monkeypatch):
-    device = {"name": "stand-in microphone", "default_samplerate": 16000.0, "max_input_channels": 1}
-    stand_in = types.SimpleNamespace(PortAudioError=OSError, query_devices=lambda *args, **kwargs: device,
-                                     check_input_settings=lambda *args, **kwargs: None,
-                                     InputStream=CapturedInputStream)
-    monkeypatch.setattr(sources, "_sounddevice", lambda: stand_in)
+    monkeypatch.setattr(sources, "_sounddevice", lambda: stand_in_sounddevice(CapturedInputStream))
 
     async def main():
         async with serving(fake_engine()) as server:

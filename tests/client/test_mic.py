@@ -29,8 +29,8 @@ from qasr.streaming.events import Final, Partial
 from qasr.streaming.request import Priority
 
 # tests/ is on sys.path (tests/conftest.py)
-from fakes import FakeEngine, speech_like
-from live_server import ThreadedServer, abort_connections, real_engine, spoken_wav, stream_url, wait_until
+from fakes import FakeEngine, speech_like, stand_in_sounddevice
+from live_server import ThreadedServer, abort_connections, real_engine, spoken_wav, wait_until
 
 TWO_BURSTS = [("silence", 0.4), ("speech", 1.2), ("silence", 0.8), ("speech", 1.0), ("silence", 0.8)]
 QASR_MIC = Path(sys.executable).with_name("qasr-mic")
@@ -335,14 +335,7 @@ class StandInInputStream:
 
 
 def test_a_microphone_too_far_behind_drops_the_oldest_audio_with_a_warning(server, monkeypatch, capsys, caplog):
-    class PortAudioError(Exception):
-        pass
-
-    device = {"name": "stand-in microphone", "default_samplerate": 16000.0, "max_input_channels": 1}
-    stand_in = types.SimpleNamespace(PortAudioError=PortAudioError, query_devices=lambda *args, **kwargs: device,
-                                     check_input_settings=lambda *args, **kwargs: None, InputStream=StandInInputStream,
-                                     default=types.SimpleNamespace(device=(0, 0)))
-    monkeypatch.setattr(sources, "_sounddevice", lambda: stand_in)
+    monkeypatch.setattr(sources, "_sounddevice", lambda: stand_in_sounddevice(StandInInputStream))
 
     assert mic.main(["--url", server.url]) == mic.EXIT_OK
     warnings = [line for line in capsys.readouterr().err.splitlines() if "dropped" in line]

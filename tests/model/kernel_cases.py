@@ -6,7 +6,7 @@ to float32 rounding, and the engine on the kernels must produce the same tokens 
 truncates float32 -> bfloat16 where a GPU rounds to nearest, so bfloat16 is checked on the GPU, in the benchmarks.)
 """
 
-import math
+import contextlib
 import os
 
 import numpy as np
@@ -168,6 +168,52 @@ def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines
     reqs = [DecodeRequest(audio=c, max_new_tokens=8) for c in clips]
     assert [r.token_ids for r in padded.transcribe(reqs)] == [r.token_ids for r in plain.transcribe(reqs)]
     assert [padded.transcribe([r])[0].token_ids for r in reqs] == [r.token_ids for r in plain.transcribe(reqs)]
+
+
+def test_graph_capture_code_runs_every_bucket_once_per_group_pool(tiny_model_dir, monkeypatch):
+    """The capture code only runs on CUDA; here torch.cuda's graph API is stood in for, so that its Python runs in CI:
+    every decode, encoder and prefill bucket is warmed up and recorded, each group into one pool of its own."""
+    from qasr.streaming import runner as runner_module
+
+    recorded = []  # (pool passed in, graph) per recording
+
+    class FakeGraph:
+        def __init__(self):
+            self.handle = object()
+
+        def pool(self):
+            return self.handle
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def fake_graph(graph, pool=None, stream=None):
+        recorded.append((pool, graph))
+        yield
+
+    for name, value in {"CUDAGraph": FakeGraph, "graph": fake_graph, "Stream": FakeStream,
+                        "current_stream": FakeStream, "stream": lambda s: contextlib.nullcontext(),
+                        "synchronize": lambda: None}.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    monkeypatch.setattr(runner_module, "ENCODER_BUCKETS", (1, 2, 4))  # fewer buckets: the interpreter is slow
+    monkeypatch.setattr(runner_module, "PREFILL_BATCH_BUCKETS", (1, 2))
+    model = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
+        num_slots=4, max_len=64, num_retained=0, fused_kernels=True)).model
+    runner = runner_module.ModelRunner(model, num_slots=4, max_len=64, cuda_graphs=True, fused_kernels=True)
+
+    assert list(runner.graphs) == [4, 2, 1]
+    assert list(runner.encoder_graphs) == list(runner_module.ENCODER_BUCKETS)
+    assert sorted(runner.prefill_buckets) == [(b, 64) for b in runner_module.PREFILL_BATCH_BUCKETS]
+    assert all(bucket.graph is not None and bucket.first is not None for bucket in runner.prefill_buckets.values())
+    groups = [3, len(runner_module.ENCODER_BUCKETS), len(runner_module.PREFILL_BATCH_BUCKETS)]
+    assert len(recorded) == sum(groups)
+    start = 0
+    for size in groups:  # the first graph of a group opens its pool, the others share it
+        (first_pool, first_graph), *rest = recorded[start : start + size]
+        assert first_pool is None and all(pool is first_graph.handle for pool, _ in rest)
+        start += size
 
 
 def test_identical_inputs_give_identical_rows_on_kernels(engines):
