@@ -11,7 +11,7 @@ set -uo pipefail
 out=${1:?OUTDIR}; mkdir -p "$out"; counts=${2:-"100 400 1000"}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/qasr . || exit 1
-export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1
+export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 [ -d /tmp/m06 ] || python3 -m qasr.model.testmodel /tmp/m06 --size 0.6B --dtype bfloat16 || exit 1
 python3 -m qasr.server.cli --model /tmp/m06 --device cuda --port 8765 --slots 256 --retained-slots 1024 \
   --max-len 640 --max-sessions 2048 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
@@ -22,27 +22,45 @@ for _ in $(seq 180); do ready && break; sleep 1; done
 ready || { echo "server not ready"; tail -30 "$out/server.log"; kill "$server"; exit 1; }
 echo "server ready after ${SECONDS}s"
 metrics() { python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8765/metrics').read().decode())"; }
-# the engine thread's time during one run, from two /metrics snapshots: where it went, per second of the run
-engine_time() { python3 - "$1" "$2" <<'PY'
+# one run's load from two /metrics snapshots, per second of the run: where the engine thread's wall time went, the
+# CPU of the engine thread and of the whole process, and how late the event loop woke its timers
+run_split() { python3 - "$1" "$2" <<'PY'
 import re, sys
 def read(path):
     text = open(path).read()
     out = {k: float(v) for k, v in re.findall(r'^qasr_engine_seconds\{kind="(\w+)"\} (\S+)$', text, re.M)}
-    out["steps"] = float(re.search(r"^qasr_engine_steps (\S+)$", text, re.M).group(1))
+    for name in ("qasr_engine_steps", "qasr_engine_thread_cpu_seconds", "process_cpu_seconds_total",
+                 "qasr_event_loop_lag_seconds_sum", "qasr_event_loop_lag_seconds_count"):
+        m = re.search(rf"^{name} (\S+)$", text, re.M)
+        out[name] = float(m.group(1)) if m else 0.0
+    out["lag"] = {le: float(v) for le, v in re.findall(r'^qasr_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)}
     return out
 a, b = read(sys.argv[1]), read(sys.argv[2])
-print("engine thread during the run:", ", ".join(f"{k} {b[k] - a[k]:.1f}" + ("" if k == "steps" else " s")
-                                                   for k in sorted(b)))
+d = {k: b[k] - a[k] for k in b if k != "lag"}
+wall = sum(d[k] for k in ("admit", "decode_gpu", "decode_host", "idle")) or 1.0
+print(f"engine thread over {wall:.1f} s:", ", ".join(f"{k} {d[k] / wall:.0%}" for k in ("admit", "decode_gpu", "decode_host", "idle")),
+      f"| steps/s {d['qasr_engine_steps'] / wall:.0f} | CPU/s: engine thread {d['qasr_engine_thread_cpu_seconds'] / wall:.2f},"
+      f" process {d['process_cpu_seconds_total'] / wall:.2f}")
+n = d["qasr_event_loop_lag_seconds_count"]
+if n:
+    lag = {le: b["lag"][le] - a["lag"].get(le, 0) for le in b["lag"]}
+    over = ", ".join(f"> {le} s {1 - lag[le] / n:.0%}" for le in ("0.005", "0.02", "0.05", "0.1") if le in lag)
+    print(f"event loop lag: mean {d['qasr_event_loop_lag_seconds_sum'] / n * 1e3:.1f} ms over {n:.0f} timers; {over}")
 PY
 }
+# PYSPY=1: sample the server's Python stacks mid-run (all threads, then only the thread holding the GIL), raw folded
+pyspy() { sleep $(( ${STAGGER:-10} + 2 ))
+  py-spy record --pid "$server" --nonblocking --threads --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-all.txt" > /dev/null 2>&1
+  py-spy record --pid "$server" --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1; }
 for n in $counts; do
   metrics > "$out/metrics-$n-before.txt"
+  [ -n "${PYSPY:-}" ] && { pyspy "$n" & }
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration ${DURATION:-40} \
     --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$n.json" \
     > "$out/stream-$n.log" 2>&1
   cat "$out/stream-$n.log"
   metrics > "$out/metrics-$n.txt"
-  engine_time "$out/metrics-$n-before.txt" "$out/metrics-$n.txt"
+  run_split "$out/metrics-$n-before.txt" "$out/metrics-$n.txt"
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$out/metrics-$n.txt"
 done
 kill -TERM "$server"; wait "$server"

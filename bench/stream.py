@@ -13,7 +13,8 @@ the moment the audio would have been captured live (start + sample / 16000 / spe
 - final latency (server): the final's `latency_ms`, from the endpoint decision to sending;
 - end of speech to final: the segment's `end` to the final arriving (includes the VAD's end silence);
 - send lag: how far each chunk's send finished behind its real-time schedule (backpressure or an overloaded client);
-- server CPU: from /proc/<pid>/stat (--server-pid, same machine), else `process_cpu_seconds_total` on /metrics.
+- server CPU: from /proc/<pid>/stat and its children's (--server-pid, same machine), else `process_cpu_seconds_total`
+  plus the engine process's `qasr_engine_process_cpu_seconds` on /metrics.
 
 Prints p50/p90/p95/p99/max per metric, writes JSON (--out) and a plot (--plot, needs matplotlib). Stops by itself:
 --duration of streaming, then at most --drain-timeout-s of waiting for finals.
@@ -166,10 +167,17 @@ async def run_client(args, index: int, audio: np.ndarray, record: ClientRecord, 
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a local process so far (/proc/<pid>/stat fields 14 and 15)."""
+    """User + system CPU seconds so far of a local process and its live descendants (the server and its engine
+    process): /proc/<pid>/stat fields 14 and 15, children from /proc/<pid>/task/*/children."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces: skip past it
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            seconds += sum(process_cpu_seconds(int(child)) for child in children.read_text().split())
+        except FileNotFoundError:  # a thread or child exited meanwhile
+            pass
+    return seconds
 
 
 def metrics_cpu_seconds(metrics_url: str) -> float | None:
@@ -180,7 +188,8 @@ def metrics_cpu_seconds(metrics_url: str) -> float | None:
     except OSError:
         return None
     match = re.search(r"^process_cpu_seconds_total\s+([0-9.eE+-]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else None
+    engine = re.search(r"^qasr_engine_process_cpu_seconds\s+([0-9.eE+-]+)$", text, re.MULTILINE)
+    return float(match.group(1)) + (float(engine.group(1)) if engine else 0.0) if match else None
 
 
 class CpuSampler:

@@ -63,6 +63,7 @@ class QasrServer:
         self.port: int | None = None  # once started
         self._stopped = asyncio.Event()
         self._rollback: Callable[[str], str] | None = None
+        self._lag_watch: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -77,6 +78,7 @@ class QasrServer:
             ping_timeout=self.config.ping_interval_s)
         self.port = self._websocket_server.sockets[0].getsockname()[1]  # the bound port (useful with port 0)
         log.info("listening on ws://%s:%d/v1/stream", self.config.host, self.port)
+        self._lag_watch = asyncio.create_task(self._watch_loop_lag())
 
     async def load_engine(self, factory: Callable[[], object]) -> None:
         """Build the engine in a worker thread (loading weights takes a while), then start it."""
@@ -84,6 +86,14 @@ class QasrServer:
         if self.stopping:
             await engine.close()
             return
+        check = getattr(engine, "check_context", None)
+        try:  # a server whose slots cannot hold its longest segment would refuse every stream's start
+            if check is not None:
+                check("", max_audio_seconds=self.config.limits.max_segment_s)
+        except ValueError as error:
+            await engine.close()
+            raise ValueError(f"the engine's max_len cannot hold a {self.config.limits.max_segment_s:g} s segment "
+                             f"(raise --max-len or lower --max-segment-s): {error}") from None
         self.engine = engine
         await engine.start()
         log.info("engine ready: %s", getattr(engine, "model_name", "?"))
@@ -105,10 +115,20 @@ class QasrServer:
             for connection in list(self.connections):
                 connection.request_stop()
             await self._websocket_server.wait_closed()
+        if self._lag_watch is not None:
+            self._lag_watch.cancel()
         if self.engine is not None:
             await self.engine.close()
         self._stopped.set()
         log.info("stopped")
+
+    async def _watch_loop_lag(self, period_s: float = 0.1) -> None:
+        """A timer's lateness is what every stream's next frame waits: the event loop's own load."""
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(period_s)
+            self.metrics.event_loop_lag.observe(max(0.0, loop.time() - start - period_s))
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()

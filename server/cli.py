@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--quantize", choices=["int8"], default=None,
                         help="weight-only int8 decoder projections (opt-in; transcripts can differ slightly)")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine on a thread of the server process instead of a process of its own "
+                             "(simpler to debug; under load the two then contend for one interpreter)")
     parser.add_argument("--web-root", default=None,
                         help="folder with the web page's index.html (default: $QASR_WEB_ROOT, then the web/ "
                              "folder beside the package)")
@@ -99,6 +102,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; 1 if the model could not be loaded."""
     from qasr.streaming.engine import AsyncEngine
+    from qasr.streaming.engine_process import EngineProcess
 
     slots = args.slots or (EngineOptions().num_slots if resolve_device(args.device).type == "cuda" else CPU_SLOTS)
     retained = slots if args.retained_slots is None else args.retained_slots
@@ -114,9 +118,10 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, lambda: asyncio.ensure_future(server.stop()))
+    engine_class = AsyncEngine if args.engine_in_process else EngineProcess
     try:
         loading = asyncio.ensure_future(server.load_engine(
-            lambda: AsyncEngine.from_pretrained(args.model, device=args.device, dtype=args.dtype, options=options)))
+            lambda: engine_class.from_pretrained(args.model, device=args.device, dtype=args.dtype, options=options)))
         stopped = asyncio.ensure_future(server.wait_stopped())
         await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done() and loading.exception() is not None:

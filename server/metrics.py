@@ -9,6 +9,7 @@ histograms need no dependency.
 from __future__ import annotations
 
 import math
+import time
 from typing import Iterable
 
 from qasr.streaming.request import Priority
@@ -16,6 +17,7 @@ from qasr.streaming.session import SessionObserver
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
+LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 
 
 class Counter:
@@ -82,6 +84,9 @@ class ServerMetrics(SessionObserver):
                                        "From a segment's end decision to its final being sent.")
         self.partial_latency = Histogram("qasr_partial_latency_seconds",
                                          "From a partial request to the partial being sent.")
+        self.event_loop_lag = Histogram("qasr_event_loop_lag_seconds",
+                                        "How late the event loop woke a timer: every stream waits this long.",
+                                        buckets=LAG_BUCKETS_S)
 
     # -- SessionObserver -------------------------------------------------------------------------------------
 
@@ -115,10 +120,13 @@ class ServerMetrics(SessionObserver):
             "# HELP qasr_sessions_active Streams open now.",
             "# TYPE qasr_sessions_active gauge",
             f"qasr_sessions_active {self.sessions_active}",
+            "# HELP process_cpu_seconds_total CPU time of the server process (all threads).",
+            "# TYPE process_cpu_seconds_total counter",
+            f"process_cpu_seconds_total {_number(time.process_time())}",
         ]
         for metric in (self.sessions_total, self.connections_total, self.segments_total, self.partials_total,
                        self.finals_total, self.audio_seconds_total, self.decode_failures_total, self.errors_total,
-                       self.closes_total, self.final_latency, self.partial_latency):
+                       self.closes_total, self.final_latency, self.partial_latency, self.event_loop_lag):
             lines.extend(metric.render())
         if engine is not None:
             lines.extend(_engine_lines(engine))

@@ -63,6 +63,27 @@ class EngineOptions:
             raise ValueError(f"quantize must be None or 'int8', got {self.quantize!r}")
 
 
+def check_context(tokenizer: Tokenizer, options: EngineOptions, context: str, *, language: str | None = None,
+                  max_audio_seconds: float) -> None:
+    """ValueError unless a request with this context and up to `max_audio_seconds` of audio fits a slot with its full
+    default token budget (the server checks a stream's context once, at `start`)."""
+    tokens = int(qaudio.num_audio_tokens(qaudio.num_frames(int(max_audio_seconds * qaudio.SAMPLE_RATE))))
+    prompt = build_prompt(tokenizer, context=context, language=language, num_audio_tokens=tokens)
+    budget = options.base_tokens + math.ceil(options.tokens_per_second * max_audio_seconds)
+    if prompt.num_tokens + budget > options.max_len:
+        bare = build_prompt(tokenizer, language=language, num_audio_tokens=tokens).num_tokens
+        room = max(0, options.max_len - bare - budget)
+        raise ValueError(
+            f"context too long: {prompt.num_tokens - bare} tokens, but with segments up to "
+            f"{max_audio_seconds:g} s this server has room for {room} (shorten the context or the maximum "
+            f"segment, or start the server with a larger --max-len)")
+
+
+def display_name(model: str) -> str:
+    """What clients see: a local checkpoint's folder name (not its path on the server), or the hub id."""
+    return Path(model).name if Path(model).is_dir() else str(model)
+
+
 class Engine:
     """Synchronous core. `add()` is thread-safe; `step()` must be called from one thread only."""
 
@@ -100,6 +121,8 @@ class Engine:
         # rates under load say whether the GPU, the engine's Python or something outside it (the event loop) bounds
         # a server.
         self.seconds = {"admit": 0.0, "decode_gpu": 0.0, "decode_host": 0.0, "idle": 0.0}
+        self.thread_cpu_seconds = 0.0  # CPU the engine thread used (AsyncEngine): near its busy wall time means the
+        # thread runs Python, not waits on the GPU
 
     @classmethod
     def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
@@ -107,9 +130,7 @@ class Engine:
         qwen = load_model(model_dir, device=device, dtype=dtype)
         if options.quantize == "int8":
             quantize_decoder_int8(qwen)
-        # clients see this name: a local checkpoint's folder name, not its path on the server
-        name = Path(model).name if Path(model).is_dir() else str(model)
-        return cls(qwen, Tokenizer.from_pretrained(model_dir), options, name=name)
+        return cls(qwen, Tokenizer.from_pretrained(model_dir), options, name=display_name(model))
 
     # -- submitting ------------------------------------------------------------------------------------------------
 
@@ -137,18 +158,7 @@ class Engine:
             raise ValueError("audio contains NaN or infinite samples")
 
     def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
-        """ValueError unless a request with this context and up to `max_audio_seconds` of audio fits a slot with
-        its full default token budget (the server checks a stream's context once, at `start`)."""
-        tokens = int(qaudio.num_audio_tokens(qaudio.num_frames(int(max_audio_seconds * qaudio.SAMPLE_RATE))))
-        prompt = build_prompt(self.tokenizer, context=context, language=language, num_audio_tokens=tokens)
-        budget = self.options.base_tokens + math.ceil(self.options.tokens_per_second * max_audio_seconds)
-        if prompt.num_tokens + budget > self.options.max_len:
-            bare = build_prompt(self.tokenizer, language=language, num_audio_tokens=tokens).num_tokens
-            room = max(0, self.options.max_len - bare - budget)
-            raise ValueError(
-                f"context too long: {prompt.num_tokens - bare} tokens, but with segments up to "
-                f"{max_audio_seconds:g} s this server has room for {room} (shorten the context or the maximum "
-                f"segment, or start the server with a larger --max-len)")
+        check_context(self.tokenizer, self.options, context, language=language, max_audio_seconds=max_audio_seconds)
 
     def release_stream(self, stream_id: str) -> None:
         """Forget a stream's cached windows and retained KV (thread-safe; applied before the next step)."""
@@ -201,6 +211,7 @@ class Engine:
             "batch_sizes": list(self.recent_batch_sizes),
             "counters": dict(self.counters),
             "seconds": dict(self.seconds),
+            "thread_cpu_seconds": self.thread_cpu_seconds,
         }
 
     # -- admit: prompt, encoder, prefill -----------------------------------------------------------------------------
@@ -459,14 +470,13 @@ class AsyncEngine:
 
     async def start(self) -> None:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="qasr-engine", daemon=True)
+            self._thread = threading.Thread(target=self.run, name="qasr-engine", daemon=True)
             self._thread.start()
         self.ready = True
 
     async def close(self) -> None:
         self.ready = False
-        self._stop.set()
-        self._wake.set()
+        self.stop()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
@@ -501,7 +511,21 @@ class AsyncEngine:
     def stats(self) -> dict:
         return self.engine.stats()
 
-    def _loop(self) -> None:
+    def wake(self) -> None:
+        """New work or a cancellation arrived (from another thread): step now instead of after the idle wait."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Ask `run()` to return; what is still queued or running then gets EngineClosed."""
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def run(self) -> None:
+        """The engine loop, on the calling thread until `stop()` (start() runs it on a thread of its own)."""
         engine = self.engine
         try:
             while not self._stop.is_set():
@@ -513,6 +537,7 @@ class AsyncEngine:
                     self._wake.wait(self._idle_wait_s)
                     self._wake.clear()
                     engine.seconds["idle"] += time.perf_counter() - t
+                engine.thread_cpu_seconds = time.thread_time()
         except BaseException as e:  # a broken engine fails every waiter instead of leaving them hanging
             log.exception("engine loop failed")
             self.error = e

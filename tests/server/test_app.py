@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
+import time
 from pathlib import Path
 
 import msgpack
@@ -355,6 +357,40 @@ def test_healthz_readyz_metrics_and_the_web_page(tmp_path):
     assert replies["/app.js"][0] == 200
     assert replies["/../secret"][0] == 404 and replies["/nope.html"][0] == 404
     assert replies["/v1/stream"][0] == 426  # a plain GET on the WebSocket path
+
+
+def test_metrics_show_event_loop_lag_and_process_cpu():
+    async def main():
+        async with running() as server:
+            await asyncio.sleep(0.15)  # one timer round with nothing blocking
+            quiet = server.metrics.event_loop_lag.counts[:]
+            time.sleep(0.12)  # a handler that blocks the loop delays the watcher's timer by about as much
+            await asyncio.sleep(0.15)
+            return quiet, (await http_get(server, "/metrics"))[2].decode()
+
+    quiet, text = run(main())
+    assert sum(quiet) >= 1
+    lags = dict(re.findall(r'^qasr_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\d+)$', text, re.M))
+    assert int(lags["+Inf"]) - int(lags["0.01"]) >= 1  # the blocked round: at least ~20 ms late
+    cpu = float(re.search(r"^process_cpu_seconds_total (\S+)$", text, re.M).group(1))
+    assert cpu > 0
+
+
+def test_an_engine_whose_slots_cannot_hold_the_longest_segment_is_refused_at_load():
+    class ShortEngine(FakeEngine):
+        def check_context(self, context, *, language=None, max_audio_seconds):
+            raise ValueError("context too long: 0 tokens")
+
+    engine = ShortEngine()
+
+    async def main():
+        server = QasrServer(None, ServerConfig(port=0, limits=ServerLimits(max_segment_s=30)))
+        with pytest.raises(ValueError, match="cannot hold a 30 s segment.*--max-len"):
+            await server.load_engine(lambda: engine)
+        return server
+
+    server = run(main())
+    assert engine.closed and server.engine is None and not server.is_ready()
 
 
 def test_without_a_web_page_slash_says_how_to_get_one():

@@ -12,7 +12,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from qasr.server import cli
-from qasr.streaming import engine as engine_module
+from qasr.streaming import engine_process as engine_module
 
 # tests/ is on sys.path (tests/conftest.py)
 from fakes import FakeEngine, speech_like, to_s16le
@@ -51,7 +51,7 @@ def test_bad_options_exit_with_a_usage_error(argv, capsys):
 
 def test_sigterm_finalises_open_streams_closes_1001_and_exits_0(monkeypatch):
     fake = FakeEngine(delay_s=0.01, ready=False)
-    monkeypatch.setattr(engine_module.AsyncEngine, "from_pretrained", lambda model, **kwargs: fake)
+    monkeypatch.setattr(engine_module.EngineProcess, "from_pretrained", lambda model, **kwargs: fake)
     port = free_port()
     args = cli.build_parser().parse_args(["--model", "fake", "--port", str(port)])
 
@@ -89,6 +89,6 @@ def test_a_model_that_cannot_load_exits_1(monkeypatch):
     def fail(model, **kwargs):
         raise FileNotFoundError(f"no checkpoint at {model}")
 
-    monkeypatch.setattr(engine_module.AsyncEngine, "from_pretrained", fail)
+    monkeypatch.setattr(engine_module.EngineProcess, "from_pretrained", fail)
     args = cli.build_parser().parse_args(["--model", "missing", "--port", "0"])
     assert asyncio.run(asyncio.wait_for(cli.serve(args, cli.build_config(args)), 10)) == 1

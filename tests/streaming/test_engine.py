@@ -227,6 +227,7 @@ def test_async_engine_results_cancel_and_close(tiny_model_dir):
             *(eng.transcribe(DecodeRequest(audio=speech(1.0 + i / 3, seed=i), max_new_tokens=5)) for i in range(6))
         )
         assert all(len(r.token_ids) == 5 for r in results)
+        assert eng.stats()["thread_cpu_seconds"] > 0  # the engine thread's own CPU, not the process's
         task = asyncio.create_task(eng.transcribe(DecodeRequest(audio=speech(2.0, seed=3), max_new_tokens=200)))
         await asyncio.sleep(0.05)
         task.cancel()

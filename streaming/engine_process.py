@@ -1,0 +1,244 @@
+"""The engine in a process of its own, so that its Python never waits on the event loop's GIL.
+
+Inside the server process the engine thread and the event loop share one interpreter. Every torch call releases and
+retakes the GIL, and retaking it while the event loop holds it can wait a whole switch interval (5 ms): at 300
+streams on an H200 the engine spent 74% of its time admitting work the GPU did in a fraction of that, while the
+GPU idled (docs/benchmarks.md). In its own process the engine thread has an interpreter to itself.
+
+`EngineProcess` has `AsyncEngine`'s face (start, close, transcribe, release_stream, check_context, stats, ready,
+error, model_name, tokenizer), so the server does not know which one it drives. Pickled messages over one pipe:
+
+    server -> engine   ("add", id, DecodeRequest) | ("cancel", id) | ("release", stream_id) | ("close",)
+    engine -> server   ("ready", model_name) | ("failed", message) | ("done", id, result or exception)
+                       | ("stats", dict)
+
+The process is spawned (CUDA cannot be forked), ignores SIGINT/SIGTERM (the server decides when it stops), and
+exits when the server's end of the pipe closes, so it never outlives the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+import time
+import weakref
+
+from qasr.model.checkpoint import resolve_model_dir
+from qasr.model.tokenizer import Tokenizer
+
+from .engine import AsyncEngine, Engine, EngineOptions, check_context, display_name
+from .request import DecodeRequest, DecodeResult, EngineClosed
+
+log = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 0.25  # how often the engine process reports its stats (what /metrics shows)
+
+
+class EngineProcess:
+    def __init__(self, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
+        """Spawn the engine process and wait until it has loaded the model and captured its graphs (minutes on a
+        large model: the server calls this in a worker thread). RuntimeError if it could not."""
+        self.options = options
+        self.model_name = display_name(model)
+        self.tokenizer = Tokenizer.from_pretrained(resolve_model_dir(model))  # for check_context and rollback
+        context = multiprocessing.get_context("spawn")
+        self._conn, child_end = context.Pipe()
+        self._process = context.Process(target=_engine_main, name="qasr-engine", daemon=True,
+                                        args=(child_end, model, device, dtype, options, log.getEffectiveLevel()))
+        self._process.start()
+        child_end.close()
+        try:
+            message = self._conn.recv()
+        except EOFError:
+            self._process.join(5)
+            message = ("failed", f"the engine process exited with code {self._process.exitcode}")
+        if message[0] != "ready":
+            self._process.join(5)
+            raise RuntimeError(f"the engine process could not load {model}: {message[1]}")
+        self.ready = False
+        self.error: BaseException | None = None
+        self._ids = itertools.count()
+        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # sent by a thread: a 2 MB clip never blocks the loop
+        self._stats: dict = {}
+        self._gone = False  # the pipe closed: set before failing what is pending, checked after registering
+        self._closing = False
+        self._threads = [threading.Thread(target=self._send_loop, name="qasr-engine-send", daemon=True),
+                         threading.Thread(target=self._receive_loop, name="qasr-engine-receive", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+
+    @classmethod
+    def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
+        return cls(model, device=device, dtype=dtype, options=options)
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    async def start(self) -> None:
+        self.ready = not (self._gone or self._closing)
+
+    async def close(self) -> None:
+        """Work still pending gets EngineClosed; returns once the process has exited."""
+        self.ready = False
+        if not self._closing:
+            self._closing = True
+            self._outbox.put(("close",))
+            self._outbox.put(None)
+        await asyncio.to_thread(self._join)
+
+    def _join(self) -> None:
+        self._process.join(30)
+        if self._process.is_alive():  # stuck (a hung device call): do not keep the server from exiting
+            log.error("the engine process did not exit in 30 s: killing it")
+            self._process.kill()
+            self._process.join()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(5)
+        self._conn.close()
+
+    async def transcribe(self, request: DecodeRequest) -> DecodeResult:
+        if self._closing or self._gone or self.error is not None:
+            raise EngineClosed("the engine is not running")
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        request_id = next(self._ids)
+        self._pending[request_id] = (loop, future)
+        if self._gone:  # the receiver already failed everything pending: nobody will answer this one
+            self._pending.pop(request_id, None)
+            raise EngineClosed("the engine is not running")
+        self._outbox.put(("add", request_id, request))
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self._outbox.put(("cancel", request_id))
+            raise
+        finally:
+            self._pending.pop(request_id, None)
+
+    def release_stream(self, stream_id: str) -> None:
+        self._outbox.put(("release", stream_id))
+
+    def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
+        check_context(self.tokenizer, self.options, context, language=language, max_audio_seconds=max_audio_seconds)
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    # -- the server's two threads ----------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self._conn.send(message)
+            except (OSError, ValueError):  # the process is gone; the receiver reports it
+                return
+
+    def _receive_loop(self) -> None:
+        while True:
+            try:
+                message = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if message[0] == "done":
+                entry = self._pending.get(message[1])
+                if entry is not None:
+                    loop, future = entry
+                    loop.call_soon_threadsafe(_settle, future, message[2])
+            elif message[0] == "stats":
+                self._stats = message[1]
+            elif message[0] == "failed":  # the engine loop died (a device error): the process exits next
+                self.error = EngineClosed(f"engine failed: {message[1]}")
+                log.error("%s", self.error)
+        self._gone = True
+        self.ready = False
+        if not self._closing and self.error is None:
+            self._process.join(5)
+            self.error = EngineClosed(f"the engine process exited unexpectedly (exit code {self._process.exitcode})")
+            log.error("%s", self.error)
+        closed = self.error or EngineClosed("the engine was closed")
+        for loop, future in list(self._pending.values()):
+            loop.call_soon_threadsafe(_settle, future, closed)
+        self._outbox.put(None)  # ends the sender
+
+
+def _settle(future: asyncio.Future, result) -> None:
+    if future.done():
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
+# -- the engine process ------------------------------------------------------------------------------------------
+
+def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_level: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = AsyncEngine(Engine.from_pretrained(model, device=device, dtype=dtype, options=options))
+    except BaseException as e:
+        log.exception("cannot load %s", model)
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    sending = threading.Lock()
+
+    def send(message) -> None:
+        with sending:
+            try:
+                conn.send(message)
+            except (OSError, ValueError):  # the server is gone; the receiver stops the loop
+                pass
+
+    send(("ready", engine.model_name))
+    threading.Thread(target=_serve_requests, args=(conn, engine, send), name="qasr-engine-requests",
+                     daemon=True).start()
+    threading.Thread(target=_report_stats, args=(engine, send), name="qasr-engine-stats", daemon=True).start()
+    engine.run()  # returns once "close" arrives (or the server vanished), after failing what was left
+    send(("stats", _stats(engine)))
+    if engine.error is not None:
+        send(("failed", f"{type(engine.error).__name__}: {engine.error}"))
+
+
+def _serve_requests(conn, engine: AsyncEngine, send) -> None:
+    running = weakref.WeakValueDictionary()  # request id -> Sequence, until the engine lets go of it
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            message = ("close",)
+        kind = message[0]
+        if kind == "add":
+            request_id = message[1]
+            seq = engine.engine.add(message[2], lambda result, i=request_id: send(("done", i, result)))
+            running[request_id] = seq
+            engine.wake()
+        elif kind == "cancel":
+            seq = running.get(message[1])
+            if seq is not None:
+                seq.cancelled = True
+                engine.wake()
+        elif kind == "release":
+            engine.release_stream(message[1])
+        elif kind == "close":
+            engine.stop()
+            return
+
+
+def _report_stats(engine: AsyncEngine, send) -> None:
+    while not engine.stopped:
+        send(("stats", _stats(engine)))
+        time.sleep(STATS_INTERVAL_S)
+
+
+def _stats(engine: AsyncEngine) -> dict:
+    return engine.stats() | {"process_cpu_seconds": time.process_time()}

@@ -1,0 +1,184 @@
+"""The engine in its own process (`EngineProcess`): the same results as the engine in this process, errors and
+cancellation across the pipe, a crashed engine process fails its waiters instead of hanging them, close and load
+failures, and the real `qasr-server` command serving a stream through it."""
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+from websockets.exceptions import ConnectionClosed
+
+from qasr.streaming.engine import Engine, EngineOptions
+from qasr.streaming.engine_process import EngineProcess
+from qasr.streaming.request import DecodeRequest, EngineClosed, Priority
+
+from fakes import speech_like, to_s16le
+from test_engine import speech
+
+OPTIONS = EngineOptions(num_slots=4, max_len=256, num_retained=2)
+
+
+def start(model_dir) -> EngineProcess:
+    return EngineProcess(str(model_dir), device="cpu", dtype="float32", options=OPTIONS)
+
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def requests() -> list[DecodeRequest]:
+    finals = [DecodeRequest(audio=speech(0.6 + 0.7 * i, seed=i), max_new_tokens=6) for i in range(5)]
+    partials = [DecodeRequest(audio=speech(1.5, seed=9)[: n], priority=Priority.PARTIAL, stream_id="s1",
+                              text_prefix=prefix, max_new_tokens=4) for n, prefix in ((12000, ""), (24000, "the"))]
+    return finals + partials
+
+
+def test_results_equal_the_engine_in_this_process_and_errors_cross_the_pipe(tiny_model_dir, requests):
+    expected = Engine.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32", options=OPTIONS)
+    expected = [expected.transcribe([r])[0] for r in requests]
+
+    async def main():
+        engine = start(tiny_model_dir)
+        await engine.start()
+        assert engine.ready and engine.model_name == Path(tiny_model_dir).name and engine.tokenizer is not None
+        try:
+            together = await asyncio.gather(*(engine.transcribe(r) for r in requests[:5]))
+            in_turn = [await engine.transcribe(r) for r in requests[5:]]  # the second partial reuses the first's
+            with pytest.raises(ValueError, match="audio too short"):
+                await engine.transcribe(DecodeRequest(audio=np.zeros(10, np.float32)))
+            with pytest.raises(ValueError, match="context too long"):
+                engine.check_context("word " * 300, max_audio_seconds=2.0)
+            await until(lambda: engine.stats().get("streams_cached") == 1)
+            engine.release_stream("s1")
+            await until(lambda: engine.stats().get("streams_cached") == 0)
+            stats = engine.stats()
+        finally:
+            await engine.close()
+        return together + in_turn, stats
+
+    results, stats = asyncio.run(main())
+    assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+    assert [r.text for r in results] == [r.text for r in expected]
+    assert stats["counters"]["reused_windows"] == 0 and stats["counters"]["encoded_windows"] >= 7
+    assert stats["steps"] > 0 and stats["process_cpu_seconds"] > 0 and stats["running"] == 0
+
+
+def test_a_cancelled_request_frees_its_slot_and_close_fails_what_is_left(tiny_model_dir):
+    async def main():
+        engine = start(tiny_model_dir)
+        await engine.start()
+        long = asyncio.create_task(engine.transcribe(DecodeRequest(audio=speech(2.0, seed=1), max_new_tokens=200)))
+        await until(lambda: engine.stats().get("running") == 1)
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+        await until(lambda: engine.stats().get("running") == 0 and engine.stats().get("steps", 0) > 0)
+        assert engine.stats()["steps"] < 150  # dropped well before its 200-token budget
+        left = asyncio.create_task(engine.transcribe(DecodeRequest(audio=speech(2.0, seed=2), max_new_tokens=200)))
+        await until(lambda: engine.stats().get("running") == 1)
+        await engine.close()
+        with pytest.raises(EngineClosed):
+            await left
+        with pytest.raises(EngineClosed):
+            await engine.transcribe(DecodeRequest(audio=speech(1.0, seed=3)))
+        return engine
+
+    engine = asyncio.run(asyncio.wait_for(main(), 60))
+    assert engine.pid is not None and engine._process.exitcode == 0 and not engine.ready and engine.error is None
+
+
+def test_an_engine_process_that_dies_fails_its_waiters_and_says_so(tiny_model_dir):
+    async def main():
+        engine = start(tiny_model_dir)
+        await engine.start()
+        waiting = asyncio.create_task(engine.transcribe(DecodeRequest(audio=speech(2.0, seed=1), max_new_tokens=200)))
+        await until(lambda: engine.stats().get("running") == 1)
+        os.kill(engine.pid, signal.SIGKILL)
+        with pytest.raises(EngineClosed, match="exited unexpectedly"):
+            await asyncio.wait_for(waiting, 10)
+        assert not engine.ready and isinstance(engine.error, EngineClosed)
+        with pytest.raises(EngineClosed):
+            await engine.transcribe(DecodeRequest(audio=speech(1.0, seed=3)))
+        await engine.close()  # still closes cleanly
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_a_checkpoint_that_cannot_load_raises_with_the_reason(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(Exception):
+        EngineProcess(str(tmp_path), device="cpu", options=OPTIONS)
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_qasr_server_serves_through_its_engine_process_and_sigterm_stops_both(tiny_model_dir):
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "qasr.server.cli", "--model", str(tiny_model_dir), "--device", "cpu", "--port",
+         str(port), "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    async def client():
+        uri = f"ws://127.0.0.1:{port}/v1/stream"
+        for _ in range(600):  # until the server listens and the engine process is ready
+            try:
+                websocket = await connect(uri)
+            except OSError:
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                await websocket.send(json.dumps({"type": "start", "partials": False}))
+                if json.loads(await websocket.recv())["type"] == "ready":
+                    break
+            except ConnectionClosed:  # 1013: the model is still loading
+                pass
+            await asyncio.sleep(0.1)
+        audio, _ = speech_like([("silence", 0.3), ("speech", 1.0), ("silence", 1.0), ("speech", 0.8)])
+        await websocket.send(to_s16le(audio))
+        await websocket.send(json.dumps({"type": "end"}))
+        return [json.loads(message) async for message in websocket], websocket.close_code
+
+    try:
+        events, close_code = asyncio.run(asyncio.wait_for(client(), 120))
+        engine_pids = [pid for children in Path(f"/proc/{server.pid}/task").glob("*/children")
+                       for pid in children.read_text().split()]
+        server.send_signal(signal.SIGTERM)
+        exit_code = server.wait(30)
+    finally:
+        server.kill()
+        output = server.communicate()[0].decode()
+    kinds = [event["type"] for event in events]
+    assert close_code == 1000 and kinds.count("final") == 2 and kinds[-1] == "summary", (kinds, output)
+    assert exit_code == 0, output
+    assert len(engine_pids) >= 1  # the engine (and multiprocessing's resource tracker)
+    deadline = time.monotonic() + 10
+    while any(running(pid) for pid in engine_pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(running(pid) for pid in engine_pids)
+
+
+def running(pid: str) -> bool:
+    """Alive and not a zombie (an exited child no one reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
