@@ -23,13 +23,14 @@ ready || { echo "server not ready"; tail -30 "$out/server.log"; kill "$server"; 
 echo "server ready after ${SECONDS}s"
 metrics() { python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8765/metrics').read().decode())"; }
 # one run's load from two /metrics snapshots, per second of the run: where the engine thread's wall time went, the
-# CPU of the engine thread and of the whole process, and how late the event loop woke its timers
+# CPU of the engine thread, the engine process and the server process, and how late the event loop woke its timers
 run_split() { python3 - "$1" "$2" <<'PY'
 import re, sys
 def read(path):
     text = open(path).read()
     out = {k: float(v) for k, v in re.findall(r'^qasr_engine_seconds\{kind="(\w+)"\} (\S+)$', text, re.M)}
     for name in ("qasr_engine_steps", "qasr_engine_thread_cpu_seconds", "process_cpu_seconds_total",
+                 "qasr_engine_process_cpu_seconds",
                  "qasr_event_loop_lag_seconds_sum", "qasr_event_loop_lag_seconds_count"):
         m = re.search(rf"^{name} (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
@@ -40,7 +41,7 @@ d = {k: b[k] - a[k] for k in b if k != "lag"}
 wall = sum(d[k] for k in ("admit", "decode_gpu", "decode_host", "idle")) or 1.0
 print(f"engine thread over {wall:.1f} s:", ", ".join(f"{k} {d[k] / wall:.0%}" for k in ("admit", "decode_gpu", "decode_host", "idle")),
       f"| steps/s {d['qasr_engine_steps'] / wall:.0f} | CPU/s: engine thread {d['qasr_engine_thread_cpu_seconds'] / wall:.2f},"
-      f" process {d['process_cpu_seconds_total'] / wall:.2f}")
+      f" engine process {d['qasr_engine_process_cpu_seconds'] / wall:.2f}, server process {d['process_cpu_seconds_total'] / wall:.2f}")
 n = d["qasr_event_loop_lag_seconds_count"]
 if n:
     lag = {le: b["lag"][le] - a["lag"].get(le, 0) for le in b["lag"]}
@@ -50,8 +51,8 @@ PY
 }
 # PYSPY=1: sample the server's Python stacks mid-run (all threads, then only the thread holding the GIL), raw folded
 pyspy() { sleep $(( ${STAGGER:-10} + 2 ))
-  py-spy record --pid "$server" --nonblocking --threads --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-all.txt" > /dev/null 2>&1
-  py-spy record --pid "$server" --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1; }
+  py-spy record --pid "$server" --subprocesses --nonblocking --threads --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-all.txt" > /dev/null 2>&1
+  py-spy record --pid "$server" --subprocesses --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1; }
 for n in $counts; do
   metrics > "$out/metrics-$n-before.txt"
   [ -n "${PYSPY:-}" ] && { pyspy "$n" & }

@@ -189,10 +189,24 @@ class ModelRunner:
         embeds: per sequence [T_i, D] (the prompt positions from starts[i] on) -> first generated token each.
         """
         lengths = [e.shape[0] for e in embeds]
+        if not self.prefill_buckets:
+            return self._prefill_eager(embeds, slots, starts, lengths)
+        # graphed buckets hold at most PREFILL_BATCH_BUCKETS[-1] sequences: a larger admission replays several,
+        # similar lengths together (less padding). Eagerly, its ~250 Triton launches cost more CPU than the GPU work.
+        first = [0] * len(embeds)
+        order = sorted(range(len(embeds)), key=lengths.__getitem__)
+        for c in range(0, len(order), PREFILL_BATCH_BUCKETS[-1]):
+            chunk = order[c : c + PREFILL_BATCH_BUCKETS[-1]]
+            args = [[embeds[i] for i in chunk], [slots[i] for i in chunk], [starts[i] for i in chunk],
+                    [lengths[i] for i in chunk]]
+            bucket = self._prefill_bucket(len(chunk), max(args[3]))
+            tokens = bucket.run(args[0], args[1:]).tolist() if bucket else self._prefill_eager(*args)
+            for i, token in zip(chunk, tokens):
+                first[i] = token
+        return first
+
+    def _prefill_eager(self, embeds, slots, starts, lengths) -> list[int]:
         T = max(lengths)
-        bucket = self._prefill_bucket(len(embeds), T)
-        if bucket is not None:
-            return bucket.run(embeds, [slots, starts, lengths]).tolist()
         x = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, T - e.shape[0])) for e in embeds])
         dev = lambda v: torch.tensor(v, device=self.device)  # noqa: E731
         num_keys = prefill_keys(max(s + n for s, n in zip(starts, lengths)), self.cache)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from qasr.model import kernels
 from qasr.model.modeling import RMSNorm, rotate_half
+from qasr.streaming import runner as runner_module
 from qasr.streaming.engine import Engine, EngineOptions
 from qasr.streaming.request import DecodeRequest, Priority
 
@@ -170,10 +171,24 @@ def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines
     assert [padded.transcribe([r])[0].token_ids for r in reqs] == [r.token_ids for r in plain.transcribe(reqs)]
 
 
+def test_an_admission_larger_than_the_largest_bucket_is_prefilled_in_chunks(tiny_model_dir, engines, monkeypatch):
+    _, plain = engines
+    monkeypatch.setattr(runner_module, "PREFILL_BATCH_BUCKETS", (1, 2))  # 4 sequences: two chunks of two
+    chunked = Engine.from_pretrained(str(tiny_model_dir), device="cpu",
+                                     options=EngineOptions(num_slots=4, max_len=256, num_retained=2, fused_kernels=True))
+    chunked.runner.build_prefill_buckets(capture=False)
+    runs = []
+    for bucket in chunked.runner.prefill_buckets.values():
+        monkeypatch.setattr(bucket, "run", lambda embeds, meta, run=bucket.run: runs.append(meta[2]) or run(embeds, meta))
+    reqs = [DecodeRequest(audio=speech(s, seed=30 + i), max_new_tokens=4) for i, s in enumerate([2.0, 0.5, 1.5, 0.8])]
+    assert [r.token_ids for r in chunked.transcribe(reqs)] == [r.token_ids for r in plain.transcribe(reqs)]
+    assert len(runs) == 2 and all(len(lengths) == 2 for lengths in runs)
+    assert max(runs[0]) <= min(runs[1])  # similar lengths share a chunk: the short ones first
+
+
 def test_graph_capture_code_runs_every_bucket_once_per_group_pool(tiny_model_dir, monkeypatch):
     """The capture code only runs on CUDA; here torch.cuda's graph API is stood in for, so that its Python runs in CI:
     every decode, encoder and prefill bucket is warmed up and recorded, each group into one pool of its own."""
-    from qasr.streaming import runner as runner_module
 
     recorded = []  # (pool passed in, graph) per recording
 
