@@ -165,8 +165,8 @@ def pcm_to_float(data: bytes, encoding: str = "s16le") -> np.ndarray:
         raise AudioError(f"{encoding} audio must be whole {dtype.itemsize}-byte samples, got {len(data)} bytes "
                          f"({len(data) % dtype.itemsize} trailing bytes of a partial sample)")
     samples = np.frombuffer(data, dtype=dtype)
-    if encoding == "s16le":
-        return samples.astype(np.float32) / np.float32(32768.0)
+    if encoding == "s16le":  # one pass; 1/32768 is a power of two, so this equals dividing
+        return np.multiply(samples, np.float32(1.0 / 32768.0), dtype=np.float32)
     samples = samples.astype(np.float32)  # native byte order, writable copy
     if not np.isfinite(samples).all():
         raise AudioError("f32le audio contains NaN or infinite samples")

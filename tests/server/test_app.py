@@ -393,6 +393,15 @@ def test_an_engine_whose_slots_cannot_hold_the_longest_segment_is_refused_at_loa
     assert engine.closed and server.engine is None and not server.is_ready()
 
 
+def test_audio_frames_are_not_compressed_even_when_a_client_offers_it():
+    async def main():
+        async with running() as server:
+            async with connect(url(server), compression="deflate") as websocket:
+                return websocket.response.headers.get("Sec-WebSocket-Extensions")
+
+    assert run(main()) is None
+
+
 def test_without_a_web_page_slash_says_how_to_get_one():
     async def main():
         async with running() as server:
