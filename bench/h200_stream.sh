@@ -53,6 +53,11 @@ PY
 pyspy() { sleep $(( ${STAGGER:-10} + 2 ))
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-all.txt" > /dev/null 2>&1
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1; }
+if [ -n "${WARMUP:-}" ]; then  # WARMUP=N: N clients for 10 s first, not reported (first-use costs of a fresh server)
+  python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$WARMUP" --processes 8 --duration 10 \
+    --stagger-s 2 --drain-timeout-s 30 --no-progress --out "$out/warmup.json" > "$out/warmup.log" 2>&1
+  echo "warm-up: $(grep -m1 '^# .* segments' "$out/warmup.log")"
+fi
 for n in $counts; do
   metrics > "$out/metrics-$n-before.txt"
   [ -n "${PYSPY:-}" ] && { pyspy "$n" & }

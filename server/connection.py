@@ -130,18 +130,29 @@ class StreamConnection:
     async def _receive_stream(self) -> None:
         """Feed the session until `end`; pauses reading while too many finals are pending."""
         session = self.session
-        while True:
-            await session.wait_for_capacity()
-            for command in self.protocol.receive(await self._recv()):
-                if isinstance(command, Audio):
-                    session.feed(command.samples)
-                    self.metrics.audio_seconds_total.inc(len(command.samples) / self.protocol.config.sample_rate)
-                elif isinstance(command, Flush):
-                    session.flush()
-                elif isinstance(command, End):
-                    return
-                elif isinstance(command, Notice):
-                    session.notify(events.Error(command.code, command.message))
+        idle = _IdleWatch(self.limits.idle_timeout_s, asyncio.current_task())
+        try:
+            while True:
+                await session.wait_for_capacity()
+                idle.heard()  # the server's own pause does not count as the client's silence
+                message = await self.websocket.recv()
+                idle.heard()
+                for command in self.protocol.receive(message):
+                    if isinstance(command, Audio):
+                        session.feed(command.samples)
+                        self.metrics.audio_seconds_total.inc(len(command.samples) / self.protocol.config.sample_rate)
+                    elif isinstance(command, Flush):
+                        session.flush()
+                    elif isinstance(command, End):
+                        return
+                    elif isinstance(command, Notice):
+                        session.notify(events.Error(command.code, command.message))
+        except asyncio.CancelledError:
+            if idle.expired:
+                raise errors.IdleTimeout(f"no message for {idle.timeout_s:g} s") from None
+            raise
+        finally:
+            idle.cancel()
 
     # -- the stream ------------------------------------------------------------------------------------------
 
@@ -251,3 +262,30 @@ class StreamConnection:
             received = getattr(exc, "rcvd", None)
             self.metrics.connection_closed(received.code if received is not None else None)
         log.info("session %s: client disconnected (%s)", self.session_id, exc)
+
+
+class _IdleWatch:
+    """The idle timeout as one timer per connection, re-armed lazily: a message costs a clock read, not the timer
+    that `wait_for` builds and cancels per message (~13% of the event loop at 600 streams on the H200)."""
+
+    def __init__(self, timeout_s: float, task: asyncio.Task):
+        self._loop = asyncio.get_running_loop()
+        self.timeout_s = timeout_s
+        self._task = task  # cancelled when the timeout passes
+        self.expired = False
+        self.heard()
+        self._timer = self._loop.call_later(timeout_s, self._check)
+
+    def heard(self) -> None:
+        self._last = self._loop.time()
+
+    def _check(self) -> None:
+        quiet = self._loop.time() - self._last
+        if quiet < self.timeout_s:
+            self._timer = self._loop.call_later(self.timeout_s - quiet, self._check)
+            return
+        self.expired = True
+        self._task.cancel()
+
+    def cancel(self) -> None:
+        self._timer.cancel()

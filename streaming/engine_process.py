@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import multiprocessing
+import pickle
 import queue
 import signal
 import threading
@@ -53,7 +54,7 @@ class EngineProcess:
         self._process.start()
         child_end.close()
         try:
-            message = self._conn.recv()
+            message = receive(self._conn)
         except EOFError:
             self._process.join(5)
             message = ("failed", f"the engine process exited with code {self._process.exitcode}")
@@ -137,14 +138,14 @@ class EngineProcess:
     def _send_loop(self) -> None:
         while (message := self._outbox.get()) is not None:
             try:
-                self._conn.send(message)
+                send(self._conn, message)
             except (OSError, ValueError):  # the process is gone; the receiver reports it
                 return
 
     def _receive_loop(self) -> None:
         while True:
             try:
-                message = self._conn.recv()
+                message = receive(self._conn)
             except (EOFError, OSError):
                 break
             if message[0] == "done":
@@ -169,6 +170,22 @@ class EngineProcess:
         self._outbox.put(None)  # ends the sender
 
 
+def send(conn, message) -> None:
+    """Pickle protocol 5 with the audio out of band: the array goes to the pipe from its own memory, not copied
+    into the pickle first (a partial carries its whole segment; the copy held the server's GIL)."""
+    buffers = []
+    header = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    conn.send_bytes(len(buffers).to_bytes(4, "little") + header)
+    for buffer in buffers:
+        conn.send_bytes(buffer.raw())
+
+
+def receive(conn):
+    data = conn.recv_bytes()
+    buffers = [conn.recv_bytes() for _ in range(int.from_bytes(data[:4], "little"))]
+    return pickle.loads(data[4:], buffers=buffers)
+
+
 def _settle(future: asyncio.Future, result) -> None:
     if future.done():
         return
@@ -188,38 +205,38 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_le
         engine = AsyncEngine(Engine.from_pretrained(model, device=device, dtype=dtype, options=options))
     except BaseException as e:
         log.exception("cannot load %s", model)
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        send(conn, ("failed", f"{type(e).__name__}: {e}"))
         return
     sending = threading.Lock()
 
-    def send(message) -> None:
+    def reply(message) -> None:
         with sending:
             try:
-                conn.send(message)
+                send(conn, message)
             except (OSError, ValueError):  # the server is gone; the receiver stops the loop
                 pass
 
-    send(("ready", engine.model_name))
-    threading.Thread(target=_serve_requests, args=(conn, engine, send), name="qasr-engine-requests",
+    reply(("ready", engine.model_name))
+    threading.Thread(target=_serve_requests, args=(conn, engine, reply), name="qasr-engine-requests",
                      daemon=True).start()
-    threading.Thread(target=_report_stats, args=(engine, send), name="qasr-engine-stats", daemon=True).start()
+    threading.Thread(target=_report_stats, args=(engine, reply), name="qasr-engine-stats", daemon=True).start()
     engine.run()  # returns once "close" arrives (or the server vanished), after failing what was left
-    send(("stats", _stats(engine)))
+    reply(("stats", _stats(engine)))
     if engine.error is not None:
-        send(("failed", f"{type(engine.error).__name__}: {engine.error}"))
+        reply(("failed", f"{type(engine.error).__name__}: {engine.error}"))
 
 
-def _serve_requests(conn, engine: AsyncEngine, send) -> None:
+def _serve_requests(conn, engine: AsyncEngine, reply) -> None:
     running = weakref.WeakValueDictionary()  # request id -> Sequence, until the engine lets go of it
     while True:
         try:
-            message = conn.recv()
+            message = receive(conn)
         except (EOFError, OSError):
             message = ("close",)
         kind = message[0]
         if kind == "add":
             request_id = message[1]
-            seq = engine.engine.add(message[2], lambda result, i=request_id: send(("done", i, result)))
+            seq = engine.engine.add(message[2], lambda result, i=request_id: reply(("done", i, result)))
             running[request_id] = seq
             engine.wake()
         elif kind == "cancel":
@@ -234,9 +251,9 @@ def _serve_requests(conn, engine: AsyncEngine, send) -> None:
             return
 
 
-def _report_stats(engine: AsyncEngine, send) -> None:
+def _report_stats(engine: AsyncEngine, reply) -> None:
     while not engine.stopped:
-        send(("stats", _stats(engine)))
+        reply(("stats", _stats(engine)))
         time.sleep(STATS_INTERVAL_S)
 
 

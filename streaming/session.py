@@ -221,7 +221,8 @@ class Session:
             return
         segment.partial_audio_samples = num_samples
         prefix = self._rollback(segment.raw_text) if self._rollback and segment.raw_text else ""
-        request = DecodeRequest(audio=open_segment.audio.copy(), context=self.options.context,
+        # the open segment's audio is a snapshot view (vad.OpenSegment): later feeds never rewrite it, so no copy
+        request = DecodeRequest(audio=open_segment.audio, context=self.options.context,
                                 language=self.options.language, text_prefix=prefix, priority=Priority.PARTIAL,
                                 stream_id=segment.stream_id)
         job = _PartialJob(segment)
