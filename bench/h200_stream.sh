@@ -34,14 +34,25 @@ def read(path):
                  "qasr_event_loop_lag_seconds_sum", "qasr_event_loop_lag_seconds_count"):
         m = re.search(rf"^{name} (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
+    for what, prio, stage, v in re.findall(r'^qasr_engine_stage_seconds_(sum|count)\{priority="(\w+)",stage="(\w+)"\} (\S+)$', text, re.M):
+        out[f"stage {prio} {stage} {what}"] = float(v)
+    for what in ("sum", "count"):
+        m = re.search(rf"^qasr_final_latency_seconds_{what} (\S+)$", text, re.M)
+        out[f"final {what}"] = float(m.group(1)) if m else 0.0
     out["lag"] = {le: float(v) for le, v in re.findall(r'^qasr_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)}
     return out
 a, b = read(sys.argv[1]), read(sys.argv[2])
-d = {k: b[k] - a[k] for k in b if k != "lag"}
+d = {k: b[k] - a.get(k, 0.0) for k in b if k != "lag"}
 wall = sum(d[k] for k in ("admit", "decode_gpu", "decode_host", "idle")) or 1.0
 print(f"engine thread over {wall:.1f} s:", ", ".join(f"{k} {d[k] / wall:.0%}" for k in ("admit", "decode_gpu", "decode_host", "idle")),
       f"| steps/s {d['qasr_engine_steps'] / wall:.0f} | CPU/s: engine thread {d['qasr_engine_thread_cpu_seconds'] / wall:.2f},"
       f" engine process {d['qasr_engine_process_cpu_seconds'] / wall:.2f}, server process {d['process_cpu_seconds_total'] / wall:.2f}")
+for prio in ("final", "partial"):
+    parts = [(st, d.get(f"stage {prio} {st} sum", 0) / d[f"stage {prio} {st} count"] * 1e3)
+             for st in ("queue", "encode", "prefill", "decode") if d.get(f"stage {prio} {st} count")]
+    if parts:
+        total = f"; server final latency mean {d['final sum'] / d['final count'] * 1e3:.0f} ms" if prio == "final" and d.get("final count") else ""
+        print(f"engine stages, {prio}s (mean ms): " + ", ".join(f"{st} {ms:.0f}" for st, ms in parts) + total)
 n = d["qasr_event_loop_lag_seconds_count"]
 if n:
     lag = {le: b["lag"][le] - a["lag"].get(le, 0) for le in b["lag"]}

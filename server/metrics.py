@@ -64,6 +64,33 @@ class Histogram:
         yield f"{self.name}_count {self.count}"
 
 
+class HistogramFamily:
+    """Histograms of one name told apart by labels (created on first use)."""
+
+    def __init__(self, name: str, help_text: str, label_names: tuple[str, ...], buckets=LATENCY_BUCKETS_S):
+        self.name, self.help, self.label_names, self.buckets = name, help_text, label_names, buckets
+        self.children: dict[tuple[str, ...], Histogram] = {}
+
+    def observe(self, value: float, *label_values: str) -> None:
+        child = self.children.get(label_values)
+        if child is None:
+            child = self.children[label_values] = Histogram(self.name, self.help, self.buckets)
+        child.observe(value)
+
+    def render(self) -> Iterable[str]:
+        yield f"# HELP {self.name} {self.help}"
+        yield f"# TYPE {self.name} histogram"
+        for values, child in sorted(self.children.items()):
+            labels = ",".join(f'{k}="{v}"' for k, v in zip(self.label_names, values))
+            for line in list(child.render())[2:]:  # the child's samples, with this family's labels added
+                metric, number = line.rsplit(" ", 1)
+                if "{" in metric:
+                    metric = metric.replace("{", "{" + labels + ",", 1)
+                else:
+                    metric = f"{metric}{{{labels}}}"
+                yield f"{metric} {number}"
+
+
 class ServerMetrics(SessionObserver):
     """Everything /metrics shows. Updated and rendered on the event loop only."""
 
@@ -84,6 +111,9 @@ class ServerMetrics(SessionObserver):
                                        "From a segment's end decision to its final being sent.")
         self.partial_latency = Histogram("qasr_partial_latency_seconds",
                                          "From a partial request to the partial being sent.")
+        self.engine_stage = HistogramFamily(
+            "qasr_engine_stage_seconds", "Where a request's time went in the engine: queue (waiting to be admitted), "
+            "encode, prefill, decode (first token to the last).", ("priority", "stage"))
         self.event_loop_lag = Histogram("qasr_event_loop_lag_seconds",
                                         "How late the event loop woke a timer: every stream waits this long.",
                                         buckets=LAG_BUCKETS_S)
@@ -103,6 +133,11 @@ class ServerMetrics(SessionObserver):
 
     def decode_failed(self, priority: Priority) -> None:
         self.decode_failures_total.inc(label_value=priority.name.lower())
+
+    def decoded(self, priority: Priority, timings: dict[str, float]) -> None:
+        for stage in ("queue", "encode", "prefill", "decode"):
+            if f"{stage}_ms" in timings:
+                self.engine_stage.observe(timings[f"{stage}_ms"] / 1e3, priority.name.lower(), stage)
 
     # -- connection bookkeeping ------------------------------------------------------------------------------
 
@@ -126,7 +161,7 @@ class ServerMetrics(SessionObserver):
         ]
         for metric in (self.sessions_total, self.connections_total, self.segments_total, self.partials_total,
                        self.finals_total, self.audio_seconds_total, self.decode_failures_total, self.errors_total,
-                       self.closes_total, self.final_latency, self.partial_latency, self.event_loop_lag):
+                       self.closes_total, self.final_latency, self.partial_latency, self.engine_stage, self.event_loop_lag):
             lines.extend(metric.render())
         if engine is not None:
             lines.extend(_engine_lines(engine))

@@ -53,6 +53,9 @@ class SessionObserver:
 
     def decode_failed(self, priority: Priority) -> None: ...
 
+    def decoded(self, priority: Priority, timings: dict[str, float]) -> None:
+        """Where one request's time went inside the engine (DecodeResult.timings, milliseconds)."""
+
 
 @dataclass(frozen=True)
 class SessionOptions:
@@ -246,6 +249,8 @@ class Session:
             return
         self._partial = None
         segment = job.segment
+        if result is not None:
+            self._observer.decoded(Priority.PARTIAL, result.timings)
         if result is not None and self._open is segment:
             segment.raw_text = result.raw_text
             end = segment.start + len(request.audio)
@@ -265,6 +270,7 @@ class Session:
         try:
             result = await self.engine.transcribe(request)
             closed.result = (result.text, result.language)
+            self._observer.decoded(Priority.FINAL, result.timings)
         except EngineClosed as error:
             self._fail(error)
             return

@@ -42,6 +42,9 @@ class FakeCall:
     started: bool = False  # manual mode: taken out of the queue (no longer supersedable)
 
 
+FAKE_TIMINGS_MS = {"queue_ms": 4.0, "encode_ms": 3.0, "prefill_ms": 2.0, "decode_ms": 60.0}
+
+
 class FakeEngine:
     """AsyncEngine's interface without a model.
 
@@ -138,7 +141,8 @@ class FakeEngine:
     def result_for(request: DecodeRequest, text: str | None = None) -> DecodeResult:
         text = describe_audio(request) if text is None else text
         return DecodeResult(text=text, language="English", raw_text=f"language English<asr_text>{text}",
-                            token_ids=tuple(range(len(text))), finish_reason="eos", num_audio_tokens=0)
+                            token_ids=tuple(range(len(text))), finish_reason="eos", num_audio_tokens=0,
+                            timings=FAKE_TIMINGS_MS)
 
     # -- manual mode -----------------------------------------------------------------------------------------
 

@@ -362,7 +362,11 @@ def test_healthz_readyz_metrics_and_the_web_page(tmp_path):
                  'qasr_errors_total{code="malformed"} 1', 'qasr_closes_total{code="1000"} 1',
                  'qasr_closes_total{code="1007"} 1', "qasr_final_latency_seconds_count 2",
                  'qasr_final_latency_seconds_bucket{le="+Inf"} 2', "qasr_engine_ready 1",
-                 'qasr_engine_queue_depth{kind="final"} 0', "qasr_engine_last_batch_sizes_max 2"):
+                 'qasr_engine_queue_depth{kind="final"} 0', "qasr_engine_last_batch_sizes_max 2",
+                 'qasr_engine_stage_seconds_count{priority="final",stage="queue"} 2',
+                 'qasr_engine_stage_seconds_sum{priority="final",stage="decode"} 0.12',
+                 'qasr_engine_stage_seconds_bucket{priority="final",stage="decode",le="0.05"} 0',
+                 'qasr_engine_stage_seconds_bucket{priority="final",stage="decode",le="0.1"} 2'):
         assert line in text.splitlines(), line
     assert "qasr_partial_latency_seconds_count" in text and "qasr_partials_total" in text
     assert replies["/"][0] == 200 and replies["/"][2] == b"<h1>qasr</h1>"
