@@ -43,9 +43,11 @@ class EngineOptions:
     max_len: int = 1024  # prompt + generated tokens per sequence (a 30 s segment is ~410 prompt tokens)
     num_retained: int = 64  # extra KV slots keeping streams' reusable prefixes for their next partial
     max_prefill_tokens: int = 16384  # prompt tokens prefilled in one admission round
-    admission_interval_ms: float = 20.0  # while sequences decode, admit new ones at most this often: an admission
-    # has a fixed cost (~8 ms at 0.6B on an H200) that, paid between every decode step under a steady stream of
-    # partials, would leave decoding a fraction of the GPU (docs/benchmarks.md)
+    admission_interval_ms: float = 20.0  # while sequences decode, they decode this long between two admissions: an
+    # admission has a fixed cost (~8 ms at 0.6B on an H200) that, paid between every decode step under a steady
+    # stream of partials, would leave decoding a fraction of the GPU; and under load one admission takes longer than
+    # the interval, so counting it from the admission's start left finals one decode step per admission
+    # (docs/benchmarks.md)
     max_audio_seconds: float = 60.0  # longest audio one request may carry
     base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
     tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)
@@ -175,14 +177,15 @@ class Engine:
         self._apply_releases()
         self._drop_cancelled()
         if self._free_slots and len(self.scheduler) and self._admission_due():
-            self._last_admission = time.perf_counter()
+            start = time.perf_counter()
             self._admit()
-            self.seconds["admit"] += time.perf_counter() - self._last_admission
+            self._last_admission = time.perf_counter()  # the interval counts from the end: decoding gets it whole
+            self.seconds["admit"] += self._last_admission - start
         if self.running:
             self._decode()
 
     def _admission_due(self) -> bool:
-        """Admit at once when nothing decodes; otherwise batch arrivals into one admission per interval."""
+        """Admit at once when nothing decodes; otherwise batch arrivals into one admission per interval of decoding."""
         interval = self.options.admission_interval_ms / 1e3
         return not self.running or time.perf_counter() - self._last_admission >= interval
 

@@ -2,6 +2,7 @@
 correctness, cancellation, superseding, validation, and the asyncio face."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -90,6 +91,29 @@ def test_arrivals_while_decoding_wait_for_the_admission_interval(tiny_model_dir,
     engine.run_until_done()  # admitted together once clip 3 is done
     assert {i: results[i].token_ids for i in (0, 1, 3)} == {i: out[i].token_ids for i in (0, 1, 3)}
     assert_idle(engine)
+
+
+def test_decoding_gets_the_whole_interval_between_admissions_that_take_longer_than_it(tiny_model_dir, alone):
+    clips = alone[0]
+    engine = make_engine(tiny_model_dir, num_slots=8, admission_interval_ms=30, ignore_eos=True)
+    admissions = []  # (start, end, sequences running at the start)
+    admit = engine._admit
+
+    def slow_admission():  # as under load on a GPU: admitting takes longer than the interval
+        start = time.perf_counter()
+        time.sleep(0.06)
+        admit()
+        admissions.append((start, time.perf_counter(), len(engine.running)))
+
+    engine._admit = slow_admission
+    engine.add(DecodeRequest(audio=clips[3], max_new_tokens=150), lambda r: None)  # decodes throughout
+    for step in range(60):
+        if step % 5 == 0:  # arrivals keep an admission due
+            engine.add(DecodeRequest(audio=clips[step // 5 % 8], max_new_tokens=3), lambda r: None)
+        engine.step()
+    engine.run_until_done()
+    while_decoding = [b[0] - a[1] for a, b in zip(admissions, admissions[1:]) if b[2] > 0]
+    assert len(while_decoding) >= 3 and min(while_decoding) >= 0.03
 
 
 def test_requests_joining_mid_flight_get_the_same_tokens(engine, alone):
