@@ -491,7 +491,7 @@ class AsyncEngine:
         future = loop.create_future()
 
         def on_done(result):  # engine thread (or this one, for a request refused at once)
-            loop.call_soon_threadsafe(_settle, future, result)
+            loop.call_soon_threadsafe(settle, future, result)
 
         seq = self.engine.add(request, on_done)
         if self._stop.is_set() or self.error is not None:  # the loop ended meanwhile: nobody will finish `seq`
@@ -550,7 +550,8 @@ class AsyncEngine:
         engine.fail_all(EngineClosed("the engine was closed"))
 
 
-def _settle(future: asyncio.Future, result) -> None:
+def settle(future: asyncio.Future, result) -> None:
+    """Complete `future` with a result or an exception (on its loop), unless it is done already."""
     if future.done():
         return
     if isinstance(result, BaseException):

@@ -32,7 +32,7 @@ import weakref
 from qasr.model.checkpoint import resolve_model_dir
 from qasr.model.tokenizer import Tokenizer
 
-from .engine import AsyncEngine, Engine, EngineOptions, check_context, display_name
+from .engine import AsyncEngine, Engine, EngineOptions, check_context, display_name, settle
 from .request import DecodeRequest, DecodeResult, EngineClosed
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class EngineProcess:
                 entry = self._pending.get(message[1])
                 if entry is not None:
                     loop, future = entry
-                    loop.call_soon_threadsafe(_settle, future, message[2])
+                    loop.call_soon_threadsafe(settle, future, message[2])
             elif message[0] == "stats":
                 self._stats = message[1]
             elif message[0] == "failed":  # the engine loop died (a device error): the process exits next
@@ -166,7 +166,7 @@ class EngineProcess:
             log.error("%s", self.error)
         closed = self.error or EngineClosed("the engine was closed")
         for loop, future in list(self._pending.values()):
-            loop.call_soon_threadsafe(_settle, future, closed)
+            loop.call_soon_threadsafe(settle, future, closed)
         self._outbox.put(None)  # ends the sender
 
 
@@ -184,15 +184,6 @@ def receive(conn):
     data = conn.recv_bytes()
     buffers = [conn.recv_bytes() for _ in range(int.from_bytes(data[:4], "little"))]
     return pickle.loads(data[4:], buffers=buffers)
-
-
-def _settle(future: asyncio.Future, result) -> None:
-    if future.done():
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)
 
 
 # -- the engine process ------------------------------------------------------------------------------------------

@@ -25,10 +25,20 @@ from fakes import speech_like, to_s16le
 from test_engine import speech
 
 OPTIONS = EngineOptions(num_slots=4, max_len=256, num_retained=2)
+LONG = 900  # tokens: a request that decodes for a while (EOS ignored), to cancel or to be caught by a crash
 
 
-def start(model_dir) -> EngineProcess:
-    return EngineProcess(str(model_dir), device="cpu", dtype="float32", options=OPTIONS)
+def start(model_dir, options: EngineOptions = OPTIONS) -> EngineProcess:
+    return EngineProcess(str(model_dir), device="cpu", dtype="float32", options=options)
+
+
+async def decoding(model_dir) -> tuple[EngineProcess, asyncio.Task]:
+    """A started engine process that is busy decoding one LONG request."""
+    engine = start(model_dir, EngineOptions(num_slots=4, max_len=1024, num_retained=0, ignore_eos=True))
+    await engine.start()
+    task = asyncio.create_task(engine.transcribe(DecodeRequest(audio=speech(2.0, seed=1), max_new_tokens=LONG)))
+    await until(lambda: engine.stats().get("running") == 1)
+    return engine, task
 
 
 async def until(condition, timeout_s: float = 10.0) -> None:
@@ -78,16 +88,13 @@ def test_results_equal_the_engine_in_this_process_and_errors_cross_the_pipe(tiny
 
 def test_a_cancelled_request_frees_its_slot_and_close_fails_what_is_left(tiny_model_dir):
     async def main():
-        engine = start(tiny_model_dir)
-        await engine.start()
-        long = asyncio.create_task(engine.transcribe(DecodeRequest(audio=speech(2.0, seed=1), max_new_tokens=200)))
-        await until(lambda: engine.stats().get("running") == 1)
+        engine, long = await decoding(tiny_model_dir)
         long.cancel()
         with pytest.raises(asyncio.CancelledError):
             await long
-        await until(lambda: engine.stats().get("running") == 0 and engine.stats().get("steps", 0) > 0)
-        assert engine.stats()["steps"] < 150  # dropped well before its 200-token budget
-        left = asyncio.create_task(engine.transcribe(DecodeRequest(audio=speech(2.0, seed=2), max_new_tokens=200)))
+        await until(lambda: engine.stats().get("running") == 0)
+        assert engine.stats()["counters"]["decode_rows"] < LONG - 1  # dropped before its budget ran out
+        left = asyncio.create_task(engine.transcribe(DecodeRequest(audio=speech(2.0, seed=2), max_new_tokens=LONG)))
         await until(lambda: engine.stats().get("running") == 1)
         await engine.close()
         with pytest.raises(EngineClosed):
@@ -102,10 +109,7 @@ def test_a_cancelled_request_frees_its_slot_and_close_fails_what_is_left(tiny_mo
 
 def test_an_engine_process_that_dies_fails_its_waiters_and_says_so(tiny_model_dir):
     async def main():
-        engine = start(tiny_model_dir)
-        await engine.start()
-        waiting = asyncio.create_task(engine.transcribe(DecodeRequest(audio=speech(2.0, seed=1), max_new_tokens=200)))
-        await until(lambda: engine.stats().get("running") == 1)
+        engine, waiting = await decoding(tiny_model_dir)
         os.kill(engine.pid, signal.SIGKILL)
         with pytest.raises(EngineClosed, match="exited unexpectedly"):
             await asyncio.wait_for(waiting, 10)
