@@ -5,6 +5,7 @@ failures, and the real `qasr-server` command serving a stream through it."""
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -121,11 +122,12 @@ def test_an_engine_process_that_dies_fails_its_waiters_and_says_so(tiny_model_di
     asyncio.run(asyncio.wait_for(main(), 60))
 
 
-def test_a_checkpoint_that_cannot_load_raises_with_the_reason(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
-    (tmp_path / "tokenizer_config.json").write_text("{}")
-    with pytest.raises(Exception):
-        EngineProcess(str(tmp_path), device="cpu", options=OPTIONS)
+def test_a_checkpoint_that_cannot_load_raises_with_the_reason(tiny_model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")  # the tokenizer loads, the weights do not
+    with pytest.raises(RuntimeError, match="the engine process could not load .*broken: .*Error"):
+        EngineProcess(str(broken), device="cpu", options=OPTIONS)
 
 
 def free_port() -> int:
