@@ -195,6 +195,21 @@ def voiced_burst(seconds: float, *, f0: float = 140.0, sample_rate: int = SAMPLE
     return (0.3 * signal / max(np.abs(signal).max(), 1e-9)).astype(np.float32)
 
 
+def speech_clip(seconds: float, seed: int = 0, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
+    """Speech-like audio: voiced syllables (gliding pitch with harmonics, ~4 per second), pauses, a little noise."""
+    rng = np.random.default_rng(seed)
+    n = int(round(seconds * sample_rate))
+    t = np.arange(n) / sample_rate
+    f0 = 120 + 60 * np.sin(2 * np.pi * 0.7 * t + rng.uniform(0, 6))  # Hz
+    phase = 2 * np.pi * np.cumsum(f0) / sample_rate
+    voice = sum(np.sin(k * phase) / k for k in range(1, 20))
+    syllables = np.clip(np.sin(2 * np.pi * rng.uniform(3, 5) * t + rng.uniform(0, 6)), 0, None) ** 2
+    pauses = np.sin(2 * np.pi * 0.3 * t + rng.uniform(0, 6)) > -0.6
+    noise = 0.02 * rng.standard_normal(n) * syllables + 1e-4 * rng.standard_normal(n)
+    signal = 0.3 * voice * syllables * pauses + noise
+    return signal.astype(np.float32)
+
+
 def speech_like(pattern: list[tuple[str, float]], *, sample_rate: int = SAMPLE_RATE, noise: float = 1e-4,
                 seed: int = 0) -> tuple[np.ndarray, list[tuple[float, float]]]:
     """Audio from [("speech", seconds) | ("silence", seconds), ...] and the true (start, end) of each burst.

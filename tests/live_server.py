@@ -38,12 +38,14 @@ def stream_url(port: int) -> str:
 
 
 @contextlib.asynccontextmanager
-async def serving(engine, *, port: int = 0, web_root: Path | None = None, **limits):
-    """A started server in the running loop; stopped (the SIGTERM path) on exit."""
+async def serving(engine, *, port: int = 0, web_root: Path | None = None, start_engine: bool = True, **limits):
+    """A started server in the running loop (and its engine, unless the test decides when it is ready); stopped
+    (the SIGTERM path) on exit."""
     config = ServerConfig(port=port, limits=ServerLimits(**limits), web_root=web_root, ping_interval_s=None)
     server = QasrServer(engine, config)
     await server.start()
-    await engine.start()
+    if start_engine:
+        await engine.start()
     try:
         yield server
     finally:

@@ -306,30 +306,36 @@ def test_a_server_that_vanishes_mid_stream_raises_connection_lost(tmp_path):
     assert isinstance(events[-1], SpeechStarted)
 
 
+async def stream_across_a_restart(port: int, wav, stop_first) -> list:
+    """Stream `wav` (4x speed, reconnecting) to a server on `port`; `stop_first(event, server)` sees every event and
+    may stop the first server; when the client reconnects, a fresh server takes the same port. -> all events."""
+    events = []
+    async with contextlib.AsyncExitStack() as servers:
+        first = await servers.enter_async_context(serving(fake_engine(), port=port))
+        stream = stream_audio(stream_url(port), file_source(wav, speed=4.0), vad=EXACT, reconnect=5,
+                              reconnect_delay_s=0.05)
+        restarted = False
+        async for event in stream:
+            events.append(event)
+            stop_first(event, first)
+            if isinstance(event, Reconnecting) and not restarted:
+                await first.wait_stopped()
+                await servers.enter_async_context(serving(fake_engine(), port=port))
+                restarted = True
+    return events
+
+
 def test_reconnect_continues_the_timeline_after_a_server_restart(tmp_path):
     pattern = [("silence", 0.3), ("speech", 1.0), ("silence", 0.8), ("speech", 1.0), ("silence", 0.8),
                ("speech", 1.0), ("silence", 0.8), ("speech", 1.0), ("silence", 0.8)]
     truth = write_wav(tmp_path / "talk.wav", pattern)
     port = free_port()
 
-    async def main():
-        events = []
-        async with contextlib.AsyncExitStack() as servers:
-            first = await servers.enter_async_context(serving(fake_engine(), port=port))
-            stream = stream_audio(stream_url(port), file_source(tmp_path / "talk.wav", speed=4.0), vad=EXACT,
-                                  reconnect=5, reconnect_delay_s=0.05)
-            restarted = False
-            async for event in stream:
-                events.append(event)
-                if isinstance(event, Final) and event.segment_id == 0:
-                    asyncio.ensure_future(first.stop())  # SIGTERM: finals, then 1001
-                if isinstance(event, Reconnecting) and not restarted:
-                    await first.wait_stopped()
-                    await servers.enter_async_context(serving(fake_engine(), port=port))
-                    restarted = True
-        return events
+    def stop_after_the_first_final(event, first):
+        if isinstance(event, Final) and event.segment_id == 0:
+            asyncio.ensure_future(first.stop())  # SIGTERM: finals, then 1001
 
-    events = run(main())
+    events = run(stream_across_a_restart(port, tmp_path / "talk.wav", stop_after_the_first_final))
     readies, reconnects = of_type(events, Ready), of_type(events, Reconnecting)
     assert len(readies) == 2 and len(reconnects) >= 1
     assert "shutting down" in reconnects[0].reason
@@ -409,29 +415,16 @@ def test_a_send_stuck_on_backpressure_when_the_connection_drops_is_resent_after_
 
     monkeypatch.setattr(StreamClient, "send_audio", stuck_once)
 
-    async def main():
-        events = []
-        async with contextlib.AsyncExitStack() as servers:
-            first = await servers.enter_async_context(serving(fake_engine(), port=port))
-            stream = stream_audio(stream_url(port), file_source(tmp_path / "talk.wav", speed=4.0), vad=EXACT,
-                                  reconnect=5, reconnect_delay_s=0.05)
-            restarted = False
-            async for event in stream:
-                events.append(event)
-                if isinstance(event, Ready) and len(sends) < 8:
-                    asyncio.ensure_future(restart_when_stuck(first))
-                if isinstance(event, Reconnecting) and not restarted:
-                    await first.wait_stopped()
-                    await servers.enter_async_context(serving(fake_engine(), port=port))
-                    restarted = True
-        return events
+    def stop_when_stuck(event, first):
+        if isinstance(event, Ready) and len(sends) < 8:
+            asyncio.ensure_future(restart_when_stuck(first))
 
     async def restart_when_stuck(server):
         while len(sends) < 8:
             await asyncio.sleep(0.01)
         await server.stop()  # 1001 while the 8th send is still waiting
 
-    events = run(main())
+    events = run(stream_across_a_restart(port, tmp_path / "talk.wav", stop_when_stuck))
     assert len(of_type(events, Ready)) == 2
     summary = events[-1]
     assert isinstance(summary, Summary)

@@ -12,21 +12,9 @@ import torch
 from qasr.model import audio
 from qasr.model.audio import AudioError
 
+from fakes import speech_clip
+
 SR = audio.SAMPLE_RATE
-
-
-def speech_like(seconds: float, seed: int = 0, sample_rate: int = SR) -> np.ndarray:
-    """Voiced syllables (a gliding pitch with harmonics, ~4 per second) separated by faint-noise pauses."""
-    rng = np.random.default_rng(seed)
-    n = int(round(seconds * sample_rate))
-    t = np.arange(n) / sample_rate
-    f0 = 120 + 60 * np.sin(2 * np.pi * 0.7 * t + rng.uniform(0, 6))  # Hz
-    phase = 2 * np.pi * np.cumsum(f0) / sample_rate
-    voice = sum(np.sin(k * phase) / k for k in range(1, 20))
-    syllables = np.clip(np.sin(2 * np.pi * 4.1 * t + rng.uniform(0, 6)), 0, None) ** 2
-    pauses = (np.sin(2 * np.pi * 0.3 * t) > -0.6)  # a long pause every few seconds
-    signal = 0.3 * voice * syllables * pauses + 0.02 * rng.standard_normal(n) * syllables + 1e-5 * rng.standard_normal(n)
-    return signal.astype(np.float32)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -49,7 +37,7 @@ def official_features(extractor, clip: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("seconds", [0.3, 1.0, 2.37, 8.0, 10.9, 40.0])
 def test_log_mel_matches_official_extractor(official_extractor, seconds):
-    clip = speech_like(seconds, seed=int(seconds * 100))
+    clip = speech_clip(seconds, seed=int(seconds * 100))
     expected = official_features(official_extractor, clip)
     ours = audio.log_mel(clip)
     assert ours.dtype == torch.float32
@@ -58,7 +46,7 @@ def test_log_mel_matches_official_extractor(official_extractor, seconds):
 
 
 def test_log_mel_clamps_to_eight_below_the_clip_maximum():
-    clip = speech_like(3.0)
+    clip = speech_clip(3.0)
     clip[: SR // 2] = 0  # digital silence: far below the clamp
     features = audio.log_mel(clip)
     floor = (features.max() - audio.LOG_MEL_DYNAMIC_RANGE / 4.0).item()  # clamp after the (x + 4) / 4 scaling
@@ -69,7 +57,7 @@ def test_log_mel_clamps_to_eight_below_the_clip_maximum():
 def test_log_mel_batch_rows_equal_each_clip_alone():
     rng = np.random.default_rng(1)
     lengths = [SR * 3 + 77, 161, 0, 4000, SR, 120, 201, int(SR * 8.5)]
-    clips = [torch.from_numpy(speech_like(n / SR, seed=i)) * float(rng.uniform(0.1, 3)) for i, n in enumerate(lengths)]
+    clips = [torch.from_numpy(speech_clip(n / SR, seed=i)) * float(rng.uniform(0.1, 3)) for i, n in enumerate(lengths)]
     features, num_frames = audio.log_mel_batch(clips)
     expected_frames = [n // audio.HOP_LENGTH for n in lengths]
     assert num_frames.tolist() == expected_frames
@@ -83,7 +71,7 @@ def test_log_mel_batch_rows_equal_each_clip_alone():
 
 def test_log_mel_batch_does_not_depend_on_batch_mates(official_extractor):
     # the official extractor pads a batch with zeros before the clamp; we must not
-    short, long = speech_like(1.37, seed=3), speech_like(6.0, seed=4) * 4
+    short, long = speech_clip(1.37, seed=3), speech_clip(6.0, seed=4) * 4
     features, num_frames = audio.log_mel_batch([short, long])
     torch.testing.assert_close(features[0, :, : num_frames[0]], torch.from_numpy(official_features(official_extractor, short)),
                                rtol=0, atol=1e-4)
@@ -103,7 +91,7 @@ def test_silence_and_tiny_clips_give_finite_features():
 
 
 def test_log_mel_accepts_any_float_input_and_rejects_the_rest():
-    clip = speech_like(0.5)
+    clip = speech_clip(0.5)
     reference = audio.log_mel(clip)
     torch.testing.assert_close(audio.log_mel(clip.astype(np.float64)), reference)
     half = audio.log_mel(torch.from_numpy(clip).to(torch.bfloat16))

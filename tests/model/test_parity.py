@@ -26,6 +26,7 @@ import torch
 
 pytest.importorskip("transformers", reason="the official implementation runs on transformers 4.57 (test extra)")
 import official  # noqa: E402  (tests/official.py; conftest puts tests/ on sys.path)
+from fakes import speech_clip  # noqa: E402
 
 try:
     official.import_official()
@@ -63,21 +64,6 @@ MEL_ATOL = 1e-4
 REL_TOL = 1e-4
 
 
-def speech_signal(seconds: float, seed: int) -> np.ndarray:
-    """Speech-like audio: voiced syllables (gliding pitch with harmonics, ~4 per second), pauses, a little noise."""
-    rng = np.random.default_rng(seed)
-    n = int(round(seconds * SR))
-    t = np.arange(n) / SR
-    f0 = 120 + 60 * np.sin(2 * np.pi * 0.7 * t + rng.uniform(0, 6))  # Hz
-    phase = 2 * np.pi * np.cumsum(f0) / SR
-    voice = sum(np.sin(k * phase) / k for k in range(1, 20))
-    syllables = np.clip(np.sin(2 * np.pi * rng.uniform(3, 5) * t + rng.uniform(0, 6)), 0, None) ** 2
-    pauses = np.sin(2 * np.pi * 0.3 * t + rng.uniform(0, 6)) > -0.6
-    noise = 0.02 * rng.standard_normal(n) * syllables + 1e-4 * rng.standard_normal(n)
-    signal = 0.3 * voice * syllables * pauses + noise
-    return signal.astype(np.float32)
-
-
 def clip_for(seconds: float) -> np.ndarray:
     """The test clip of this duration (a fresh copy: callers may edit it)."""
     return _clip(seconds).copy()
@@ -85,7 +71,7 @@ def clip_for(seconds: float) -> np.ndarray:
 
 @functools.lru_cache(maxsize=None)
 def _clip(seconds: float) -> np.ndarray:
-    return speech_signal(seconds, seed=int(round(seconds * 100)))
+    return speech_clip(seconds, seed=int(round(seconds * 100)))
 
 
 def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:

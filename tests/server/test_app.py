@@ -21,6 +21,7 @@ from qasr.server.limits import ServerLimits
 
 # tests/ is on sys.path (tests/conftest.py)
 from fakes import FakeEngine, speech_like, to_s16le
+from live_server import serving
 
 TWO_BURSTS = [("silence", 0.4), ("speech", 1.0), ("silence", 0.7), ("speech", 0.8), ("silence", 0.7)]
 EXACT = {"vad": {"pre_roll_ms": 0}}  # segments start at the first voiced frame: comparable to the truth
@@ -30,16 +31,10 @@ def run(coroutine, timeout: float = 30):
     return asyncio.run(asyncio.wait_for(coroutine, timeout))
 
 
-@contextlib.asynccontextmanager
-async def running(engine: FakeEngine | None = None, web_root: Path | None = None, **limits):
+def running(engine: FakeEngine | None = None, web_root: Path | None = None, **limits):
+    """A started server on a fake engine whose readiness the test sets (a FakeEngine is ready unless told not)."""
     engine = engine if engine is not None else FakeEngine(delay_s=0.005)
-    config = ServerConfig(port=0, limits=ServerLimits(**limits), web_root=web_root, ping_interval_s=None)
-    server = QasrServer(engine, config)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
+    return serving(engine, web_root=web_root, start_engine=False, **limits)
 
 
 def url(server: QasrServer) -> str:

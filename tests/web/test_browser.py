@@ -40,6 +40,18 @@ STYLES = """Object.fromEntries(['partial', 'final'].map(kind => {
 }))"""
 
 
+async def listening_page(browser, server, prepare: str | None = None):
+    """The demo page, opened and started: `prepare` (a script) runs before the click, then it is listening."""
+    page = await browser.new_page()
+    await page.navigate(server.http_url + "/")
+    if prepare is not None:
+        await page.evaluate(prepare)
+    assert await page.evaluate(STATE) == "idle"
+    await page.click("#toggle")
+    await page.wait_for(f"{STATE} === 'listening'")
+    return page
+
+
 def run(coroutine, timeout: float = 90):
     return asyncio.run(asyncio.wait_for(coroutine, timeout))
 
@@ -50,11 +62,7 @@ def test_the_page_transcribes_the_microphone_with_partials_then_finals(tiny_mode
 
     async def main(server: ThreadedServer):
         async with Chromium.launch(fake_audio=tmp_path / "speech.wav") as browser:
-            page = await browser.new_page()
-            await page.navigate(server.http_url + "/")
-            assert await page.evaluate(STATE) == "idle"
-            await page.click("#toggle")
-            await page.wait_for(f"{STATE} === 'listening'")
+            page = await listening_page(browser, server)
             level = await page.wait_for("document.getElementById('level').value > 0.3")  # the meter moves
             await page.wait_for(f"document.querySelectorAll('#transcript li.final').length >= {len(truth)}",
                                 timeout=45)
@@ -178,11 +186,7 @@ def test_a_microphone_context_below_16k_is_declared_at_its_own_rate(tmp_path):
 
     async def main(server: ThreadedServer):
         async with Chromium.launch(fake_audio=tmp_path / "burst.wav") as browser:
-            page = await browser.new_page()
-            await page.navigate(server.http_url + "/")
-            await page.evaluate(force_8k)
-            await page.click("#toggle")
-            await page.wait_for(f"{STATE} === 'listening'")
+            page = await listening_page(browser, server, force_8k)
             await page.wait_for("document.querySelectorAll('#transcript li.final').length >= 1", timeout=30)
             items = await page.evaluate(ITEMS)
             await page.click("#toggle")
@@ -264,11 +268,7 @@ def test_stop_sends_every_captured_sample_before_end(tmp_path):
 
     async def main(server: ThreadedServer):
         async with Chromium.launch(fake_audio=tmp_path / "speech.wav") as browser:
-            page = await browser.new_page()
-            await page.navigate(server.http_url + "/")
-            await page.evaluate(INSTRUMENT)
-            await page.click("#toggle")
-            await page.wait_for(f"{STATE} === 'listening'")
+            page = await listening_page(browser, server, INSTRUMENT)
             await asyncio.sleep(1.5)
             captured = await page.evaluate(STOP_MID_CHUNK)
             await page.wait_for(f"{STATE} === 'idle'")
