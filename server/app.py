@@ -88,13 +88,13 @@ class QasrServer:
             await engine.close()
             return
         check = getattr(engine, "check_context", None)
-        try:  # a server whose slots cannot hold its longest segment would refuse every stream's start
-            if check is not None:
+        if check is not None:  # a server whose slots cannot hold its longest segment would refuse every start
+            try:
                 check("", max_audio_seconds=self.config.limits.max_segment_s)
-        except ValueError as error:
-            await engine.close()
-            raise ValueError(f"the engine's max_len cannot hold a {self.config.limits.max_segment_s:g} s segment "
-                             f"(raise --max-len or lower --max-segment-s): {error}") from None
+            except ValueError as error:
+                await engine.close()
+                raise ValueError(f"the engine's max_len cannot hold a {self.config.limits.max_segment_s:g} s "
+                                 f"segment (raise --max-len or lower --max-segment-s): {error}") from None
         self.engine = engine
         await engine.start()
         log.info("engine ready: %s", getattr(engine, "model_name", "?"))
@@ -189,7 +189,8 @@ class _EngineView:
 
     @property
     def error(self) -> BaseException | None:
-        """Set when the engine loop died: the process is no longer healthy (orchestrators should restart it)."""
+        """Set when the engine loop or its process died: the server is no longer healthy (orchestrators should
+        restart it)."""
         return getattr(self._server.engine, "error", None)
 
     def stats(self) -> dict:

@@ -68,8 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens-per-second", type=float, default=engine.tokens_per_second,
                         help="see --base-tokens")
     parser.add_argument("--admission-interval-ms", type=float, default=engine.admission_interval_ms,
-                        help="while the engine decodes, admit new requests at most this often (batches arrivals "
-                             "into one encode + prefill; 0: between every decode step)")
+                        help="while sequences decode, decode this long between two admissions of new requests "
+                             "(batches arrivals into one encode + prefill; 0: admit between every decode step)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--quantize", choices=["int8"], default=None,

@@ -55,13 +55,19 @@ class Histogram:
     def render(self) -> Iterable[str]:
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} histogram"
+        yield from self.samples()
+
+    def samples(self, labels: str = "") -> Iterable[str]:
+        """The sample lines; `labels` (`k="v",...`, as a HistogramFamily writes them) go on every one."""
+        bucket = f"{labels}," if labels else ""
         cumulative = 0
         for bound, count in zip(self.buckets, self.counts):
             cumulative += count
-            yield f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}'
-        yield f'{self.name}_bucket{{le="+Inf"}} {self.count}'
-        yield f"{self.name}_sum {_number(self.sum)}"
-        yield f"{self.name}_count {self.count}"
+            yield f'{self.name}_bucket{{{bucket}le="{_number(bound)}"}} {cumulative}'
+        yield f'{self.name}_bucket{{{bucket}le="+Inf"}} {self.count}'
+        total = f"{{{labels}}}" if labels else ""
+        yield f"{self.name}_sum{total} {_number(self.sum)}"
+        yield f"{self.name}_count{total} {self.count}"
 
 
 class HistogramFamily:
@@ -81,14 +87,7 @@ class HistogramFamily:
         yield f"# HELP {self.name} {self.help}"
         yield f"# TYPE {self.name} histogram"
         for values, child in sorted(self.children.items()):
-            labels = ",".join(f'{k}="{v}"' for k, v in zip(self.label_names, values))
-            for line in list(child.render())[2:]:  # the child's samples, with this family's labels added
-                metric, number = line.rsplit(" ", 1)
-                if "{" in metric:
-                    metric = metric.replace("{", "{" + labels + ",", 1)
-                else:
-                    metric = f"{metric}{{{labels}}}"
-                yield f"{metric} {number}"
+            yield from child.samples(",".join(f'{k}="{_escape(v)}"' for k, v in zip(self.label_names, values)))
 
 
 class ServerMetrics(SessionObserver):
@@ -161,7 +160,8 @@ class ServerMetrics(SessionObserver):
         ]
         for metric in (self.sessions_total, self.connections_total, self.segments_total, self.partials_total,
                        self.finals_total, self.audio_seconds_total, self.decode_failures_total, self.errors_total,
-                       self.closes_total, self.final_latency, self.partial_latency, self.engine_stage, self.event_loop_lag):
+                       self.closes_total, self.final_latency, self.partial_latency, self.engine_stage,
+                       self.event_loop_lag):
             lines.extend(metric.render())
         if engine is not None:
             lines.extend(_engine_lines(engine))
@@ -200,10 +200,11 @@ def _metric_name(key) -> str:
 
 
 def _labels(label: str | None, value: str) -> str:
-    if not label:
-        return ""
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'{{{label}="{escaped}"}}'
+    return f'{{{label}="{_escape(value)}"}}' if label else ""
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _number(value: float) -> str:

@@ -275,9 +275,12 @@ class Engine:
         prompt = lambda prefix: build_prompt(self.tokenizer, context=req.context, language=req.language,  # noqa: E731
                                              num_audio_tokens=num_audio_tokens, text_prefix=prefix)
         seq.prompt = prompt(req.text_prefix)
-        if req.text_prefix:
+        too_long = seq.prompt.num_tokens >= self.options.max_len
+        # the suffix bounds the prefix's tokens: only a suffix over the budget needs the exact count (a second
+        # tokenization, which would otherwise cost every partial's admission)
+        if req.text_prefix and (too_long or len(seq.prompt.suffix_ids) > default_budget):
             prefix_tokens = len(seq.prompt.suffix_ids) - len(prompt("").suffix_ids)
-            if prefix_tokens > default_budget or seq.prompt.num_tokens >= self.options.max_len:
+            if too_long or prefix_tokens > default_budget:
                 seq.prompt = prompt("")
         room = self.options.max_len - seq.prompt.num_tokens
         if room < 1:

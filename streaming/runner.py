@@ -18,11 +18,10 @@ from qasr.model.modeling import Qwen3ASR, prefill_keys
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# encoder windows per graphed call; more windows than the largest bucket run eagerly (a batch that large is
-# compute bound, so its launch overhead no longer matters)
+# encoder windows per graphed call; more windows replay the largest graph several times
 ENCODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
-# prefills graphed per (sequences, padded tokens): small admissions, where ~250 launches from Python cost more than
-# the GPU work (a 10.9 s clip: 8.4 ms eager, measured on the H200); larger ones run eagerly
+# prefills graphed per (sequences, padded tokens): eagerly, ~250 launches from Python cost more than the GPU work (a
+# 10.9 s clip: 8.4 ms eager, measured on the H200); more sequences replay several graphs
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
 PREFILL_TOKEN_STEP = 64
 

@@ -270,7 +270,6 @@ class Session:
         try:
             result = await self.engine.transcribe(request)
             closed.result = (result.text, result.language)
-            self._observer.decoded(Priority.FINAL, result.timings)
         except EngineClosed as error:
             self._fail(error)
             return
@@ -280,6 +279,8 @@ class Session:
             closed.result = ("", "")
             closed.error = events.Error("decode_failed", f"segment {closed.segment_id} could not be transcribed; "
                                                          "its final has empty text")
+        else:
+            self._observer.decoded(Priority.FINAL, result.timings)
         finally:
             self._release(closed.stream_id)
         self._emit_ready_finals()

@@ -180,12 +180,6 @@ def webrtc_frames_classifier(aggressiveness: int) -> FramesClassifier:
     return is_speech
 
 
-def webrtc_frame_classifier(aggressiveness: int) -> FrameClassifier:
-    """webrtcvad one frame at a time."""
-    classify = webrtc_frames_classifier(aggressiveness)
-    return lambda frame: classify(frame[None])[0]
-
-
 class _SampleBuffer:
     """stream[offset:end] in one growing float32 array: amortised O(1) appends and front drops."""
 

@@ -174,12 +174,13 @@ def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines
 def test_an_admission_larger_than_the_largest_bucket_is_prefilled_in_chunks(tiny_model_dir, engines, monkeypatch):
     _, plain = engines
     monkeypatch.setattr(runner_module, "PREFILL_BATCH_BUCKETS", (1, 2))  # 4 sequences: two chunks of two
-    chunked = Engine.from_pretrained(str(tiny_model_dir), device="cpu",
-                                     options=EngineOptions(num_slots=4, max_len=256, num_retained=2, fused_kernels=True))
+    chunked = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
+        num_slots=4, max_len=256, num_retained=2, fused_kernels=True))
     chunked.runner.build_prefill_buckets(capture=False)
     runs = []
     for bucket in chunked.runner.prefill_buckets.values():
-        monkeypatch.setattr(bucket, "run", lambda embeds, meta, run=bucket.run: runs.append(meta[2]) or run(embeds, meta))
+        monkeypatch.setattr(bucket, "run",
+                            lambda embeds, meta, run=bucket.run: runs.append(meta[2]) or run(embeds, meta))
     reqs = [DecodeRequest(audio=speech(s, seed=30 + i), max_new_tokens=4) for i, s in enumerate([2.0, 0.5, 1.5, 0.8])]
     assert [r.token_ids for r in chunked.transcribe(reqs)] == [r.token_ids for r in plain.transcribe(reqs)]
     assert len(runs) == 2 and all(len(lengths) == 2 for lengths in runs)

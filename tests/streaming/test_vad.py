@@ -19,7 +19,7 @@ from qasr.streaming.vad import (
     Segmenter,
     SpeechStarted,
     VadOptions,
-    webrtc_frame_classifier,
+    webrtc_frames_classifier,
 )
 
 SR = SAMPLE_RATE
@@ -241,10 +241,10 @@ def test_flush_of_a_silent_stream_yields_nothing():
 
 
 def recording_classifier(aggressiveness: int, decisions: list):
-    classify = webrtc_frame_classifier(aggressiveness)
+    classify = webrtc_frames_classifier(aggressiveness)
 
     def record(frame):
-        decisions.append(classify(frame))
+        decisions.append(classify(frame[None])[0])
         return decisions[-1]
 
     return record
