@@ -20,9 +20,9 @@ from qasr.model import kernels
 from qasr.model.modeling import RMSNorm, rotate_half
 from qasr.model.quantize import quantize_decoder_int8
 from qasr.model.testmodel import make_test_model
-from qasr.streaming.engine import Engine, EngineOptions
-from qasr.streaming.request import DecodeRequest
-from qasr.streaming.runner import ModelRunner
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.request import DecodeRequest
+from qasr.engine.runner import ModelRunner
 
 from .synthetic import speech_like
 

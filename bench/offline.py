@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qasr.streaming.engine import Engine, EngineOptions
-from qasr.streaming.request import DecodeRequest
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.request import DecodeRequest
 
 from .synthetic import speech_like
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from qasr.model import audio as qaudio
-from qasr.streaming.engine import Engine, EngineOptions
-from qasr.streaming.request import DecodeRequest, Priority
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.request import DecodeRequest, Priority
 
 from .synthetic import speech_like
 

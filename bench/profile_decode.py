@@ -11,8 +11,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from qasr.model.testmodel import make_test_model
-from qasr.streaming.engine import Engine, EngineOptions
-from qasr.streaming.request import DecodeRequest
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.request import DecodeRequest
 
 from .synthetic import speech_like
 

@@ -19,7 +19,7 @@ from qasr.model.checkpoint import resolve_device
 from qasr.server.app import QasrServer, ServerConfig
 from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits, StreamDefaults
-from qasr.streaming.engine import EngineOptions
+from qasr.engine.engine import EngineOptions
 
 log = logging.getLogger("qasr.server")
 
@@ -101,8 +101,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 
 async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     """Serve until SIGTERM/SIGINT; 1 if the model could not be loaded."""
-    from qasr.streaming.engine import AsyncEngine
-    from qasr.streaming.engine_process import EngineProcess
+    from qasr.engine.engine import AsyncEngine
+    from qasr.engine.engine_process import EngineProcess
 
     slots = args.slots or (EngineOptions().num_slots if resolve_device(args.device).type == "cuda" else CPU_SLOTS)
     retained = slots if args.retained_slots is None else args.retained_slots

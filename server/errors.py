@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from websockets.exceptions import ConnectionClosed
 
-from qasr.streaming.request import EngineClosed
+from qasr.engine.request import EngineClosed
 
 log = logging.getLogger("qasr.server")
 

@@ -12,7 +12,7 @@ import math
 import time
 from typing import Iterable
 
-from qasr.streaming.request import Priority
+from qasr.engine.request import Priority
 from qasr.streaming.session import SessionObserver
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -27,7 +27,7 @@ import numpy as np
 
 from qasr.model.audio import SAMPLE_RATE
 from qasr.streaming import events, vad
-from qasr.streaming.request import DecodeRequest, DecodeResult, EngineClosed, Priority, Superseded
+from qasr.engine.request import DecodeRequest, DecodeResult, EngineClosed, Priority, Superseded
 from qasr.streaming.resample import StreamResampler
 
 log = logging.getLogger("qasr.session")
@@ -35,7 +35,7 @@ BACKLOG_EVENTS = 8  # unsent events beyond which a new partial replaces an unsen
 
 
 class Engine(Protocol):
-    """What a session needs of `qasr.streaming.engine.AsyncEngine`."""
+    """What a session needs of `qasr.engine.engine.AsyncEngine`."""
 
     async def transcribe(self, request: DecodeRequest) -> DecodeResult: ...
 

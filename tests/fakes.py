@@ -1,6 +1,6 @@
 """Test doubles for the server and session tests: a fake engine and speech-like synthetic audio.
 
-`FakeEngine` has exactly the interface of `qasr.streaming.engine.AsyncEngine` that sessions and the server use;
+`FakeEngine` has exactly the interface of `qasr.engine.engine.AsyncEngine` that sessions and the server use;
 its "transcript" describes the audio length ("1.23s"), so tests can check which audio each request carried.
 `speech_like` builds voiced harmonic bursts separated by silence, which webrtcvad cuts where the pauses are.
 """
@@ -13,7 +13,7 @@ import types
 
 import numpy as np
 
-from qasr.streaming.request import DecodeRequest, DecodeResult, EngineClosed, Priority, Superseded
+from qasr.engine.request import DecodeRequest, DecodeResult, EngineClosed, Priority, Superseded
 
 SAMPLE_RATE = 16000
 

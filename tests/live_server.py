@@ -28,7 +28,7 @@ WEB_ROOT = REPO / "web"
 
 def real_engine(model_dir: Path):
     """The eager CPU engine on a (tiny) checkpoint."""
-    from qasr.streaming.engine import AsyncEngine
+    from qasr.engine.engine import AsyncEngine
 
     return AsyncEngine.from_pretrained(str(model_dir), device="cpu", dtype="float32")
 

@@ -12,7 +12,7 @@ import pytest
 
 from qasr.bench import stream as stream_bench
 from qasr.server.app import QasrServer, ServerConfig
-from qasr.streaming.engine import AsyncEngine, EngineOptions
+from qasr.engine.engine import AsyncEngine, EngineOptions
 
 SR = 16000
 

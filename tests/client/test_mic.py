@@ -26,7 +26,7 @@ import soundfile
 from qasr.client import mic, sources
 from qasr.client.mic import CLEAR_LINE, TranscriptPrinter
 from qasr.streaming.events import Final, Partial
-from qasr.streaming.request import Priority
+from qasr.engine.request import Priority
 
 # tests/ is on sys.path (tests/conftest.py)
 from fakes import FakeEngine, speech_like, stand_in_sounddevice

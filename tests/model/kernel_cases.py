@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from qasr.model import kernels
 from qasr.model.modeling import RMSNorm, rotate_half
 from qasr.streaming import runner as runner_module
-from qasr.streaming.engine import Engine, EngineOptions
-from qasr.streaming.request import DecodeRequest, Priority
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.request import DecodeRequest, Priority
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/model/test_kernels.py"
 

@@ -37,8 +37,8 @@ from qasr.model import audio as qaudio  # noqa: E402
 from qasr.model.checkpoint import CheckpointError, load_model, resolve_model_dir  # noqa: E402
 from qasr.model.prompt import build_prompt  # noqa: E402
 from qasr.model.tokenizer import OFFICIAL_EOS_IDS, Tokenizer  # noqa: E402
-from qasr.streaming.engine import Engine, EngineOptions  # noqa: E402
-from qasr.streaming.request import DecodeRequest  # noqa: E402
+from qasr.engine.engine import Engine, EngineOptions  # noqa: E402
+from qasr.engine.request import DecodeRequest  # noqa: E402
 
 SR = qaudio.SAMPLE_RATE
 MAX_NEW_TOKENS = 24

@@ -5,8 +5,8 @@ import torch
 
 from qasr.model.checkpoint import load_model
 from qasr.model.quantize import Int8Linear, quantize_decoder_int8
-from qasr.streaming.engine import Engine, EngineOptions
-from qasr.streaming.request import DecodeRequest
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.request import DecodeRequest
 
 
 def test_int8_linear_reconstructs_each_row_within_half_a_step():

@@ -31,8 +31,8 @@ from qasr.model.checkpoint import load_model
 from qasr.model.tokenizer import Tokenizer
 from qasr.server.app import QasrServer, ServerConfig
 from qasr.server.limits import ServerLimits
-from qasr.streaming.engine import AsyncEngine, Engine, EngineOptions
-from qasr.streaming.request import DecodeRequest
+from qasr.engine.engine import AsyncEngine, Engine, EngineOptions
+from qasr.engine.request import DecodeRequest
 
 SR = SAMPLE_RATE
 TOLERANCE_S = 0.1  # segment boundaries within 100 ms of the truth

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from qasr.streaming import events
-from qasr.streaming.request import EngineClosed, Priority, Superseded
+from qasr.engine.request import EngineClosed, Priority, Superseded
 from qasr.streaming.session import Session, SessionObserver, SessionOptions
 from qasr.streaming.vad import VadOptions
 

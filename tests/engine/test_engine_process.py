@@ -18,9 +18,9 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from qasr.streaming.engine import Engine, EngineOptions
-from qasr.streaming.engine_process import EngineProcess
-from qasr.streaming.request import DecodeRequest, EngineClosed, Priority
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.engine_process import EngineProcess
+from qasr.engine.request import DecodeRequest, EngineClosed, Priority
 
 from fakes import speech_like, to_s16le
 from test_engine import speech

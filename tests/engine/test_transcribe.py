@@ -1,4 +1,4 @@
-"""qasr.model.transcribe: the Transcriber API and the qasr-transcribe CLI, on the tiny random checkpoint.
+"""qasr.engine.transcribe: the Transcriber API and the qasr-transcribe CLI, on the tiny random checkpoint.
 
 The random model's transcripts are meaningless, so the tests check what the API promises about them: one result per
 input in order, the same text the engine gives for that audio, long audio cut into pieces that cover it, joined
@@ -21,8 +21,8 @@ from fakes import speech_like  # tests/ is on sys.path (conftest)
 from qasr.model import audio as qaudio
 from qasr.model.audio import AudioError
 from qasr.model.prompt import UnsupportedLanguageError
-from qasr.model.transcribe import Segment, Transcriber, Transcription, join_texts, main, merge_languages
-from qasr.streaming.request import DecodeRequest
+from qasr.engine.transcribe import Segment, Transcriber, Transcription, join_texts, main, merge_languages
+from qasr.engine.request import DecodeRequest
 
 SR = qaudio.SAMPLE_RATE
 MAX_NEW_TOKENS = 12

@@ -16,8 +16,8 @@ import pytest
 from qasr.bench.synthetic import speech_like
 from qasr.model import audio as qaudio
 from qasr.model.prompt import build_prompt, rollback_prefix
-from qasr.streaming.engine import Engine, EngineOptions
-from qasr.streaming.request import DecodeRequest, Priority
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.request import DecodeRequest, Priority
 
 SR = qaudio.SAMPLE_RATE
 SEGMENT_S = 30

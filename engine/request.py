@@ -1,7 +1,7 @@
 """What a session asks of the engine, and what it gets back.
 
 The server and the sessions speak only these types; the engine (eager on the CPU, CUDA graphs on a GPU) turns a
-`DecodeRequest` into a `DecodeResult`. See `qasr.streaming.engine.AsyncEngine` for the asyncio face.
+`DecodeRequest` into a `DecodeResult`. See `qasr.engine.engine.AsyncEngine` for the asyncio face.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The per-stream cache's bookkeeping: retained KV slots are shared LRU-fashion and everything stays bounded."""
 
-from qasr.streaming.stream_cache import StreamCache
+from qasr.engine.stream_cache import StreamCache
 
 
 def test_retained_slots_are_reused_least_recently_used_first_and_busy_streams_keep_theirs():

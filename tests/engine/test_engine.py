@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from qasr.streaming.engine import AsyncEngine, Engine, EngineOptions
-from qasr.streaming.request import DecodeRequest, EngineClosed, Priority, Superseded
+from qasr.engine.engine import AsyncEngine, Engine, EngineOptions
+from qasr.engine.request import DecodeRequest, EngineClosed, Priority, Superseded
 
 SR = 16000
 
@@ -170,7 +170,7 @@ def test_padding_rows_write_no_kv(tiny_model_dir):
 
 
 def test_buckets():
-    from qasr.streaming.runner import DEFAULT_BUCKETS
+    from qasr.engine.runner import DEFAULT_BUCKETS
 
     assert DEFAULT_BUCKETS[0] == 1 and list(DEFAULT_BUCKETS) == sorted(DEFAULT_BUCKETS)
 

@@ -1,6 +1,6 @@
 """Offline transcription: whole files or arrays in, text out, through the batching engine. Also `qasr-transcribe`.
 
-    from qasr.model.transcribe import Transcriber
+    from qasr.engine.transcribe import Transcriber
     transcriber = Transcriber.from_pretrained("Qwen/Qwen3-ASR-0.6B")
     for result in transcriber.transcribe(["a.wav", "b.flac"], language="English"):
         print(result.text)
@@ -23,8 +23,8 @@ from typing import NamedTuple, Sequence, Union
 
 import numpy as np
 
-from . import audio as qaudio
-from .audio import AudioError
+from qasr.model import audio as qaudio
+from qasr.model.audio import AudioError
 
 AudioInput = Union[str, os.PathLike, np.ndarray, tuple]  # a path, 16 kHz float samples, or (samples, sample_rate)
 
@@ -147,13 +147,13 @@ class _Piece(NamedTuple):
 class Transcriber:
     """Loads a model once and transcribes batches of recordings of any length with it.
 
-    Wraps a `qasr.streaming.engine.Engine`: every piece of every input in one `transcribe` call is queued at once,
+    Wraps a `qasr.engine.engine.Engine`: every piece of every input in one `transcribe` call is queued at once,
     and the engine decodes up to `max_batch` of them together.
     """
 
     def __init__(self, engine, *, max_piece_seconds: float = qaudio.DEFAULT_MAX_SECONDS,
                  max_new_tokens: int | None = None):
-        """engine: a `qasr.streaming.engine.Engine` (see from_pretrained).
+        """engine: a `qasr.engine.engine.Engine` (see from_pretrained).
         max_piece_seconds: longer audio is cut into pieces of at most this length (split_long_audio).
         max_new_tokens: token limit per piece; None = the engine's budget for the piece's length.
         """
@@ -178,7 +178,7 @@ class Transcriber:
         options: a full `EngineOptions` instead of the defaults derived from max_batch (max_batch is then ignored).
         Raises CheckpointError (a ValueError) when the model cannot be found or does not load.
         """
-        from qasr.streaming.engine import Engine, EngineOptions
+        from qasr.engine.engine import Engine, EngineOptions
 
         if options is None:
             if max_batch < 1:
@@ -212,9 +212,9 @@ class Transcriber:
         progress: a bool, or a tqdm-like object whose `update(seconds)` is called as pieces finish (the CLI's one
         bar over many calls).
         """
-        from qasr.streaming.request import DecodeRequest
+        from qasr.engine.request import DecodeRequest
 
-        from .prompt import normalize_language
+        from qasr.model.prompt import normalize_language
 
         language = normalize_language(language) if language is not None and str(language).strip() else None
         pieces = [piece for i, clip in enumerate(clips) for piece in self._pieces(i, clip)]
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    from .prompt import UnsupportedLanguageError, normalize_language
+    from qasr.model.prompt import UnsupportedLanguageError, normalize_language
 
     try:
         if args.language is not None and args.language.strip():
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             _report(args, file, AudioError(f"{reason}: {file}"))
         return 1
 
-    from .checkpoint import CheckpointError
+    from qasr.model.checkpoint import CheckpointError
 
     try:
         transcriber = Transcriber.from_pretrained(args.model, device=args.device, dtype=args.dtype,
