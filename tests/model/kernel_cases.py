@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from qasr.model import kernels
 from qasr.model.modeling import RMSNorm, rotate_half
-from qasr.streaming import runner as runner_module
+from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest, Priority
 

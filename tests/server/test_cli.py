@@ -12,7 +12,7 @@ import pytest
 from websockets.asyncio.client import connect
 
 from qasr.server import cli
-from qasr.streaming import engine_process as engine_module
+from qasr.engine import engine_process as engine_module
 
 # tests/ is on sys.path (tests/conftest.py)
 from fakes import FakeEngine, speech_like, to_s16le
