@@ -37,9 +37,10 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from qasr.audio import SAMPLE_RATE
+
 from .synthetic import speech_like
 
-SAMPLE_RATE = 16000
 PERCENTILES = (50, 90, 95, 99)
 METRICS = {  # JSON key -> table label; all in milliseconds
     "first_partial_latency_ms": "first partial (speech start ->)",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-SAMPLE_RATE = 16000
+from qasr.audio import SAMPLE_RATE
 
 
 def speech_like(seconds: float, seed: int = 0, sample_rate: int = SAMPLE_RATE) -> np.ndarray:

@@ -125,7 +125,7 @@ def _checked_samples(samples, name: str) -> np.ndarray:
         raise AudioError(f"{name}: expected 1-D mono samples, got shape {samples.shape}")
     if not np.issubdtype(samples.dtype, np.floating):
         raise AudioError(f"{name}: expected float samples in [-1, 1], got {samples.dtype} "
-                         f"(convert PCM with qasr.model.audio.pcm_to_float)")
+                         f"(convert PCM with qasr.audio.decode_pcm)")
     if samples.size == 0:
         raise AudioError(f"{name} contains no audio samples")
     if not np.isfinite(samples).all():

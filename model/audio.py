@@ -20,13 +20,14 @@ from typing import BinaryIO, Union
 import numpy as np
 import torch
 
+from qasr.audio import SAMPLE_RATE, AudioError, quietest_point
+
 # soundfile and soxr are imported where used: the feature path (log_mel on a GPU box) needs only numpy and torch
 
 # ---------------------------------------------------------------------------------------------------------
 # Constants: samples -> frames -> tokens
 # ---------------------------------------------------------------------------------------------------------
 
-SAMPLE_RATE = 16000  # samples per second the model hears
 N_FFT = 400  # samples per STFT window (25 ms)
 HOP_LENGTH = 160  # samples between mel frames (10 ms)
 N_MELS = 128  # mel bins per frame
@@ -79,13 +80,7 @@ def num_audio_tokens(num_frames):
 # ---------------------------------------------------------------------------------------------------------
 
 
-class AudioError(ValueError):
-    """Audio that cannot be used: missing, unreadable, empty, malformed or containing NaN/inf."""
-
-
 AudioSource = Union[str, os.PathLike, bytes, bytearray, memoryview, BinaryIO]
-
-PCM_ENCODINGS = {"s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}  # wire encoding -> sample dtype
 
 
 def load_audio(source: AudioSource, sample_rate: int = SAMPLE_RATE) -> np.ndarray:
@@ -152,27 +147,6 @@ def _check_rate(rate: int, what: str) -> None:
         raise ValueError(f"{what} must be a positive integer number of Hz, got {rate!r}")
 
 
-def pcm_to_float(data: bytes, encoding: str = "s16le") -> np.ndarray:
-    """Decode raw little-endian PCM from the wire into float32 samples in [-1, 1).
-
-    encoding: "s16le" (16-bit signed ints, scaled by 1/32768) or "f32le" (32-bit floats, taken as they are).
-    Raises AudioError on an unknown encoding, a trailing partial sample or (f32le) NaN/inf samples.
-    """
-    if encoding not in PCM_ENCODINGS:
-        raise AudioError(f"unknown PCM encoding {encoding!r}: use one of {', '.join(PCM_ENCODINGS)}")
-    dtype = PCM_ENCODINGS[encoding]
-    if len(data) % dtype.itemsize:
-        raise AudioError(f"{encoding} audio must be whole {dtype.itemsize}-byte samples, got {len(data)} bytes "
-                         f"({len(data) % dtype.itemsize} trailing bytes of a partial sample)")
-    samples = np.frombuffer(data, dtype=dtype)
-    if encoding == "s16le":  # one pass; 1/32768 is a power of two, so this equals dividing
-        return np.multiply(samples, np.float32(1.0 / 32768.0), dtype=np.float32)
-    samples = samples.astype(np.float32)  # native byte order, writable copy
-    if not np.isfinite(samples).all():
-        raise AudioError("f32le audio contains NaN or infinite samples")
-    return samples
-
-
 # ---------------------------------------------------------------------------------------------------------
 # Log-mel features
 # ---------------------------------------------------------------------------------------------------------
@@ -219,7 +193,7 @@ def _as_float32_tensor(audio, device: torch.device | None) -> torch.Tensor:
     if tensor.dim() != 1:
         raise ValueError(f"expected 1-D mono audio, got shape {tuple(tensor.shape)}")
     if not tensor.is_floating_point():
-        raise ValueError(f"expected float audio samples in [-1, 1], got {tensor.dtype}: convert PCM with pcm_to_float")
+        raise ValueError(f"expected float audio samples in [-1, 1], got {tensor.dtype}: convert PCM with qasr.audio.decode_pcm")
     return tensor.to(device=device if device is not None else tensor.device, dtype=torch.float32)
 
 
@@ -317,29 +291,9 @@ def split_long_audio(audio: np.ndarray, max_seconds: float = DEFAULT_MAX_SECONDS
     while audio.shape[0] - start > max_samples:
         latest = start + max_samples
         earliest = max(start + 1, latest - search_samples)
-        cut = _quietest_point(audio, earliest, latest, window)
+        cut = quietest_point(audio, earliest, latest, window)
         ranges.append((start, cut))
         start = cut
     if audio.shape[0] > start:
         ranges.append((start, audio.shape[0]))
     return ranges
-
-
-def _quietest_point(audio: np.ndarray, earliest: int, latest: int, window: int) -> int:
-    """A cut position in [earliest, latest] in the middle of the quietest stretch (see split_long_audio)."""
-    half = window // 2
-    lo, hi = max(earliest - half, 0), min(latest + half, audio.shape[0])
-    segment = audio[lo:hi].astype(np.float64)
-    energy_sum = np.concatenate([[0.0], np.cumsum(segment * segment)])  # prefix sums of squares
-    cuts = np.arange(earliest, latest + 1)
-    left = np.clip(cuts - half, lo, hi) - lo
-    right = np.clip(cuts + window - half, lo, hi) - lo
-    energy = (energy_sum[right] - energy_sum[left]) / np.maximum(right - left, 1)  # mean power around each cut
-
-    floor = energy.min()
-    quiet = energy <= floor + 0.01 * (energy.max() - floor)
-    # runs of consecutive quiet positions: pick the longest, cut in its middle
-    edges = np.flatnonzero(np.diff(np.concatenate([[0], quiet.astype(np.int8), [0]])))
-    run_starts, run_ends = edges[0::2], edges[1::2]  # [start, end) in cuts' indices
-    longest = int(np.argmax(run_ends - run_starts))
-    return int(cuts[(run_starts[longest] + run_ends[longest] - 1) // 2])

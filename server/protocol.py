@@ -21,12 +21,11 @@ from typing import Callable, Union
 import msgpack
 import numpy as np
 
-from qasr.model.audio import AudioError, pcm_to_float
+from qasr.audio import AudioError, decode_pcm, downmix
 from qasr.model.prompt import normalize_language
 from qasr.server.errors import MalformedMessage, MessageTooBig, UnsupportedFormat
 from qasr.server.limits import ServerLimits, StreamDefaults
 from qasr.streaming import events
-from qasr.streaming.resample import downmix
 from qasr.streaming.vad import VadOptions
 
 ENCODINGS = {"s16le": 2, "f32le": 4}  # wire encoding -> bytes per sample
@@ -173,10 +172,10 @@ class NativeProtocol:
         if not data:
             return []
         try:
-            samples = pcm_to_float(data, config.encoding)
+            samples = decode_pcm(data, config.encoding, config.channels)
         except AudioError as error:
             raise MalformedMessage(str(error)) from None
-        return [Audio(downmix(samples, config.channels))]
+        return [Audio(downmix(samples))]
 
     def _parse_start(self, message: dict, notices: list[Notice]) -> StreamConfig:
         limits, defaults = self.limits, self.defaults

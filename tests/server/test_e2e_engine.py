@@ -26,7 +26,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from fakes import speech_like, to_s16le  # tests/ is on sys.path (conftest)
-from qasr.model.audio import SAMPLE_RATE, pcm_to_float
+from qasr.audio import SAMPLE_RATE, decode_pcm
 from qasr.model.checkpoint import load_model
 from qasr.model.tokenizer import Tokenizer
 from qasr.server.app import QasrServer, ServerConfig
@@ -114,7 +114,7 @@ async def stream(server: QasrServer, audio: np.ndarray, *, speed: float, start: 
                  chunk_s: float = 0.1, end: bool = True) -> Stream:
     """A client sending s16le in `chunk_s` pieces at `speed` x real time, then `end`; reads until the close."""
     data = to_s16le(audio)
-    result = Stream(pcm_to_float(data), (start or {}).get("language"))
+    result = Stream(decode_pcm(data, "s16le")[:, 0], (start or {}).get("language"))
     async with connect(url(server)) as websocket:
         await websocket.send(json.dumps({"type": "start", **(start or {})}))
         receiving = asyncio.ensure_future(receive_all(websocket, result.events))
@@ -328,7 +328,7 @@ def test_malformed_input_closes_that_session_only_while_another_keeps_streaming(
             good = asyncio.ensure_future(stream(server, good_audio, speed=3.0,
                                                 start={"partial_interval_ms": 300, "vad": EXACT}))
             await until(lambda: server.metrics.sessions_active >= 1)
-            bad = Stream(pcm_to_float(to_s16le(bad_audio)), None)
+            bad = Stream(decode_pcm(to_s16le(bad_audio), "s16le")[:, 0], None)
             async with connect(url(server)) as websocket:
                 await websocket.send(json.dumps({"type": "start", "partials": False, "vad": EXACT}))
                 await websocket.send(to_s16le(bad_audio))

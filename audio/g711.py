@@ -1,0 +1,41 @@
+"""G.711 mu-law and A-law decoding (ITU-T G.711), by 256-entry tables: what telephony streams carry.
+
+Each table maps a code byte to the 16-bit linear sample the standard assigns it (the classic expansion also used by
+libsndfile, sox and Python's former `audioop`), scaled to float32 in [-1, 1). tests/audio/test_g711.py checks the
+tables against an encoder written from the standard's segment definition.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_SIGN = 0x80
+_SEGMENT = 0x70  # 3 bits: the segment (exponent)
+_STEP = 0x0F  # 4 bits: the step within the segment (mantissa)
+_MULAW_BIAS = 0x84  # 132: mu-law segments start at 33 (x4 in 16-bit scale) so segment 0 needs no special case
+
+
+def _mulaw_to_linear(code: int) -> int:
+    code = ~code & 0xFF  # mu-law bytes are sent inverted
+    magnitude = (((code & _STEP) << 3) + _MULAW_BIAS) << ((code & _SEGMENT) >> 4)
+    return _MULAW_BIAS - magnitude if code & _SIGN else magnitude - _MULAW_BIAS
+
+
+def _alaw_to_linear(code: int) -> int:
+    code ^= 0x55  # A-law bytes have their even bits inverted
+    segment = (code & _SEGMENT) >> 4
+    magnitude = ((code & _STEP) << 4) + 8  # the middle of the step
+    if segment:
+        magnitude = (magnitude + 0x100) << (segment - 1)
+    return magnitude if code & _SIGN else -magnitude
+
+
+MULAW_TO_LINEAR = np.array([_mulaw_to_linear(code) for code in range(256)], dtype=np.int16)  # [256]
+ALAW_TO_LINEAR = np.array([_alaw_to_linear(code) for code in range(256)], dtype=np.int16)  # [256]
+_FLOAT_TABLES = {"mulaw": MULAW_TO_LINEAR.astype(np.float32) / np.float32(32768.0),
+                 "alaw": ALAW_TO_LINEAR.astype(np.float32) / np.float32(32768.0)}
+
+
+def decode(data: bytes | bytearray | memoryview, encoding: str) -> np.ndarray:
+    """G.711 bytes ("mulaw" or "alaw") -> float32 [n] in [-1, 1)."""
+    return _FLOAT_TABLES[encoding][np.frombuffer(data, dtype=np.uint8)]
