@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Streaming capacity on a lent H200: qasr-server on a random 0.6B checkpoint (bf16, CUDA graphs, fused kernels,
 # decoding forced to ~3.7 tokens per second of speech), then qasr-bench stream with a rising number of real-time
-# clients spread over 8 client processes. The device image lacks websockets, webrtcvad-wheels, soxr, soundfile and
-# tqdm (and py-spy for PYSPY=1): carry them in .whl/ with
+# clients spread over 8 client processes. The device image lacks websockets, webrtcvad-wheels, soxr, soundfile,
+# tqdm and prometheus-client (and py-spy for PYSPY=1): carry them in .whl/ with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl websockets webrtcvad-wheels soxr soundfile tqdm py-spy cffi pycparser
+#     -d .whl websockets webrtcvad-wheels soxr soundfile tqdm prometheus-client py-spy cffi pycparser
 # Usage (repo root, from the device tool with carry [".whl"]): bash bench/h200_stream.sh OUTDIR "600 800"
 # Env: DURATION (s per client, 40), STAGGER (s over which clients start, 10), WARMUP=N (N clients for 10 s first,
 # not reported), PYSPY=1 (sample the server's and the engine process's Python stacks mid-run into OUTDIR).

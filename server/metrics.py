@@ -1,121 +1,116 @@
-"""Server metrics in the Prometheus text format (version 0.0.4), written by hand: a few counters, gauges and
-histograms need no dependency.
+"""Server metrics for /metrics, through `prometheus-client`.
 
-`ServerMetrics` is also the sessions' observer (partials, finals, latencies). Engine numbers come from
-`engine.stats()` at scrape time: numbers become gauges `qasr_engine_<key>`, dicts of numbers one gauge with a
-`kind` label, lists of numbers (e.g. recent batch sizes) `_last`, `_mean` and `_max` gauges.
+`ServerMetrics` holds one `CollectorRegistry` per server (tests run many servers in one process; the library's
+global registry would mix them) and is also the sessions' observer (partials, finals, latencies). The engine's
+numbers are read at scrape time by `EngineStatsCollector` from `engine.stats()`: numbers become gauges
+`qasr_engine_<key>`, dicts of numbers one gauge with a `kind` label, lists of numbers (e.g. recent batch sizes)
+`_last`, `_mean` and `_max` gauges. Every family has a HELP line (`ENGINE_STATS_HELP`, or a generic one for a key
+an engine adds later).
+
+Several front-end processes (issue #15) will need the library's multi-process mode. What switching it on takes,
+kept possible by this layout: with `PROMETHEUS_MULTIPROC_DIR` set, `_define` creates the metrics unregistered
+(their values then live in that folder's files), `sessions_active` gets `multiprocess_mode="livesum"`, and
+`render` scrapes a fresh registry holding a `multiprocess.MultiProcessCollector` plus the engine collector (whose
+numbers come from the engine process, not from the files) instead of `self.registry`.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from typing import Iterable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from qasr.engine.request import Priority
 from qasr.streaming.session import SessionObserver
 
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# The `_created` timestamp series (one per counter and histogram child) are off: /metrics shows what
+# docs/protocol.md lists. A process-wide switch of the library; the server is its only user in the process.
+prometheus_client.disable_created_metrics()
+
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # generate_latest writes the 0.0.4 text format
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+STAGES = ("queue", "encode", "prefill", "decode")
 
-
-class Counter:
-    def __init__(self, name: str, help_text: str, label: str | None = None):
-        self.name, self.help, self.label = name, help_text, label
-        self.values: dict[str, float] = {} if label else {"": 0.0}
-
-    def inc(self, amount: float = 1.0, label_value: str = "") -> None:
-        self.values[label_value] = self.values.get(label_value, 0.0) + amount
-
-    def get(self, label_value: str = "") -> float:
-        return self.values.get(label_value, 0.0)
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} counter"
-        for label_value, value in sorted(self.values.items()):
-            yield f"{self.name}{_labels(self.label, label_value)} {_number(value)}"
-
-
-class Histogram:
-    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS_S):
-        self.name, self.help, self.buckets = name, help_text, buckets
-        self.counts = [0] * len(buckets)  # per bucket, not cumulative
-        self.count, self.sum = 0, 0.0
-
-    def observe(self, value: float) -> None:
-        self.count += 1
-        self.sum += value
-        for index, bound in enumerate(self.buckets):
-            if value <= bound:
-                self.counts[index] += 1
-                break
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} histogram"
-        yield from self.samples()
-
-    def samples(self, labels: str = "") -> Iterable[str]:
-        """The sample lines; `labels` (`k="v",...`, as a HistogramFamily writes them) go on every one."""
-        bucket = f"{labels}," if labels else ""
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            yield f'{self.name}_bucket{{{bucket}le="{_number(bound)}"}} {cumulative}'
-        yield f'{self.name}_bucket{{{bucket}le="+Inf"}} {self.count}'
-        total = f"{{{labels}}}" if labels else ""
-        yield f"{self.name}_sum{total} {_number(self.sum)}"
-        yield f"{self.name}_count{total} {self.count}"
-
-
-class HistogramFamily:
-    """Histograms of one name told apart by labels (created on first use)."""
-
-    def __init__(self, name: str, help_text: str, label_names: tuple[str, ...], buckets=LATENCY_BUCKETS_S):
-        self.name, self.help, self.label_names, self.buckets = name, help_text, label_names, buckets
-        self.children: dict[tuple[str, ...], Histogram] = {}
-
-    def observe(self, value: float, *label_values: str) -> None:
-        child = self.children.get(label_values)
-        if child is None:
-            child = self.children[label_values] = Histogram(self.name, self.help, self.buckets)
-        child.observe(value)
-
-    def render(self) -> Iterable[str]:
-        yield f"# HELP {self.name} {self.help}"
-        yield f"# TYPE {self.name} histogram"
-        for values, child in sorted(self.children.items()):
-            yield from child.samples(",".join(f'{k}="{_escape(v)}"' for k, v in zip(self.label_names, values)))
+# HELP text of the engine's stats() keys (AsyncEngine, EngineProcess and the fake engine's).
+ENGINE_STATS_HELP = {
+    "queue": "Requests waiting to be admitted, by priority (kind).",
+    "queue_depth": "Requests waiting to be admitted, by priority (kind).",
+    "running": "Sequences decoding now.",
+    "free_slots": "KV-cache slots free now.",
+    "active_slots": "KV-cache slots in use now.",
+    "streams_cached": "Streams whose encoder windows and prompt KV are kept for their next partial.",
+    "steps": "Engine steps so far.",
+    "batch_sizes": "Rows of the recent decode steps.",
+    "last_batch_sizes": "Rows of the recent decode steps.",
+    "counters": "Engine work so far, by kind: tokens prefilled and reused, encoder windows encoded and reused, "
+                "decode rows.",
+    "seconds": "The engine loop's time so far, by kind: admit, decode_gpu, decode_host, idle.",
+    "thread_cpu_seconds": "CPU time of the engine loop's thread.",
+    "process_cpu_seconds": "CPU time of the engine process (all threads).",
+}
+LIST_SUFFIX_HELP = {"last": "the last one", "mean": "their mean", "max": "their maximum"}
 
 
 class ServerMetrics(SessionObserver):
     """Everything /metrics shows. Updated and rendered on the event loop only."""
 
     def __init__(self):
-        self.sessions_active = 0
-        self.sessions_total = Counter("qasr_sessions_total", "Streams started (after a valid start message).")
-        self.connections_total = Counter("qasr_connections_total", "WebSocket connections accepted.")
-        self.segments_total = Counter("qasr_segments_total", "Speech segments detected.")
-        self.partials_total = Counter("qasr_partials_total", "Partial hypotheses sent.")
-        self.finals_total = Counter("qasr_finals_total", "Final transcripts sent.")
-        self.audio_seconds_total = Counter("qasr_audio_seconds_total", "Audio received, in seconds.")
+        self.registry = CollectorRegistry()
+        self.engine_stats = EngineStatsCollector()
+        self._define(self.registry)
+        self.sessions_active = 0  # a property: the gauge follows it
+
+    def _define(self, registry: CollectorRegistry) -> None:
+        self._sessions_active = Gauge("qasr_sessions_active", "Streams open now.", registry=registry)
+        self.sessions_total = Counter("qasr_sessions_total", "Streams started (after a valid start message).",
+                                      registry=registry)
+        self.connections_total = Counter("qasr_connections_total", "WebSocket connections accepted.",
+                                         registry=registry)
+        self.segments_total = Counter("qasr_segments_total", "Speech segments detected.", registry=registry)
+        self.partials_total = Counter("qasr_partials_total", "Partial hypotheses sent.", registry=registry)
+        self.finals_total = Counter("qasr_finals_total", "Final transcripts sent.", registry=registry)
+        self.audio_seconds_total = Counter("qasr_audio_seconds_total", "Audio received, in seconds.",
+                                           registry=registry)
         self.decode_failures_total = Counter("qasr_decode_failures_total", "Engine requests that failed.",
-                                             label="priority")
-        self.errors_total = Counter("qasr_errors_total", "Error events sent to clients, by error code.", label="code")
-        self.closes_total = Counter("qasr_closes_total", "Connections closed, by WebSocket close code.",
-                                    label="code")
+                                             ["priority"], registry=registry)
+        self.errors_total = Counter("qasr_errors_total", "Error events sent to clients, by error code.", ["code"],
+                                    registry=registry)
+        self.closes_total = Counter("qasr_closes_total", "Connections closed, by WebSocket close code.", ["code"],
+                                    registry=registry)
         self.final_latency = Histogram("qasr_final_latency_seconds",
-                                       "From a segment's end decision to its final being sent.")
+                                       "From a segment's end decision to its final being sent.",
+                                       buckets=LATENCY_BUCKETS_S, registry=registry)
         self.partial_latency = Histogram("qasr_partial_latency_seconds",
-                                         "From a partial request to the partial being sent.")
-        self.engine_stage = HistogramFamily(
+                                         "From a partial request to the partial being sent.",
+                                         buckets=LATENCY_BUCKETS_S, registry=registry)
+        self.engine_stage = Histogram(
             "qasr_engine_stage_seconds", "Where a request's time went in the engine: queue (waiting to be admitted), "
-            "encode, prefill, decode (first token to the last).", ("priority", "stage"))
+            "encode, prefill, decode (first token to the last).", ["priority", "stage"], buckets=LATENCY_BUCKETS_S,
+            registry=registry)
         self.event_loop_lag = Histogram("qasr_event_loop_lag_seconds",
                                         "How late the event loop woke a timer: every stream waits this long.",
-                                        buckets=LAG_BUCKETS_S)
+                                        buckets=LAG_BUCKETS_S, registry=registry)
+        ProcessCollector(registry=registry)  # process_cpu_seconds_total (all threads), memory, open fds
+        registry.register(self.engine_stats)
+
+    @property
+    def sessions_active(self) -> int:
+        return self._sessions_active_count
+
+    @sessions_active.setter
+    def sessions_active(self, count: int) -> None:
+        """Connections count streams with `metrics.sessions_active += 1` / `-= 1`."""
+        self._sessions_active_count = count
+        self._sessions_active.set(count)
+
+    def value(self, name: str, **labels: str) -> float | None:
+        """One sample as /metrics would show it (e.g. `value("qasr_errors_total", code="malformed")`); None if
+        it has not been written."""
+        return self.registry.get_sample_value(name, labels)
 
     # -- SessionObserver -------------------------------------------------------------------------------------
 
@@ -131,85 +126,68 @@ class ServerMetrics(SessionObserver):
         self.final_latency.observe(latency_s)
 
     def decode_failed(self, priority: Priority) -> None:
-        self.decode_failures_total.inc(label_value=priority.name.lower())
+        self.decode_failures_total.labels(priority.name.lower()).inc()
 
     def decoded(self, priority: Priority, timings: dict[str, float]) -> None:
-        for stage in ("queue", "encode", "prefill", "decode"):
+        for stage in STAGES:
             if f"{stage}_ms" in timings:
-                self.engine_stage.observe(timings[f"{stage}_ms"] / 1e3, priority.name.lower(), stage)
+                self.engine_stage.labels(priority.name.lower(), stage).observe(timings[f"{stage}_ms"] / 1e3)
 
     # -- connection bookkeeping ------------------------------------------------------------------------------
 
     def error_sent(self, code: str) -> None:
-        self.errors_total.inc(label_value=code)
+        self.errors_total.labels(code).inc()
 
     def connection_closed(self, close_code: int | None) -> None:
-        self.closes_total.inc(label_value=str(close_code) if close_code is not None else "none")
+        self.closes_total.labels(str(close_code) if close_code is not None else "none").inc()
 
     # -- exposition ------------------------------------------------------------------------------------------
 
     def render(self, engine=None) -> str:
-        """The whole page; `engine` adds its readiness and stats()."""
-        lines = [
-            "# HELP qasr_sessions_active Streams open now.",
-            "# TYPE qasr_sessions_active gauge",
-            f"qasr_sessions_active {self.sessions_active}",
-            "# HELP process_cpu_seconds_total CPU time of the server process (all threads).",
-            "# TYPE process_cpu_seconds_total counter",
-            f"process_cpu_seconds_total {_number(time.process_time())}",
-        ]
-        for metric in (self.sessions_total, self.connections_total, self.segments_total, self.partials_total,
-                       self.finals_total, self.audio_seconds_total, self.decode_failures_total, self.errors_total,
-                       self.closes_total, self.final_latency, self.partial_latency, self.engine_stage,
-                       self.event_loop_lag):
-            lines.extend(metric.render())
-        if engine is not None:
-            lines.extend(_engine_lines(engine))
-        return "\n".join(lines) + "\n"
+        """The whole page; `engine` (anything with `ready` and `stats()`) adds its readiness and stats."""
+        self.engine_stats.engine = engine
+        return generate_latest(self.registry).decode()
 
 
-def _engine_lines(engine) -> Iterable[str]:
-    yield "# HELP qasr_engine_ready 1 once the model is loaded and warmed up."
-    yield "# TYPE qasr_engine_ready gauge"
-    yield f"qasr_engine_ready {1 if engine.ready else 0}"
-    try:
-        stats = engine.stats()
-    except Exception:  # a scrape must not fail because the engine is busy starting or stopping
-        return
-    for key, value in sorted(stats.items()):
-        name = "qasr_engine_" + _metric_name(key)
-        if _is_number(value):
-            yield f"# TYPE {name} gauge"
-            yield f"{name} {_number(value)}"
-        elif isinstance(value, dict) and value and all(_is_number(v) for v in value.values()):
-            yield f"# TYPE {name} gauge"
-            for kind, number in sorted(value.items()):
-                yield f"{name}{_labels('kind', str(kind))} {_number(number)}"
-        elif isinstance(value, (list, tuple)) and value and all(_is_number(v) for v in value):
-            for suffix, number in (("last", value[-1]), ("mean", sum(value) / len(value)), ("max", max(value))):
-                yield f"# TYPE {name}_{suffix} gauge"
-                yield f"{name}_{suffix} {_number(number)}"
+class EngineStatsCollector:
+    """A custom collector: the engine's readiness and stats() as gauges, read when /metrics is scraped."""
+
+    def __init__(self):
+        self.engine = None
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        engine = self.engine
+        if engine is None:
+            return
+        yield GaugeMetricFamily("qasr_engine_ready", "1 once the model is loaded and warmed up.",
+                                value=1 if engine.ready else 0)
+        try:
+            stats = engine.stats()
+        except Exception:  # a scrape must not fail because the engine is busy starting or stopping
+            return
+        for key, value in sorted(stats.items()):
+            yield from _stat_families(str(key), value)
+
+
+def _stat_families(key: str, value) -> Iterable[GaugeMetricFamily]:
+    name = "qasr_engine_" + _metric_name(key)
+    help_text = ENGINE_STATS_HELP.get(key, f"The engine's `{key}` statistic.")
+    if _is_number(value):
+        yield GaugeMetricFamily(name, help_text, value=value)
+    elif isinstance(value, dict) and value and all(_is_number(v) for v in value.values()):
+        family = GaugeMetricFamily(name, help_text, labels=["kind"])
+        for kind, number in sorted(value.items()):
+            family.add_metric([str(kind)], number)
+        yield family
+    elif isinstance(value, (list, tuple)) and value and all(_is_number(v) for v in value):
+        for suffix, number in (("last", value[-1]), ("mean", sum(value) / len(value)), ("max", max(value))):
+            yield GaugeMetricFamily(f"{name}_{suffix}", f"{help_text.rstrip('.')}: {LIST_SUFFIX_HELP[suffix]}.",
+                                    value=number)
 
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _metric_name(key) -> str:
-    return "".join(c if c.isalnum() or c == "_" else "_" for c in str(key).lower())
-
-
-def _labels(label: str | None, value: str) -> str:
-    return f'{{{label}="{_escape(value)}"}}' if label else ""
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def _number(value: float) -> str:
-    if isinstance(value, float) and math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return repr(value) if isinstance(value, float) else str(value)
+def _metric_name(key: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in key.lower())
