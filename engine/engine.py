@@ -56,10 +56,12 @@ class EngineOptions:
     repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
     ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
     quantize: str | None = None  # "int8": weight-only int8 decoder projections (opt-in; see model/quantize.py)
+    rollback_tokens: int = 5  # a partial continues its stream's previous partial minus this many last tokens (the
+    # least settled ones, re-decoded); 0: partials decode from the audio alone
 
     def __post_init__(self):
         if (self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1
-                or self.admission_interval_ms < 0):
+                or self.admission_interval_ms < 0 or self.rollback_tokens < 0):
             raise ValueError(f"invalid engine options: {self}")
         if self.quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {self.quantize!r}")
@@ -265,23 +267,20 @@ class Engine:
     def _prepare_prompt(self, seq: Sequence, num_audio_tokens: int) -> None:
         """The sequence's prompt and token budget; ValueError if it cannot fit a slot.
 
-        A partial's text prefix is the previous hypothesis: when a model runs on (a hallucination loop) it can
+        A partial's given prefix is the previous hypothesis: when a model runs on (a hallucination loop) it can
         outgrow what the audio could hold, so a prefix longer than the audio's token budget, or one that would not
         fit the slot, is dropped and the partial decodes from the audio alone.
         """
         req = seq.request
         seconds = req.audio.size / qaudio.SAMPLE_RATE
         default_budget = self.options.base_tokens + math.ceil(self.options.tokens_per_second * seconds)
-        prompt = lambda prefix: build_prompt(self.tokenizer, context=req.context, language=req.language,  # noqa: E731
-                                             num_audio_tokens=num_audio_tokens, text_prefix=prefix)
-        seq.prompt = prompt(req.text_prefix)
-        too_long = seq.prompt.num_tokens >= self.options.max_len
-        # the suffix bounds the prefix's tokens: only a suffix over the budget needs the exact count (a second
-        # tokenization, which would otherwise cost every partial's admission)
-        if req.text_prefix and (too_long or len(seq.prompt.suffix_ids) > default_budget):
-            prefix_tokens = len(seq.prompt.suffix_ids) - len(prompt("").suffix_ids)
-            if too_long or prefix_tokens > default_budget:
-                seq.prompt = prompt("")
+        prompt = lambda answer_ids: build_prompt(self.tokenizer, context=req.context,  # noqa: E731
+                                                 language=req.language, num_audio_tokens=num_audio_tokens,
+                                                 answer_ids=answer_ids)
+        answer_ids = self._rolled_back_answer(seq)
+        seq.prompt = prompt(answer_ids)
+        if answer_ids and (seq.prompt.num_tokens >= self.options.max_len or len(answer_ids) > default_budget):
+            seq.prompt = prompt(())
         room = self.options.max_len - seq.prompt.num_tokens
         if room < 1:
             raise ValueError(f"the prompt ({seq.prompt.num_tokens} tokens for {req.audio.size / qaudio.SAMPLE_RATE:.1f}"
@@ -341,6 +340,13 @@ class Engine:
             embeds.append(self.model.splice_audio(tokens, audio, seq.prompt.audio_offset))
             starts.append(self._reusable_positions(seq, keep))
         return [seq for seq, _, _ in fitting], embeds, starts
+
+    def _rolled_back_answer(self, seq: Sequence) -> tuple[int, ...]:
+        """A partial's given prefix: its stream's previous partial's answer minus the last `rollback_tokens`."""
+        state = self._stream_state(seq)
+        if state is None or not self.options.rollback_tokens:
+            return ()
+        return state.answer_ids[: max(0, len(state.answer_ids) - self.options.rollback_tokens)]
 
     @staticmethod
     def _whole_windows(frames: int) -> int:
@@ -422,7 +428,12 @@ class Engine:
         seq.finish_reason = reason
         self.running.pop(seq.slot, None)
         heapq.heappush(self._free_slots, seq.slot)
-        raw = seq.prompt.text_prefix + self.tokenizer.decode(seq.generated)
+        answer = (*seq.prompt.answer_ids, *seq.generated)
+        if seq.request.priority is Priority.PARTIAL and seq.stream_id is not None:
+            state = self.streams.peek(seq.stream_id)  # None once released: a late partial does not bring it back
+            if state is not None:
+                state.answer_ids = answer
+        raw = self.tokenizer.decode(answer)
         language, text = parse_output(raw, seq.prompt.language)
         seq.timings["decode_ms"] = (time.perf_counter() - seq.t_decode) * 1e3
         seq.finish(DecodeResult(text=text, language=language, raw_text=raw, token_ids=tuple(seq.generated),
@@ -459,36 +470,45 @@ class AsyncEngine:
     stream replaced a queued one, `EngineClosed` once the engine stops.
     """
 
+    model_name: str
+
     def __init__(self, engine: Engine, *, idle_wait_s: float = 0.05):
         self.engine = engine
         self.model_name = engine.model_name
-        self.tokenizer = engine.tokenizer
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._idle_wait_s = idle_wait_s
-        self.ready = False
-        self.error: BaseException | None = None
+        self._ready = False
+        self._error: BaseException | None = None
 
     @classmethod
     def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
         return cls(Engine.from_pretrained(model, device=device, dtype=dtype, options=options))
 
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
     async def start(self) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self.run, name="qasr-engine", daemon=True)
             self._thread.start()
-        self.ready = True
+        self._ready = True
 
     async def close(self) -> None:
-        self.ready = False
+        self._ready = False
         self.stop()
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
 
     async def transcribe(self, request: DecodeRequest) -> DecodeResult:
-        if self._stop.is_set() or self.error is not None:
+        if self._stop.is_set() or self._error is not None:
             raise EngineClosed("the engine is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -497,7 +517,7 @@ class AsyncEngine:
             loop.call_soon_threadsafe(settle, future, result)
 
         seq = self.engine.add(request, on_done)
-        if self._stop.is_set() or self.error is not None:  # the loop ended meanwhile: nobody will finish `seq`
+        if self._stop.is_set() or self._error is not None:  # the loop ended meanwhile: nobody will finish `seq`
             seq.finish(EngineClosed("the engine is not running"))
         self._wake.set()
         try:
@@ -511,11 +531,17 @@ class AsyncEngine:
         self.engine.release_stream(stream_id)
         self._wake.set()
 
-    def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
+    async def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
         self.engine.check_context(context, language=language, max_audio_seconds=max_audio_seconds)
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def submit(self, request: DecodeRequest, on_done) -> Sequence:
+        """Queue a request from any thread and wake the loop; `on_done` as in `Engine.add` (EngineProcess uses it)."""
+        seq = self.engine.add(request, on_done)
+        self._wake.set()
+        return seq
 
     def wake(self) -> None:
         """New work or a cancellation arrived (from another thread): step now instead of after the idle wait."""
@@ -546,8 +572,8 @@ class AsyncEngine:
                 engine.thread_cpu_seconds = time.thread_time()
         except BaseException as e:  # a broken engine fails every waiter instead of leaving them hanging
             log.exception("engine loop failed")
-            self.error = e
-            self.ready = False
+            self._error = e
+            self._ready = False
             engine.fail_all(EngineClosed(f"engine failed: {type(e).__name__}: {e}"))
             return
         engine.fail_all(EngineClosed("the engine was closed"))

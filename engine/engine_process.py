@@ -5,11 +5,13 @@ retakes the GIL, and retaking it while the event loop holds it can wait a whole 
 streams on an H200 the engine spent 74% of its time admitting work the GPU did in a fraction of that, while the
 GPU idled (docs/benchmarks.md). In its own process the engine thread has an interpreter to itself.
 
-`EngineProcess` has `AsyncEngine`'s face (start, close, transcribe, release_stream, check_context, stats, ready,
-error, model_name, tokenizer), so the server does not know which one it drives. Pickled messages over one pipe:
+`EngineProcess` implements the engine's face (qasr.engine.face.SpeechEngine), so the server does not know which
+engine it drives. The server process holds no tokenizer: even `check_context` is answered by the engine process.
+Pickled messages over one pipe:
 
-    server -> engine   ("add", id, DecodeRequest) | ("cancel", id) | ("release", stream_id) | ("close",)
-    engine -> server   ("ready", model_name) | ("failed", message) | ("done", id, result or exception)
+    server -> engine   ("add", id, DecodeRequest) | ("cancel", id) | ("release", stream_id)
+                       | ("check", id, context, language, max_audio_seconds) | ("close",)
+    engine -> server   ("ready", model_name) | ("failed", message) | ("done", id, answer or exception)
                        | ("stats", dict)
 
 The process is spawned (CUDA cannot be forked), ignores SIGINT/SIGTERM (the server decides when it stops), and
@@ -29,10 +31,7 @@ import threading
 import time
 import weakref
 
-from qasr.model.checkpoint import resolve_model_dir
-from qasr.model.tokenizer import Tokenizer
-
-from .engine import AsyncEngine, Engine, EngineOptions, check_context, display_name, settle
+from .engine import AsyncEngine, Engine, EngineOptions, display_name, settle
 from .request import DecodeRequest, DecodeResult, EngineClosed
 
 log = logging.getLogger(__name__)
@@ -41,12 +40,13 @@ STATS_INTERVAL_S = 0.25  # how often the engine process reports its stats (what 
 
 
 class EngineProcess:
+    model_name: str
+
     def __init__(self, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
         """Spawn the engine process and wait until it has loaded the model and captured its graphs (minutes on a
         large model: the server calls this in a worker thread). RuntimeError if it could not."""
         self.options = options
         self.model_name = display_name(model)
-        self.tokenizer = Tokenizer.from_pretrained(resolve_model_dir(model))  # for check_context and rollback
         context = multiprocessing.get_context("spawn")
         self._conn, child_end = context.Pipe()
         self._process = context.Process(target=_engine_main, name="qasr-engine", daemon=True,
@@ -61,8 +61,8 @@ class EngineProcess:
         if message[0] != "ready":
             self._process.join(5)
             raise RuntimeError(f"the engine process could not load {model}: {message[1]}")
-        self.ready = False
-        self.error: BaseException | None = None
+        self._ready = False
+        self._error: BaseException | None = None
         self._ids = itertools.count()
         self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # sent by a thread: a 2 MB clip never blocks the loop
@@ -82,12 +82,20 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self._process.pid
 
+    @property
+    def ready(self) -> bool:
+        return self._ready
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
     async def start(self) -> None:
-        self.ready = not (self._gone or self._closing)
+        self._ready = not (self._gone or self._closing)
 
     async def close(self) -> None:
         """Work still pending gets EngineClosed; returns once the process has exited."""
-        self.ready = False
+        self._ready = False
         if not self._closing:
             self._closing = True
             self._outbox.put(("close",))
@@ -106,7 +114,18 @@ class EngineProcess:
         self._conn.close()
 
     async def transcribe(self, request: DecodeRequest) -> DecodeResult:
-        if self._closing or self._gone or self.error is not None:
+        return await self._ask(lambda request_id: ("add", request_id, request), cancel=True)
+
+    def release_stream(self, stream_id: str) -> None:
+        self._outbox.put(("release", stream_id))
+
+    async def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
+        await self._ask(lambda request_id: ("check", request_id, context, language, max_audio_seconds))
+
+    async def _ask(self, message, *, cancel: bool = False):
+        """Send message(request_id) and await the process's ("done", request_id, answer); `cancel`: a cancelled
+        wait cancels the work in the process too."""
+        if self._closing or self._gone or self._error is not None:
             raise EngineClosed("the engine is not running")
         loop = asyncio.get_running_loop()
         future = loop.create_future()
@@ -115,20 +134,15 @@ class EngineProcess:
         if self._gone:  # the receiver already failed everything pending: nobody will answer this one
             self._pending.pop(request_id, None)
             raise EngineClosed("the engine is not running")
-        self._outbox.put(("add", request_id, request))
+        self._outbox.put(message(request_id))
         try:
             return await future
         except asyncio.CancelledError:
-            self._outbox.put(("cancel", request_id))
+            if cancel:
+                self._outbox.put(("cancel", request_id))
             raise
         finally:
             self._pending.pop(request_id, None)
-
-    def release_stream(self, stream_id: str) -> None:
-        self._outbox.put(("release", stream_id))
-
-    def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
-        check_context(self.tokenizer, self.options, context, language=language, max_audio_seconds=max_audio_seconds)
 
     def stats(self) -> dict:
         return dict(self._stats)
@@ -156,15 +170,15 @@ class EngineProcess:
             elif message[0] == "stats":
                 self._stats = message[1]
             elif message[0] == "failed":  # the engine loop died (a device error): the process exits next
-                self.error = EngineClosed(f"engine failed: {message[1]}")
-                log.error("%s", self.error)
+                self._error = EngineClosed(f"engine failed: {message[1]}")
+                log.error("%s", self._error)
         self._gone = True
-        self.ready = False
-        if not self._closing and self.error is None:
+        self._ready = False
+        if not self._closing and self._error is None:
             self._process.join(5)
-            self.error = EngineClosed(f"the engine process exited unexpectedly (exit code {self._process.exitcode})")
-            log.error("%s", self.error)
-        closed = self.error or EngineClosed("the engine was closed")
+            self._error = EngineClosed(f"the engine process exited unexpectedly (exit code {self._process.exitcode})")
+            log.error("%s", self._error)
+        closed = self._error or EngineClosed("the engine was closed")
         for loop, future in list(self._pending.values()):
             loop.call_soon_threadsafe(settle, future, closed)
         self._outbox.put(None)  # ends the sender
@@ -193,7 +207,8 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_le
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        engine = AsyncEngine(Engine.from_pretrained(model, device=device, dtype=dtype, options=options))
+        core = Engine.from_pretrained(model, device=device, dtype=dtype, options=options)
+        engine = AsyncEngine(core)
     except BaseException as e:
         log.exception("cannot load %s", model)
         send(conn, ("failed", f"{type(e).__name__}: {e}"))
@@ -208,7 +223,7 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_le
                 pass
 
     reply(("ready", engine.model_name))
-    threading.Thread(target=_serve_requests, args=(conn, engine, reply), name="qasr-engine-requests",
+    threading.Thread(target=_serve_requests, args=(conn, core, engine, reply), name="qasr-engine-requests",
                      daemon=True).start()
     threading.Thread(target=_report_stats, args=(engine, reply), name="qasr-engine-stats", daemon=True).start()
     engine.run()  # returns once "close" arrives (or the server vanished), after failing what was left
@@ -217,7 +232,9 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_le
         reply(("failed", f"{type(engine.error).__name__}: {engine.error}"))
 
 
-def _serve_requests(conn, engine: AsyncEngine, reply) -> None:
+def _serve_requests(conn, core: Engine, engine: AsyncEngine, reply) -> None:
+    """core: the synchronous engine that `engine` (its loop, on the main thread) steps; `check_context` needs only its
+    tokenizer, so it is answered here, beside the loop."""
     running = weakref.WeakValueDictionary()  # request id -> Sequence, until the engine lets go of it
     while True:
         try:
@@ -227,9 +244,16 @@ def _serve_requests(conn, engine: AsyncEngine, reply) -> None:
         kind = message[0]
         if kind == "add":
             request_id = message[1]
-            seq = engine.engine.add(message[2], lambda result, i=request_id: reply(("done", i, result)))
-            running[request_id] = seq
-            engine.wake()
+            running[request_id] = engine.submit(message[2],
+                                                lambda result, i=request_id: reply(("done", i, _portable(result))))
+        elif kind == "check":
+            request_id, context, language, max_audio_seconds = message[1:]
+            try:
+                core.check_context(context, language=language, max_audio_seconds=max_audio_seconds)
+                answer = None
+            except ValueError as error:
+                answer = error
+            reply(("done", request_id, _portable(answer)))
         elif kind == "cancel":
             seq = running.get(message[1])
             if seq is not None:
@@ -240,6 +264,14 @@ def _serve_requests(conn, engine: AsyncEngine, reply) -> None:
         elif kind == "close":
             engine.stop()
             return
+
+
+def _portable(answer):
+    """A ValueError subclass of the model's (e.g. UnsupportedLanguageError) as a plain ValueError: unpickling it would
+    import the model's modules (and the tokenizer) into the server process."""
+    if isinstance(answer, ValueError) and type(answer) is not ValueError:
+        return ValueError(str(answer))
+    return answer
 
 
 def _report_stats(engine: AsyncEngine, reply) -> None:

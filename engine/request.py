@@ -1,7 +1,7 @@
 """What a session asks of the engine, and what it gets back.
 
 The server and the sessions speak only these types; the engine (eager on the CPU, CUDA graphs on a GPU) turns a
-`DecodeRequest` into a `DecodeResult`. See `qasr.engine.engine.AsyncEngine` for the asyncio face.
+`DecodeRequest` into a `DecodeResult`. See `qasr.engine.face.SpeechEngine` for the engine's face.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ class DecodeRequest:
     audio: np.ndarray  # float32, 16 kHz mono: the whole segment (so far, for a partial)
     context: str = ""  # system text: names, topic, spelling hints
     language: str | None = None  # forced language (canonical name, e.g. "English"); None = automatic
-    text_prefix: str = ""  # partials: the previous hypothesis minus its last tokens, decoded as a given prefix
     priority: Priority = Priority.FINAL
     stream_id: str | None = None  # requests of one stream may reuse encoder windows and decoder KV; a newer
-    # queued PARTIAL of the same stream supersedes an older queued one
+    # queued PARTIAL of the same stream supersedes an older queued one, and a PARTIAL continues the stream's previous
+    # partial (its answer minus the engine's rollback_tokens, as given tokens). Finals never do.
     max_new_tokens: int | None = None  # None: the engine's budget for this audio length
 
 
@@ -43,8 +43,8 @@ class DecodeRequest:
 class DecodeResult:
     text: str  # the transcript (language tag stripped, repetition guard applied)
     language: str  # canonical language name, "" when the model heard no speech
-    raw_text: str  # the decoded output as the model wrote it, including the text prefix
-    token_ids: tuple[int, ...]  # generated tokens (without the prompt or prefix, without EOS)
+    raw_text: str  # the decoded answer as the model wrote it, including a partial's given prefix
+    token_ids: tuple[int, ...]  # generated tokens (without the prompt or the given prefix, without EOS)
     finish_reason: str  # "eos" | "length" | "repetition"
     num_audio_tokens: int
     timings: dict[str, float] = field(default_factory=dict)  # queue_ms, encode_ms, prefill_ms, decode_ms

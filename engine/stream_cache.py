@@ -3,7 +3,8 @@
 Encoder windows are fixed (8 s, aligned at the segment start) and attend only inside themselves, so a window that
 lies wholly inside the audio never changes as the segment grows: its output is kept. The decoder KV of the prompt
 prefix plus those windows' audio tokens does not change either (causal attention): it is kept in a retained slot and
-copied into the next partial's slot, which then prefills only what is new.
+copied into the next partial's slot, which then prefills only what is new. And the last partial's answer tokens: the
+next partial starts from them, minus the last few (the least settled), as the official streaming does with text.
 
 Partials only: a final is decoded from scratch, so it equals the offline transcription of the segment exactly.
 (The mel's "max - 8" floor is taken over the whole clip, so a kept window can differ from a fresh encode where a
@@ -25,6 +26,8 @@ class StreamState:
     retained_slot: int = -1  # KV slot holding prefix_ids + the audio of `kv_windows` windows
     prefix_ids: tuple[int, ...] = ()
     kv_windows: int = 0
+    answer_ids: tuple[int, ...] = ()  # the last partial's answer (its given prefix + what it generated): the next
+    # partial's given prefix, rolled back
 
 
 class StreamCache:

@@ -4,7 +4,7 @@ Prompt (what the official processor renders from the checkpoint's chat template,
 
     <|im_start|>system\\n{context}<|im_end|>\\n<|im_start|>user\\n<|audio_start|>
         <|audio_pad|> x num_audio_tokens
-    <|audio_end|><|im_end|>\\n<|im_start|>assistant\\n[language English<asr_text>][text prefix]
+    <|audio_end|><|im_end|>\\n<|im_start|>assistant\\n[language English<asr_text>][answer prefix]
 
 The decoder answers `language X<asr_text>TEXT` then EOS (only `TEXT` when the language was forced in the prompt);
 `language None<asr_text>` means it heard no speech. Audio embeddings replace the <|audio_pad|> positions.
@@ -60,10 +60,11 @@ class Prompt:
 
     prefix_ids: tuple[int, ...]  # system turn + user turn up to and including <|audio_start|>
     num_audio_tokens: int  # <|audio_pad|> positions, one per audio encoder output token
-    suffix_ids: tuple[int, ...]  # <|audio_end|> onwards: chat tail, forced-language tag, text prefix
+    suffix_ids: tuple[int, ...]  # <|audio_end|> onwards: chat tail, forced-language tag, answer prefix
     audio_pad_id: int
     language: str | None = None  # the forced language (canonical), None when the model detects it
-    text_prefix: str = ""  # text the answer was forced to start with (streaming partials); part of suffix_ids
+    answer_ids: tuple[int, ...] = ()  # tokens the answer was forced to start with (streaming partials); the tail
+    # of suffix_ids
 
     @property
     def audio_offset(self) -> int:
@@ -86,59 +87,42 @@ def build_prompt(
     context: str = "",
     language: str | None = None,
     num_audio_tokens: int,
-    text_prefix: str = "",
+    answer_ids: tuple[int, ...] = (),
 ) -> Prompt:
     """The prompt for one clip, token for token what the official processor produces.
 
     context: free text for the system turn (names, terms, previous sentences); may be empty.
     language: force the output language (any case of a supported name); None or blank lets the model detect it.
     num_audio_tokens: audio encoder output tokens for the clip.
-    text_prefix: text the answer must continue, e.g. the previous partial minus its last tokens (see
-        rollback_prefix); written after the forced-language tag, like the official streaming prompt.
+    answer_ids: token ids the answer must continue, e.g. the previous partial's answer minus its last tokens
+        (streaming partials); they follow the forced-language tag, like the official streaming prompt's text prefix,
+        but as ids: the model's own tokens go back in without a detokenize/retokenize round trip.
     """
     if isinstance(num_audio_tokens, bool) or not isinstance(num_audio_tokens, int) or num_audio_tokens < 0:
         raise ValueError(f"num_audio_tokens must be a non-negative int, got {num_audio_tokens!r}")
     context = context or ""
-    for name, text in (("context", context), ("text_prefix", text_prefix)):
-        # The official processor expands the first <|audio_pad|> in the text: one inside the context would take the
-        # audio's place, so refuse it rather than build a prompt that means something else.
-        if tok.audio_token in text:
-            raise ValueError(f"{name} must not contain the audio placeholder token {tok.audio_token!r}")
+    # The official processor expands the first <|audio_pad|> in the text: one inside the context would take the
+    # audio's place, so refuse it rather than build a prompt that means something else.
+    if tok.audio_token in context:
+        raise ValueError(f"context must not contain the audio placeholder token {tok.audio_token!r}")
     forced = normalize_language(language) if language is not None and str(language).strip() else None
 
     # Added tokens cut the text into independently tokenized pieces, so cutting at <|audio_start|> / <|audio_end|>
     # gives the same ids as tokenizing the whole rendered prompt at once.
     prefix_text = f"{IM_START}system\n{context}{IM_END}\n{IM_START}user\n{tok.audio_start_token}"
     answer_start = f"{LANGUAGE_TAG}{forced}{ASR_TEXT}" if forced else ""
-    suffix_text = f"{tok.audio_end_token}{IM_END}\n{IM_START}assistant\n{answer_start}{text_prefix}"
+    suffix_text = f"{tok.audio_end_token}{IM_END}\n{IM_START}assistant\n{answer_start}"
     prefix_ids, suffix_ids = tok.encode(prefix_text), tok.encode(suffix_text)
     if prefix_ids[-1] != tok.audio_start_id or suffix_ids[0] != tok.audio_end_id:
         raise ValueError("the tokenizer does not keep the audio start/end tokens whole; check tokenizer_config.json")
     return Prompt(
         prefix_ids=tuple(prefix_ids),
         num_audio_tokens=num_audio_tokens,
-        suffix_ids=tuple(suffix_ids),
+        suffix_ids=(*suffix_ids, *answer_ids),
         audio_pad_id=tok.audio_pad_id,
         language=forced,
-        text_prefix=text_prefix,
+        answer_ids=tuple(answer_ids),
     )
-
-
-def rollback_prefix(tok: Tokenizer, raw_text: str, num_tokens: int = 5) -> str:
-    """The previous raw output minus its last `num_tokens` tokens, as the prefix of the next streaming decode.
-
-    The tail of a partial is the least settled part, so it is re-decoded. If the cut lands inside a multi-byte
-    character the decoded text would end in U+FFFD, so one more token goes until it does not (or nothing is left).
-    Same rule as the official streaming_transcribe (special tokens are kept when decoding, like there).
-    """
-    ids = tok.encode(raw_text)
-    keep = len(ids) - num_tokens
-    while keep > 0:
-        prefix = tok.decode(ids[:keep], skip_special_tokens=False)
-        if "\ufffd" not in prefix:
-            return prefix
-        keep -= 1
-    return ""
 
 
 def parse_output(raw: str, forced_language: str | None = None) -> tuple[str, str]:

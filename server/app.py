@@ -20,6 +20,7 @@ from typing import Callable
 
 from websockets.asyncio.server import Server, ServerConnection, serve
 
+from qasr.engine.face import SpeechEngine
 from qasr.server import errors
 from qasr.server.connection import StreamConnection
 from qasr.server.http import HttpRoutes
@@ -36,7 +37,6 @@ class ServerConfig:
     limits: ServerLimits = field(default_factory=ServerLimits)
     defaults: StreamDefaults = field(default_factory=StreamDefaults)
     web_root: Path | None = None  # the static page's folder (http.find_web_root), None: no page
-    rollback_tokens: int = 5  # a partial re-decodes the previous partial's last this many tokens
     ping_interval_s: float | None = 20.0  # keepalive pings find clients that vanished without closing
 
     def __post_init__(self):
@@ -47,13 +47,12 @@ class ServerConfig:
                 <= self.limits.max_partial_interval_ms):
             raise ValueError(f"default partial_interval_ms {self.defaults.partial_interval_ms} is outside the "
                              f"limits {self.limits.min_partial_interval_ms}..{self.limits.max_partial_interval_ms}")
-        if self.rollback_tokens < 0:
-            raise ValueError(f"rollback_tokens must be >= 0, got {self.rollback_tokens}")
 
 
 class QasrServer:
-    def __init__(self, engine=None, config: ServerConfig = ServerConfig(), *, metrics: ServerMetrics | None = None):
-        """engine: an AsyncEngine (started or not: /readyz follows engine.ready), or None until load_engine()."""
+    def __init__(self, engine: SpeechEngine | None = None, config: ServerConfig = ServerConfig(), *,
+                 metrics: ServerMetrics | None = None):
+        """engine: any SpeechEngine (started or not: /readyz follows engine.ready), or None until load_engine()."""
         self.engine = engine
         self.config = config
         self.metrics = metrics or ServerMetrics()
@@ -62,7 +61,6 @@ class QasrServer:
         self._websocket_server: Server | None = None
         self.port: int | None = None  # once started
         self._stopped = asyncio.Event()
-        self._rollback: Callable[[str], str] | None = None
         self._lag_watch: asyncio.Task | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -81,23 +79,21 @@ class QasrServer:
         log.info("listening on ws://%s:%d/v1/stream", self.config.host, self.port)
         self._lag_watch = asyncio.create_task(self._watch_loop_lag())
 
-    async def load_engine(self, factory: Callable[[], object]) -> None:
+    async def load_engine(self, factory: Callable[[], SpeechEngine]) -> None:
         """Build the engine in a worker thread (loading weights takes a while), then start it."""
         engine = await asyncio.to_thread(factory)
         if self.stopping:
             await engine.close()
             return
-        check = getattr(engine, "check_context", None)
-        if check is not None:  # a server whose slots cannot hold its longest segment would refuse every start
-            try:
-                check("", max_audio_seconds=self.config.limits.max_segment_s)
-            except ValueError as error:
-                await engine.close()
-                raise ValueError(f"the engine's max_len cannot hold a {self.config.limits.max_segment_s:g} s "
-                                 f"segment (raise --max-len or lower --max-segment-s): {error}") from None
+        try:  # a server whose slots cannot hold its longest segment would refuse every start
+            await engine.check_context("", language=None, max_audio_seconds=self.config.limits.max_segment_s)
+        except ValueError as error:
+            await engine.close()
+            raise ValueError(f"the engine's max_len cannot hold a {self.config.limits.max_segment_s:g} s "
+                             f"segment (raise --max-len or lower --max-segment-s): {error}") from None
         self.engine = engine
         await engine.start()
-        log.info("engine ready: %s", getattr(engine, "model_name", "?"))
+        log.info("engine ready: %s", engine.model_name)
 
 
     def is_ready(self) -> bool:
@@ -139,8 +135,7 @@ class QasrServer:
     async def _handle(self, websocket: ServerConnection) -> None:
         self.metrics.connections_total.inc()
         connection = StreamConnection(websocket, engine=self.engine, limits=self.config.limits,
-                                      defaults=self.config.defaults, metrics=self.metrics,
-                                      rollback=self._rollback_for_engine())
+                                      defaults=self.config.defaults, metrics=self.metrics)
         try:
             await connection.run(admit=functools.partial(self._admit, connection))
         finally:
@@ -157,24 +152,6 @@ class QasrServer:
         connection.engine = self.engine
         self.connections.add(connection)
 
-    def _rollback_for_engine(self) -> Callable[[str], str] | None:
-        """rollback_prefix with the engine's tokenizer; None (partials without a prefix) if it has none."""
-        if self._rollback is None and self.engine is not None and self.config.rollback_tokens > 0:
-            tokenizer = _tokenizer_of(self.engine)
-            if tokenizer is not None:
-                from qasr.model.prompt import rollback_prefix
-
-                self._rollback = functools.partial(rollback_prefix, tokenizer, num_tokens=self.config.rollback_tokens)
-        return self._rollback
-
-
-def _tokenizer_of(engine):
-    """AsyncEngine keeps its tokenizer on the synchronous engine inside it."""
-    for holder in (engine, getattr(engine, "engine", None)):
-        tokenizer = getattr(holder, "tokenizer", None)
-        if tokenizer is not None:
-            return tokenizer
-    return None
 
 
 class _EngineView:
@@ -191,7 +168,8 @@ class _EngineView:
     def error(self) -> BaseException | None:
         """Set when the engine loop or its process died: the server is no longer healthy (orchestrators should
         restart it)."""
-        return getattr(self._server.engine, "error", None)
+        engine = self._server.engine
+        return engine.error if engine is not None else None
 
     def stats(self) -> dict:
         engine = self._server.engine

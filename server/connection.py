@@ -34,12 +34,11 @@ log = logging.getLogger("qasr.server")
 
 class StreamConnection:
     def __init__(self, websocket: ServerConnection, *, engine, limits: ServerLimits, defaults: StreamDefaults,
-                 metrics: ServerMetrics, rollback: Callable[[str], str] | None = None):
+                 metrics: ServerMetrics):
         self.websocket = websocket
         self.engine = engine
         self.limits = limits
         self.metrics = metrics
-        self.rollback = rollback
         self.protocol = NativeProtocol(limits=limits, defaults=defaults)
         self.session_id = uuid.uuid4().hex[:16]
         self.session: Session | None = None
@@ -143,16 +142,15 @@ class StreamConnection:
     # -- the stream ------------------------------------------------------------------------------------------
 
     async def _open_session(self, config: StreamConfig, notices: list[Notice]) -> None:
-        check = getattr(self.engine, "check_context", None)
-        if check is not None:
-            try:  # a context that leaves no room for the longest segment would fail or cut every final later
-                check(config.context, language=config.language, max_audio_seconds=config.vad.max_segment_s)
-            except ValueError as error:
-                raise errors.MalformedMessage(str(error)) from None
+        try:  # a context that leaves no room for the longest segment would fail or cut every final later
+            await self.engine.check_context(config.context, language=config.language,
+                                            max_audio_seconds=config.vad.max_segment_s)
+        except ValueError as error:
+            raise errors.MalformedMessage(str(error)) from None
         options = SessionOptions(input_rate=config.sample_rate, language=config.language, context=config.context,
                                  partials=config.partials, partial_interval_ms=config.partial_interval_ms,
                                  vad=config.vad.to_options(), max_pending_finals=self.limits.max_pending_finals)
-        self.session = Session(self.engine, self.session_id, options, rollback=self.rollback, observer=self.metrics)
+        self.session = Session(self.engine, self.session_id, options, observer=self.metrics)
         self.metrics.sessions_active += 1
         self.metrics.sessions_total.inc()
         await self._send(events.Ready(self.session_id, self.engine.model_name, config.sample_rate, SAMPLE_RATE,

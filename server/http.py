@@ -63,7 +63,7 @@ class HttpRoutes:
         if method != "GET":
             return _response(http.HTTPStatus.METHOD_NOT_ALLOWED, b"only GET is served here\n", extra={"Allow": "GET"})
         if path == "/healthz":
-            error = getattr(self.engine, "error", None)
+            error = self.engine.error
             if error is not None:
                 return _text(http.HTTPStatus.INTERNAL_SERVER_ERROR, f"engine failed: {type(error).__name__}\n")
             return _text(http.HTTPStatus.OK, "ok\n")

@@ -1,8 +1,10 @@
-"""One stream's life: PCM in, server events out, with the engine in between. No sockets.
+"""One stream's policy, sans-I/O: audio in -> events and engine work out; engine results in -> events out.
 
-A `Session` takes mono float32 PCM at the client's rate (`feed`), resamples it to 16 kHz, cuts it into speech
-segments with the VAD, asks the engine for partials while a segment grows and for one final when it closes, and
-queues the resulting events for `next_event()`. The connection handler only moves frames in and events out.
+A `Session` takes the client's PCM (`feed`), resamples it to 16 kHz, cuts it into speech segments with the VAD,
+decides when a partial is due while a segment grows and asks for one final when it closes. It never awaits
+anything: what the engine should do is queued as actions (`take_actions()`: Decode, Cancel, Release), and whoever
+runs them (qasr.server.stream_runner) hands each outcome back with `on_result(request_id, result)`. Events for the
+client are taken with `take_event()`.
 
 The ordering the client can rely on (tests/streaming/test_session.py checks each):
 - a segment's `speech_started` comes before its partials, its partials before its `final`;
@@ -11,35 +13,58 @@ The ordering the client can rely on (tests/streaming/test_session.py checks each
 - at most one partial is being decoded per session; a partial whose segment closed meanwhile is dropped.
 
 Finals are emitted in segment order even if the engine finishes them out of order, so a later segment's
-`speech_started`/`partial` may come before an earlier segment's `final`: clients key by `segment_id`.
+`speech_started`/`partial` may come before an earlier segment's `final`: clients key by `segment_id`. Each segment's
+`speech_ended` (internal: the VAD closed it) comes right before the request for its final.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
-import logging
+import itertools
 import time
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Callable, Union
 
 import numpy as np
 
-from qasr.model.audio import SAMPLE_RATE
+from qasr.audio import SAMPLE_RATE, downmix
 from qasr.streaming import events, vad
-from qasr.engine.request import DecodeRequest, DecodeResult, EngineClosed, Priority, Superseded
 from qasr.streaming.resample import StreamResampler
+from qasr.streaming.settings import StreamSettings
 
-log = logging.getLogger("qasr.session")
-BACKLOG_EVENTS = 8  # unsent events beyond which a new partial replaces an unsent one of the same segment
+BACKLOG_EVENTS = 8  # untaken events beyond which a new partial replaces an untaken one of the same segment
 
 
-class Engine(Protocol):
-    """What a session needs of `qasr.engine.engine.AsyncEngine`."""
+# -- what the session asks of the engine -------------------------------------------------------------------------
 
-    async def transcribe(self, request: DecodeRequest) -> DecodeResult: ...
 
-    def release_stream(self, stream_id: str) -> None: ...
+@dataclass(frozen=True)
+class Decode:
+    """Transcribe `audio`; answer with on_result(request_id, ...)."""
+
+    request_id: int
+    stream_id: str  # "{session_id}/{segment_id}": the engine keeps per-stream state (encoder windows, rollback)
+    audio: np.ndarray = field(repr=False, compare=False)  # 16 kHz float32 mono: the segment (so far, if partial)
+    partial: bool  # a hypothesis while the segment grows (the engine may supersede it) or the segment's final
+    context: str
+    language: str | None
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The session no longer wants this request's outcome (its segment closed, or the session aborted)."""
+
+    request_id: int
+
+
+@dataclass(frozen=True)
+class Release:
+    """The engine may forget what it keeps for this stream: its final is done (or the session aborted)."""
+
+    stream_id: str
+
+
+EngineAction = Union[Decode, Cancel, Release]
 
 
 class SessionObserver:
@@ -51,31 +76,8 @@ class SessionObserver:
 
     def final_sent(self, latency_s: float) -> None: ...
 
-    def decode_failed(self, priority: Priority) -> None: ...
 
-    def decoded(self, priority: Priority, timings: dict[str, float]) -> None:
-        """Where one request's time went inside the engine (DecodeResult.timings, milliseconds)."""
-
-
-@dataclass(frozen=True)
-class SessionOptions:
-    input_rate: int = SAMPLE_RATE  # Hz of the samples given to feed()
-    language: str | None = None  # forced language (canonical name); None: the model detects it
-    context: str = ""  # system prompt text for every decode of this stream
-    partials: bool = True
-    partial_interval_ms: int = 1000  # a partial is due after this much new segment audio
-    vad: vad.VadOptions = vad.VadOptions()
-    max_pending_finals: int = 16  # closed segments awaiting their final before wait_for_capacity() blocks
-
-    def __post_init__(self):
-        if self.partial_interval_ms <= 0:
-            raise ValueError(f"partial_interval_ms must be > 0, got {self.partial_interval_ms}")
-        if self.max_pending_finals < 1:
-            raise ValueError(f"max_pending_finals must be >= 1, got {self.max_pending_finals}")
-
-    @property
-    def partial_interval_samples(self) -> int:
-        return self.partial_interval_ms * SAMPLE_RATE // 1000
+# -- per-segment state --------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -84,13 +86,14 @@ class _OpenSegment:
     start: int  # 16 kHz sample offset from the start of the stream
     stream_id: str
     partial_audio_samples: int = 0  # segment length when the last partial was requested
-    raw_text: str = ""  # the last partial's raw output: the next partial's prefix (rolled back)
 
 
 @dataclass
 class _PartialJob:
+    request_id: int
     segment: _OpenSegment
-    task: asyncio.Task | None = None
+    num_samples: int  # the audio it heard
+    submitted_at: float  # clock()
 
 
 @dataclass
@@ -100,189 +103,214 @@ class _ClosedSegment:
     end: int
     reason: str
     stream_id: str
+    request_id: int
     decided_at: float  # clock() when the segment's end was decided
-    task: asyncio.Task | None = None
     result: tuple[str, str] | None = None  # (text, language) once the final decode is over
     error: events.Error | None = None  # set when the decode failed (the final then has empty text)
 
 
 class Session:
-    """One client stream. Call feed/flush/end from the event loop; take events with next_event()."""
+    """One client stream's policy. Nothing here blocks, awaits or touches the engine."""
 
-    def __init__(self, engine: Engine, session_id: str, options: SessionOptions = SessionOptions(), *,
-                 rollback: Callable[[str], str] | None = None, observer: SessionObserver | None = None,
-                 clock: Callable[[], float] = time.monotonic):
-        """rollback(raw_text) -> the prefix for the next partial (e.g. rollback_prefix with the model's tokenizer);
-        None: partials are decoded without a prefix."""
-        self.engine = engine
+    def __init__(self, session_id: str, settings: StreamSettings = StreamSettings(), *, max_pending_finals: int = 16,
+                 observer: SessionObserver | None = None, clock: Callable[[], float] = time.monotonic):
+        """max_pending_finals: closed segments awaiting their final or not yet taken, beyond which
+        `has_capacity` turns False (the caller then stops reading audio)."""
+        if settings.multichannel:
+            raise ValueError("a Session hears one channel: run one per channel for multichannel streams")
+        if max_pending_finals < 1:
+            raise ValueError(f"max_pending_finals must be >= 1, got {max_pending_finals}")
         self.session_id = session_id
-        self.options = options
-        self._rollback = rollback
+        self.settings = settings
+        self.max_pending_finals = max_pending_finals
         self._observer = observer or SessionObserver()
         self._clock = clock
+        self._partial_interval_samples = settings.partial_interval_ms * SAMPLE_RATE // 1000
 
-        self._resampler = StreamResampler(options.input_rate, SAMPLE_RATE)
-        self._segmenter = vad.Segmenter(options.vad)
-        self._segmenter_offset = 0  # 16 kHz offset of the current segmenter's sample 0 (it restarts at a flush)
-        self._segment_id_offset = 0  # segment ids the earlier segmenters used up (each numbers from 0)
-        self._next_segment_id = 0
+        self._resampler = StreamResampler(settings.sample_rate, SAMPLE_RATE)
+        self._segmenter = vad.Segmenter(settings.vad)
+        self._request_ids = itertools.count()
         self._open: _OpenSegment | None = None
         self._partial: _PartialJob | None = None
         self._closing: collections.deque[_ClosedSegment] = collections.deque()  # awaiting their final, in order
         self._streams_in_engine: set[str] = set()  # stream ids that had work and are not released yet
 
+        self._actions: list[EngineAction] = []
         self._outbox: collections.deque[events.ServerEvent] = collections.deque()
-        self._wakeup = asyncio.Event()  # something for next_event()
-        self._capacity = asyncio.Event()  # fewer than max_pending_finals finals are pending or unsent
-        self._capacity.set()
-        self._unsent_finals = 0  # finals in the outbox, not yet taken by next_event()
-        self._failure: BaseException | None = None
+        self._untaken_finals = 0  # finals in the outbox
         self._ended = False  # end() called: no more input
-        self._finished = False  # the summary is queued: no more events after it
+        self._summarised = False
         self._aborted = False
 
         self.num_finals = 0
-        self.input_samples = 0  # at input_rate
+        self.input_samples = 0  # frames at settings.sample_rate
         self.speech_samples = 0  # at 16 kHz, summed over finalised segments
 
-    # -- input -----------------------------------------------------------------------------------------------
+    # -- input -------------------------------------------------------------------------------------------------
 
     def feed(self, samples: np.ndarray) -> None:
-        """Take the next audio: [n] float32 mono at options.input_rate. Never blocks."""
+        """Take the next audio: float32 [frames, channels] (or [frames] when mono) at settings.sample_rate."""
         self._check_open()
+        samples = np.asarray(samples)
+        if samples.ndim == 2:
+            if samples.shape[1] != self.settings.channels:
+                raise ValueError(f"expected {self.settings.channels} channels, got samples of shape {samples.shape}")
+            samples = downmix(samples)
+        elif self.settings.channels != 1:
+            raise ValueError(f"expected [frames, {self.settings.channels}] samples, got shape {samples.shape}")
         self.input_samples += len(samples)
         self._handle_vad_events(self._segmenter.feed(self._resampler.process(samples)))
         self._request_partial_if_due()
 
     def flush(self) -> None:
-        """Close the open segment now (its final follows); the stream goes on."""
+        """Close the open segment now (reason "flush"; its final follows). The stream, its timeline and its
+        segment numbering go on: the same segmenter continues."""
         self._check_open()
-        self._finish_segmenter(reason="flush")
-        self._resampler = StreamResampler(self.options.input_rate, SAMPLE_RATE)
-        self._segmenter = vad.Segmenter(self.options.vad)
+        self._handle_vad_events(self._segmenter.end_segment())
 
     def end(self) -> None:
         """No more audio: the open segment closes ("end"); the summary follows the last final."""
         if self._ended or self._aborted:
             return
-        self._finish_segmenter(reason="end")
+        tail = self._segmenter.feed(self._resampler.flush()) + self._segmenter.flush()
+        self._handle_vad_events(tail, flush_reason="end")
         self._ended = True
         self._emit_ready_finals()
+
+    def notify(self, error: events.Error) -> None:
+        """Queue an error event from outside (e.g. a protocol notice) in order with the stream's own events."""
+        self._emit(error)
 
     def _check_open(self) -> None:
         if self._ended or self._aborted:
             raise RuntimeError(f"session {self.session_id} has ended: no more audio")
 
-    def _finish_segmenter(self, reason: str) -> None:
-        """Drain the resampler and the VAD; whatever segment is open closes with `reason`."""
-        tail_events = self._segmenter.feed(self._resampler.flush()) + self._segmenter.flush()
-        self._handle_vad_events(tail_events, flush_reason=reason)
-        self._segmenter_offset += self._segmenter.samples_received
-        self._segment_id_offset = self._next_segment_id
+    # -- engine work ---------------------------------------------------------------------------------------------
 
-    # -- VAD events ------------------------------------------------------------------------------------------
+    def take_actions(self) -> list[EngineAction]:
+        """What the engine should do now, in order; each Decode is answered later through on_result."""
+        actions, self._actions = self._actions, []
+        return actions
+
+    def on_result(self, request_id: int, result) -> None:
+        """The outcome of a Decode: a transcript (anything with `text` and `language`, e.g. DecodeResult), None when
+        the engine dropped the request (a newer partial superseded it), or the exception it failed with. Outcomes
+        of cancelled requests are ignored."""
+        if self._aborted:
+            return
+        if self._partial is not None and self._partial.request_id == request_id:
+            self._on_partial_result(self._partial, result)
+            return
+        for closed in self._closing:
+            if closed.request_id == request_id and closed.result is None:
+                self._on_final_result(closed, result)
+                return
+
+    def abort(self) -> None:
+        """Stop now (the client is gone or the connection failed): cancel engine work, release every stream, drop
+        buffers and events. Idempotent; nothing is produced after it but the Cancel and Release actions."""
+        if self._aborted:
+            return
+        self._aborted = True
+        pending = [closed.request_id for closed in self._closing if closed.result is None]
+        if self._partial is not None:
+            pending.append(self._partial.request_id)
+        self._actions += [Cancel(request_id) for request_id in pending]
+        self._actions += [Release(stream_id) for stream_id in sorted(self._streams_in_engine)]
+        self._streams_in_engine.clear()
+        self._partial = self._open = None
+        self._closing.clear()
+        self._outbox.clear()
+        self._segmenter = self._resampler = None
+
+    # -- output --------------------------------------------------------------------------------------------------
+
+    def take_event(self) -> events.ServerEvent | None:
+        """The next event for the client, in order; None when there is none now."""
+        if not self._outbox:
+            return None
+        event = self._outbox.popleft()
+        if isinstance(event, events.Final):
+            self._untaken_finals -= 1
+        return event
+
+    @property
+    def has_capacity(self) -> bool:
+        """False while max_pending_finals finals are being decoded or not yet taken: a client that sends fast and
+        reads slowly must be paused, or the events would pile up without bound."""
+        return len(self._closing) + self._untaken_finals < self.max_pending_finals
+
+    @property
+    def num_in_flight(self) -> int:
+        """Decodes asked for and not answered (nor cancelled)."""
+        return sum(closed.result is None for closed in self._closing) + (self._partial is not None)
+
+    def summary(self) -> events.Summary:
+        return events.Summary(segments=self.num_finals, audio_seconds=self.input_samples / self.settings.sample_rate,
+                              speech_seconds=self.speech_samples / SAMPLE_RATE)
+
+    # -- VAD events ----------------------------------------------------------------------------------------------
 
     def _handle_vad_events(self, vad_events: list[vad.Event], flush_reason: str = "flush") -> None:
         for event in vad_events:
             if isinstance(event, vad.SpeechStarted):
                 self._on_speech_started(event)
             else:
-                reason = flush_reason if event.reason == "flush" else event.reason
-                self._on_segment_closed(event, reason)
+                self._on_segment_closed(event, flush_reason if event.reason == "flush" else event.reason)
 
     def _on_speech_started(self, event: vad.SpeechStarted) -> None:
-        segment_id = self._segment_id_offset + event.segment_id
-        self._next_segment_id = segment_id + 1
-        start = self._segmenter_offset + event.start_sample
-        self._open = _OpenSegment(segment_id, start, stream_id=f"{self.session_id}/{segment_id}")
+        stream_id = f"{self.session_id}/{event.segment_id}"
+        self._open = _OpenSegment(event.segment_id, event.start_sample, stream_id)
         self._observer.segment_started()
-        self._emit(events.SpeechStarted(segment_id, start / SAMPLE_RATE))
+        self._emit(events.SpeechStarted(event.segment_id, event.start_sample / SAMPLE_RATE))
 
     def _on_segment_closed(self, event: vad.SegmentClosed, reason: str) -> None:
         segment, self._open = self._open, None
         if self._partial is not None and self._partial.segment is segment:
-            self._cancel_partial()  # the final supersedes it
-        closed = _ClosedSegment(segment.segment_id, segment.start, self._segmenter_offset + event.end_sample,
-                                reason, segment.stream_id, decided_at=self._clock())
-        self._closing.append(closed)
-        self._update_capacity()
-        request = DecodeRequest(audio=event.audio, context=self.options.context, language=self.options.language,
-                                priority=Priority.FINAL, stream_id=segment.stream_id)
-        closed.task = self._start(self._run_final(closed, request), segment.stream_id)
+            self._actions.append(Cancel(self._partial.request_id))  # the final supersedes it
+            self._partial = None
+        self._emit(events.SpeechEnded(segment.segment_id, event.end_sample / SAMPLE_RATE))
+        request = self._decode(segment.stream_id, event.audio, partial=False)
+        self._closing.append(_ClosedSegment(segment.segment_id, segment.start, event.end_sample, reason,
+                                            segment.stream_id, request.request_id, decided_at=self._clock()))
 
-    # -- partials --------------------------------------------------------------------------------------------
+    # -- partials ------------------------------------------------------------------------------------------------
 
     def _request_partial_if_due(self) -> None:
         segment = self._open
-        if not self.options.partials or segment is None or self._partial is not None:
+        if not self.settings.partials or segment is None or self._partial is not None:
             return
         open_segment = self._segmenter.open_segment
         if open_segment is None:
             return
         num_samples = len(open_segment.audio)
-        if num_samples - segment.partial_audio_samples < self.options.partial_interval_samples:
+        if num_samples - segment.partial_audio_samples < self._partial_interval_samples:
             return
         segment.partial_audio_samples = num_samples
-        prefix = self._rollback(segment.raw_text) if self._rollback and segment.raw_text else ""
         # the open segment's audio is a snapshot view (vad.OpenSegment): later feeds never rewrite it, so no copy
-        request = DecodeRequest(audio=open_segment.audio, context=self.options.context,
-                                language=self.options.language, text_prefix=prefix, priority=Priority.PARTIAL,
-                                stream_id=segment.stream_id)
-        job = _PartialJob(segment)
-        self._partial = job
-        job.task = self._start(self._run_partial(job, request), segment.stream_id)
+        request = self._decode(segment.stream_id, open_segment.audio, partial=True)
+        self._partial = _PartialJob(request.request_id, segment, num_samples, submitted_at=self._clock())
 
-    async def _run_partial(self, job: _PartialJob, request: DecodeRequest) -> None:
-        submitted_at = self._clock()
-        try:
-            result = await self.engine.transcribe(request)
-        except Superseded:
-            result = None
-        except EngineClosed as error:
-            self._fail(error)
-            return
-        except Exception:  # a failed partial is not worth an event: the final follows anyway
-            log.warning("partial of %s failed", request.stream_id, exc_info=True)
-            self._observer.decode_failed(Priority.PARTIAL)
-            result = None
-        if self._partial is not job:  # cancelled meanwhile, by a close or an abort
-            return
+    def _on_partial_result(self, job: _PartialJob, result) -> None:
         self._partial = None
         segment = job.segment
-        if result is not None:
-            self._observer.decoded(Priority.PARTIAL, result.timings)
-        if result is not None and self._open is segment:
-            segment.raw_text = result.raw_text
-            end = segment.start + len(request.audio)
-            self._observer.partial_sent(self._clock() - submitted_at)
-            self._emit(events.Partial(segment.segment_id, result.text, result.language,
-                                      segment.start / SAMPLE_RATE, end / SAMPLE_RATE))
+        if result is not None and not isinstance(result, BaseException) and self._open is segment:
+            self._observer.partial_sent(self._clock() - job.submitted_at)
+            self._emit(events.Partial(segment.segment_id, result.text, result.language, segment.start / SAMPLE_RATE,
+                                      (segment.start + job.num_samples) / SAMPLE_RATE))
+        # a dropped or failed partial is not worth an event: the next one (or the final) follows
         self._request_partial_if_due()
 
-    def _cancel_partial(self) -> None:
-        job, self._partial = self._partial, None
-        if job is not None and job.task is not None:
-            job.task.cancel()
+    # -- finals --------------------------------------------------------------------------------------------------
 
-    # -- finals ----------------------------------------------------------------------------------------------
-
-    async def _run_final(self, closed: _ClosedSegment, request: DecodeRequest) -> None:
-        try:
-            result = await self.engine.transcribe(request)
-            closed.result = (result.text, result.language)
-        except EngineClosed as error:
-            self._fail(error)
-            return
-        except Exception:
-            log.error("final of %s failed", request.stream_id, exc_info=True)
-            self._observer.decode_failed(Priority.FINAL)
+    def _on_final_result(self, closed: _ClosedSegment, result) -> None:
+        if result is None or isinstance(result, BaseException):
             closed.result = ("", "")
             closed.error = events.Error("decode_failed", f"segment {closed.segment_id} could not be transcribed; "
                                                          "its final has empty text")
         else:
-            self._observer.decoded(Priority.FINAL, result.timings)
-        finally:
-            self._release(closed.stream_id)
+            closed.result = (result.text, result.language)
+        self._release(closed.stream_id)
         self._emit_ready_finals()
 
     def _emit_ready_finals(self) -> None:
@@ -298,101 +326,23 @@ class Session:
             self._observer.final_sent(latency_s)
             self._emit(events.Final(closed.segment_id, text, language, closed.start / SAMPLE_RATE,
                                     closed.end / SAMPLE_RATE, closed.reason, round(latency_s * 1000.0, 3)))
-        self._update_capacity()
-        if self._ended and not self._closing and not self._finished:
-            self._finished = True
+        if self._ended and not self._closing and not self._summarised:
+            self._summarised = True
             self._emit(self.summary())
 
-    def summary(self) -> events.Summary:
-        return events.Summary(segments=self.num_finals,
-                              audio_seconds=self.input_samples / self.options.input_rate,
-                              speech_seconds=self.speech_samples / SAMPLE_RATE)
+    # -- helpers -------------------------------------------------------------------------------------------------
 
-    # -- output ----------------------------------------------------------------------------------------------
-
-    def notify(self, error: events.Error) -> None:
-        """Queue an error event from outside (e.g. a protocol notice) in order with the stream's own events."""
-        self._emit(error)
-
-    async def next_event(self) -> events.ServerEvent | None:
-        """The next event, in order; None after the summary. Raises the engine's failure (e.g. EngineClosed)."""
-        while True:
-            if self._outbox:
-                event = self._outbox.popleft()
-                if isinstance(event, events.Final):
-                    self._unsent_finals -= 1
-                    self._update_capacity()
-                return event
-            if self._failure is not None:
-                raise self._failure
-            if self._finished or self._aborted:
-                return None
-            self._wakeup.clear()
-            await self._wakeup.wait()
-
-    async def wait_for_capacity(self) -> None:
-        """Wait while too many closed segments await their final (backpressure on a client sending too fast)."""
-        while not self._capacity.is_set() and self._failure is None and not self._aborted:
-            await self._capacity.wait()
-        if self._failure is not None:
-            raise self._failure
-
-    @property
-    def finished(self) -> bool:
-        """The summary has been queued (or the session aborted): no more events will be produced."""
-        return self._finished or self._aborted
-
-    @property
-    def num_pending_finals(self) -> int:
-        return len(self._closing)
-
-    @property
-    def num_tasks(self) -> int:
-        """Engine calls still running for this session."""
-        tasks = [closed.task for closed in self._closing]
-        if self._partial is not None:
-            tasks.append(self._partial.task)
-        return sum(1 for task in tasks if task is not None and not task.done())
-
-    # -- teardown --------------------------------------------------------------------------------------------
-
-    async def abort(self) -> None:
-        """Stop now (the client is gone or the connection failed): cancel engine work, release every stream,
-        drop buffers. Idempotent; no event is produced after it."""
-        if self._aborted:
-            return
-        self._aborted = True
-        tasks = [closed.task for closed in self._closing if closed.task is not None]
-        if self._partial is not None and self._partial.task is not None:
-            tasks.append(self._partial.task)
-        self._partial = None
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-        for stream_id in list(self._streams_in_engine):
-            self._release(stream_id)
-        self._closing.clear()
-        self._outbox.clear()
-        self._open = None
-        self._segmenter = self._resampler = None
-        self._wakeup.set()
-        self._capacity.set()
-
-    # -- helpers ---------------------------------------------------------------------------------------------
-
-    def _start(self, coroutine, stream_id: str) -> asyncio.Task:
+    def _decode(self, stream_id: str, audio: np.ndarray, *, partial: bool) -> Decode:
+        request = Decode(next(self._request_ids), stream_id, audio, partial, self.settings.context,
+                         self.settings.language)
         self._streams_in_engine.add(stream_id)  # released after its final, or by abort()
-        return asyncio.get_running_loop().create_task(coroutine)
+        self._actions.append(request)
+        return request
 
     def _release(self, stream_id: str) -> None:
-        if stream_id not in self._streams_in_engine:
-            return
-        self._streams_in_engine.discard(stream_id)
-        try:
-            self.engine.release_stream(stream_id)
-        except Exception:  # releasing is best effort: never let it break the stream
-            log.warning("release_stream(%s) failed", stream_id, exc_info=True)
+        if stream_id in self._streams_in_engine:
+            self._streams_in_engine.discard(stream_id)
+            self._actions.append(Release(stream_id))
 
     def _emit(self, event: events.ServerEvent) -> None:
         if self._aborted:
@@ -404,19 +354,4 @@ class Session:
         else:
             self._outbox.append(event)
         if isinstance(event, events.Final):
-            self._unsent_finals += 1
-        self._wakeup.set()
-
-    def _update_capacity(self) -> None:
-        """Backpressure: reading pauses while max_pending_finals finals are being decoded or not yet sent, so a
-        client that sends fast and reads slowly cannot make the outbox grow without bound."""
-        if len(self._closing) + self._unsent_finals >= self.options.max_pending_finals:
-            self._capacity.clear()
-        else:
-            self._capacity.set()
-
-    def _fail(self, error: BaseException) -> None:
-        if self._failure is None:
-            self._failure = error
-        self._wakeup.set()
-        self._capacity.set()
+            self._untaken_finals += 1

@@ -308,16 +308,54 @@ def test_a_request_that_cannot_fit_fails_alone_in_its_batch(tiny_model_dir):
 
 def test_a_runaway_partial_prefix_is_dropped_not_failed(engine):
     clip = speech(1.0, seed=4)
-    runaway = "la " * 400  # far more text than 1 s of audio could hold
+    tokenizer = engine.tokenizer
+    rollback = engine.options.rollback_tokens
+    # far more tokens than 1 s of audio could hold, as if the stream's previous partial had run on
+    engine.streams.get("x/0").answer_ids = tuple(tokenizer.encode("la " * 400))
     (r,) = engine.transcribe([DecodeRequest(audio=clip, priority=Priority.PARTIAL, stream_id="x/0",
-                                            text_prefix=runaway, max_new_tokens=5)])
+                                            max_new_tokens=5)])
     (plain,) = engine.transcribe([DecodeRequest(audio=clip, priority=Priority.PARTIAL, max_new_tokens=5)])
     assert r.token_ids == plain.token_ids and not r.raw_text.startswith("la la")
-    short = "hello"
-    (p,) = engine.transcribe([DecodeRequest(audio=clip, priority=Priority.PARTIAL, text_prefix=short,
+    engine.streams.get("y/0").answer_ids = tuple(tokenizer.encode("hello")) + (11,) * rollback
+    (p,) = engine.transcribe([DecodeRequest(audio=clip, priority=Priority.PARTIAL, stream_id="y/0",
                                             max_new_tokens=5)])
-    assert p.raw_text.startswith(short)  # a plausible prefix is kept
+    assert p.raw_text.startswith("hello")  # a plausible prefix is kept
     engine.release_stream("x/0")
+    engine.release_stream("y/0")
+    engine.step()
+
+
+def test_a_partial_continues_its_streams_previous_partial_minus_the_rollback_and_a_final_never_does(engine):
+    """The engine applies the rollback itself, on token ids: partial n + 1 is given partial n's answer (its given
+    prefix + its tokens) minus the last `rollback_tokens`."""
+    tokenizer, rollback = engine.tokenizer, engine.options.rollback_tokens
+    clip = speech(3.0, seed=6)
+    first, second, third = (engine.transcribe([DecodeRequest(audio=clip[: n * SR], priority=Priority.PARTIAL,
+                                                             stream_id="r/0", max_new_tokens=8)])[0]
+                            for n in (1, 2, 3))
+    given = first.token_ids[:-rollback]
+    assert len(given) == 8 - rollback and second.raw_text == tokenizer.decode(given + second.token_ids)
+    given = (given + second.token_ids)[:-rollback]
+    assert third.raw_text == tokenizer.decode(given + third.token_ids)
+    (alone,) = engine.transcribe([DecodeRequest(audio=clip[: 2 * SR], priority=Priority.PARTIAL, max_new_tokens=8)])
+    assert second.raw_text != alone.raw_text  # (the prefix changed the decode's input)
+    (final,) = engine.transcribe([DecodeRequest(audio=clip, stream_id="r/0", max_new_tokens=8)])
+    (offline,) = engine.transcribe([DecodeRequest(audio=clip, max_new_tokens=8)])
+    assert final.token_ids == offline.token_ids and final.raw_text == tokenizer.decode(final.token_ids)
+    engine.release_stream("r/0")
+    engine.step()
+    assert engine.streams.peek("r/0") is None
+
+
+def test_no_rollback_prefix_when_rollback_tokens_is_0(tiny_model_dir):
+    eng = make_engine(tiny_model_dir, rollback_tokens=0)
+    clip = speech(2.0, seed=6)
+    for n in (1, 2):
+        (r,) = eng.transcribe([DecodeRequest(audio=clip[: n * SR], priority=Priority.PARTIAL, stream_id="z/0",
+                                             max_new_tokens=8)])
+        assert r.raw_text == eng.tokenizer.decode(r.token_ids)
+    with pytest.raises(ValueError, match="invalid engine options"):
+        EngineOptions(rollback_tokens=-1)
 
 
 def test_check_context_refuses_a_context_that_leaves_no_room_for_the_longest_segment(engine):

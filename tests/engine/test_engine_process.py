@@ -53,7 +53,7 @@ async def until(condition, timeout_s: float = 10.0) -> None:
 def requests() -> list[DecodeRequest]:
     finals = [DecodeRequest(audio=speech(0.6 + 0.7 * i, seed=i), max_new_tokens=6) for i in range(5)]
     partials = [DecodeRequest(audio=speech(1.5, seed=9)[: n], priority=Priority.PARTIAL, stream_id="s1",
-                              text_prefix=prefix, max_new_tokens=4) for n, prefix in ((12000, ""), (24000, "the"))]
+                              max_new_tokens=4) for n in (12000, 24000)]  # the second continues the first
     return finals + partials
 
 
@@ -64,14 +64,18 @@ def test_results_equal_the_engine_in_this_process_and_errors_cross_the_pipe(tiny
     async def main():
         engine = start(tiny_model_dir)
         await engine.start()
-        assert engine.ready and engine.model_name == Path(tiny_model_dir).name and engine.tokenizer is not None
+        assert engine.ready and engine.model_name == Path(tiny_model_dir).name
         try:
             together = await asyncio.gather(*(engine.transcribe(r) for r in requests[:5]))
             in_turn = [await engine.transcribe(r) for r in requests[5:]]  # the second partial reuses the first's
             with pytest.raises(ValueError, match="audio too short"):
                 await engine.transcribe(DecodeRequest(audio=np.zeros(10, np.float32)))
-            with pytest.raises(ValueError, match="context too long"):
-                engine.check_context("word " * 300, max_audio_seconds=2.0)
+            await engine.check_context("Names: Qasr.", language="english", max_audio_seconds=2.0)  # fits
+            with pytest.raises(ValueError, match="context too long"):  # asked of the engine process
+                await engine.check_context("word " * 300, language=None, max_audio_seconds=2.0)
+            with pytest.raises(ValueError, match="Klingon") as refused:
+                await engine.check_context("", language="Klingon", max_audio_seconds=2.0)
+            assert type(refused.value) is ValueError  # not the model's subclass: the server imports no model code
             await until(lambda: engine.stats().get("streams_cached") == 1)
             engine.release_stream("s1")
             await until(lambda: engine.stats().get("streams_cached") == 0)

@@ -15,7 +15,7 @@ import pytest
 
 from qasr.bench.synthetic import speech_like
 from qasr.model import audio as qaudio
-from qasr.model.prompt import build_prompt, rollback_prefix
+from qasr.model.prompt import build_prompt
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest, Priority
 
@@ -49,17 +49,20 @@ def engine(tiny_model_dir) -> Engine:
 
 @pytest.fixture(scope="module")
 def growing_stream(engine):
-    """The 30 partials with reuse, each beside the same request decoded without a stream (so without reuse)."""
+    """The 30 partials with reuse, each beside the same request decoded on a stream of its own that was given the
+    same previous answer (so the same rolled-back prefix) but has nothing cached (so no reuse)."""
     audio = loud_start_speech(SEGMENT_S)
-    runs, raw_text = [], ""
+    runs = []
     for seconds in range(1, SEGMENT_S + 1):
-        prefix = rollback_prefix(engine.tokenizer, raw_text) if raw_text else ""  # as sessions do
-        request = dict(audio=audio[: seconds * SR], text_prefix=prefix, priority=Priority.PARTIAL,
-                       max_new_tokens=MAX_NEW_TOKENS)
+        previous = engine.streams.get(STREAM_ID).answer_ids
+        prefix = previous[: max(0, len(previous) - engine.options.rollback_tokens)]
+        request = dict(audio=audio[: seconds * SR], priority=Priority.PARTIAL, max_new_tokens=MAX_NEW_TOKENS)
         reused, work = decode_counting(engine, DecodeRequest(stream_id=STREAM_ID, **request))
-        fresh, fresh_work = decode_counting(engine, DecodeRequest(**request))
+        engine.streams.get("fresh").answer_ids = previous
+        fresh, fresh_work = decode_counting(engine, DecodeRequest(stream_id="fresh", **request))
+        engine.release_stream("fresh")
+        engine.step()  # applies the release
         runs.append((seconds, prefix, reused, work, fresh, fresh_work))
-        raw_text = reused.raw_text
     return audio, runs
 
 
@@ -77,10 +80,9 @@ def test_partials_prefill_a_bounded_number_of_tokens_however_long_the_segment(en
     prefix_ids = build_prompt(tokenizer, num_audio_tokens=0).prefix_ids  # system turn up to <|audio_start|>
     audio_prefilled, audio_fresh = [], []
     for seconds, prefix, reused, work, fresh, fresh_work in runs:
-        # the prompt around the audio: chat template + the text prefix (which grows with the text, as it must),
-        # unless the engine dropped a prefix longer than the audio could hold (re-tokenized random text grows fast)
-        used = prefix if reused.raw_text.startswith(prefix) else ""
-        around = build_prompt(tokenizer, num_audio_tokens=0, text_prefix=used).num_tokens
+        # the prompt around the audio: chat template + the given prefix (which grows with the text, as it must)
+        assert reused.raw_text == tokenizer.decode(prefix + reused.token_ids)  # the prefix was used, not dropped
+        around = build_prompt(tokenizer, num_audio_tokens=0, answer_ids=prefix).num_tokens
         assert work["prefill_tokens"] + work["reused_tokens"] == fresh_work["prefill_tokens"] == \
             around + reused.num_audio_tokens  # the same prompt, split between copied and prefilled positions
         # the windows wholly inside the previous partial's audio are kept, and the KV of prompt prefix + them copied

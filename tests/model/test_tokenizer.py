@@ -15,7 +15,6 @@ from qasr.model.prompt import (
     collapse_repetitions,
     normalize_language,
     parse_output,
-    rollback_prefix,
 )
 from qasr.model.tokenizer import OFFICIAL_EOS_IDS, Tokenizer, TokenizerFilesError
 
@@ -172,12 +171,15 @@ def test_prompt_ids_match_the_official_processor(tok, processor, context, langua
         (None, "language English"),  # cut before the tag
     ],
 )
-def test_prompt_with_text_prefix_matches_the_official_streaming_prompt(tok, processor, language, text_prefix):
+def test_prompt_with_answer_ids_matches_the_official_streaming_prompt(tok, processor, language, text_prefix):
+    """The official streaming appends its rolled-back text to the prompt string; the engine appends the tokens
+    themselves: the same ids, since added tokens cut the prompt into independently tokenized pieces."""
     expected = official.official_prompt_ids(processor, 3 * 16000, "ctx", language, text_prefix=text_prefix)
     num_audio = expected.count(tok.audio_pad_id)
-    prompt = build_prompt(tok, context="ctx", language=language, num_audio_tokens=num_audio, text_prefix=text_prefix)
+    answer_ids = tuple(tok.encode(text_prefix))
+    prompt = build_prompt(tok, context="ctx", language=language, num_audio_tokens=num_audio, answer_ids=answer_ids)
     assert prompt.input_ids == expected
-    assert prompt.text_prefix == text_prefix
+    assert prompt.answer_ids == answer_ids and prompt.suffix_ids[-len(answer_ids):] == answer_ids
 
 
 def test_prompt_pieces(tok):
@@ -255,38 +257,3 @@ def test_collapse_repetitions_behaves_like_the_official_guard(official_utils):
         assert collapse_repetitions(text) == official_utils.detect_and_fix_repetitions(text), text
     assert collapse_repetitions("ab" * 25 + "x") == "abx"
     assert collapse_repetitions("short text") == "short text"
-
-
-def _official_rollback(hf_tokenizer, raw: str, num_tokens: int) -> str:
-    """The prefix rule of the official streaming_transcribe, with the official tokenizer."""
-    ids = hf_tokenizer.encode(raw)
-    k = num_tokens
-    while True:
-        end = max(0, len(ids) - k)
-        prefix = hf_tokenizer.decode(ids[:end]) if end > 0 else ""
-        if "\ufffd" not in prefix:
-            return prefix
-        if end == 0:
-            return ""
-        k += 1
-
-
-@pytest.mark.parametrize(
-    "raw",
-    [
-        "language English<asr_text>Hello world, this is a streaming test.",
-        "language Chinese<asr_text>今天天气很好龘龘",  # 龘 is several byte tokens: the cut lands inside it
-        "short",
-        "",
-    ],
-)
-def test_rollback_prefix_matches_the_official_streaming_rule(tok, processor, raw):
-    assert rollback_prefix(tok, raw, 5) == _official_rollback(processor.tokenizer, raw, 5)
-
-
-def test_rollback_prefix_never_ends_in_a_broken_character(tok):
-    raw = "language Chinese<asr_text>今天龘龘"
-    assert len(tok.encode("龘")) > 1
-    prefix = rollback_prefix(tok, raw, 4)
-    assert prefix == "language Chinese<asr_text>今天"
-    assert rollback_prefix(tok, raw, 0) == raw
