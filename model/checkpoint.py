@@ -89,8 +89,8 @@ def resolve_model_dir(name_or_path: str | os.PathLike, *, revision: str | None =
     except Exception as e:  # network down, HF_HUB_OFFLINE, unknown repo: all end the same way for the user
         raise CheckpointError(
             f"could not get {name!r} from Hugging Face ({type(e).__name__}: {e}). On a machine with network run "
-            f"`huggingface-cli download {name} --local-dir DIR`, copy DIR here and pass its path instead; "
-            f"or make a random test model with `qasr-make-test-model DIR`."
+            f"`hf download {name} --local-dir DIR` (the command line of huggingface_hub), copy DIR here and pass "
+            f"its path instead; or make a random test model with `qasr-make-test-model DIR`."
         ) from e
 
 

@@ -256,7 +256,7 @@ def test_cli_hub_id_offline_is_one_line_that_says_how_to_get_it(tmp_path, audio_
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     assert cli(str(audio_files["a.wav"]), "--model", "Qwen/Qwen3-ASR-0.6B") == 1
     err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1 and "huggingface-cli download Qwen/Qwen3-ASR-0.6B" in err
+    assert len(err.strip().splitlines()) == 1 and "hf download Qwen/Qwen3-ASR-0.6B" in err
     assert "Traceback" not in err
 
 

@@ -399,7 +399,7 @@ def test_hf_id_offline_says_how_to_get_the_model(tmp_path, monkeypatch):
     with pytest.raises(CheckpointError) as error:
         resolve_model_dir("Qwen/Qwen3-ASR-0.6B")
     message = str(error.value)
-    assert "Qwen/Qwen3-ASR-0.6B" in message and "huggingface-cli download" in message and "--local-dir" in message
+    assert "Qwen/Qwen3-ASR-0.6B" in message and "hf download" in message and "--local-dir" in message
 
 
 # ---------------------------------------------------------------------------------------------------------------
