@@ -22,6 +22,7 @@ import shutil
 import signal
 import sys
 import unicodedata
+from pathlib import Path
 from typing import TextIO
 
 from qasr.client.errors import AudioSourceError, ServerUnreachable, StreamClosed
@@ -127,6 +128,9 @@ def note(message: str) -> None:
 
 async def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out if out is not None else sys.stdout
+    if args.file and (problem := _file_problem(args.file)):
+        note(problem)
+        return EXIT_NO_AUDIO
     try:
         if args.file:
             source = file_source(args.file, realtime=True, speed=args.speed)
@@ -216,6 +220,13 @@ class _on_interrupt:
     def remove(self) -> None:
         for signum in self.signals:
             self.loop.remove_signal_handler(signum)
+
+
+def _file_problem(path: str) -> str | None:
+    """Why `path` cannot be streamed, in qasr-transcribe's words, before a decoder library words it (None: a file)."""
+    if Path(path).is_file():
+        return None
+    return f"{'expected an audio file, got a directory' if Path(path).exists() else 'audio file not found'}: {path}"
 
 
 def _device(text: str | None) -> int | str | None:

@@ -174,6 +174,14 @@ def test_a_missing_portaudio_or_microphone_is_one_line_and_exit_4(monkeypatch, c
     assert stderr[1] == "qasr-mic: no input devices found"
 
 
+def test_a_missing_file_or_a_folder_is_one_line_as_qasr_transcribe_words_it_and_exit_4(tmp_path, capsys):
+    missing = tmp_path / "nosuch.wav"
+    assert mic.main(["--url", "ws://127.0.0.1:9/v1/stream", "--file", str(missing)]) == mic.EXIT_NO_AUDIO
+    assert capsys.readouterr().err == f"qasr-mic: audio file not found: {missing}\n"
+    assert mic.main(["--url", "ws://127.0.0.1:9/v1/stream", "--file", str(tmp_path)]) == mic.EXIT_NO_AUDIO
+    assert capsys.readouterr().err == f"qasr-mic: expected an audio file, got a directory: {tmp_path}\n"
+
+
 @pytest.mark.parametrize("argv", [["--speed", "0", "--file", "x.wav"], ["--url", "http://host/v1/stream"],
                                   ["--reconnect", "-1"]])
 def test_bad_options_are_usage_errors(argv, capsys):
