@@ -3,10 +3,11 @@
     qasr-bench stream --url ws://127.0.0.1:8765/v1/stream --clients 32 --duration 60 --server-pid $(pgrep -n qasr-server) \\
         --out stream.json --plot stream.png
 
-Every client streams audio in real time (or --speed times faster) for --duration seconds: a WAV file (--audio, each
-client starting at its own offset, looped), or generated speech-like utterances with pauses (a seed per client). Then
-it sends `end` and waits for its last finals. Measured per segment and client, with "when speech happened" taken as
-the moment the audio would have been captured live (start + sample / 16000 / speed):
+Every client is a `qasr.client.StreamClient` that streams audio in real time (or --speed times faster) for
+--duration seconds: a WAV file (--audio, each client starting at its own offset, looped), or generated speech-like
+utterances with pauses (a seed per client). Then it sends `end` and waits for its last finals. Measured per segment
+and client, with "when speech happened" taken as the moment the audio would have been captured live
+(start + sample / 16000 / speed):
 
 - first partial latency: speech start (the segment's `start` plus the VAD pre-roll) to its first partial arriving;
 - partial latency: the end of the audio a partial heard to its arrival; partial cadence: gaps between partials;
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -38,8 +40,8 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from qasr.audio import SAMPLE_RATE
-
-from .synthetic import speech_like
+from qasr.bench.synthetic import speech_like
+from qasr.client import ClientError, FileSource, StreamClient, StreamClosed, StreamOptions, Summary
 
 PERCENTILES = (50, 90, 95, 99)
 METRICS = {  # JSON key -> table label; all in milliseconds
@@ -68,6 +70,16 @@ def utterances_with_pauses(seconds: float, seed: int) -> np.ndarray:
     return np.concatenate(pieces)[:target]
 
 
+def load_source(path: str) -> np.ndarray:
+    """A WAV/FLAC file as float32 mono at 16 kHz (qasr.client's file reader, then soxr)."""
+    import soxr
+
+    source = FileSource(path, realtime=False)
+    if source.sample_rate == SAMPLE_RATE:
+        return source.samples
+    return soxr.resample(source.samples, source.sample_rate, SAMPLE_RATE).astype(np.float32)
+
+
 def client_audio(source: np.ndarray | None, seconds: float, index: int) -> np.ndarray:
     """`seconds` of audio for client `index`: the WAV from its own offset (looped), or generated with its own seed."""
     n = int(math.ceil(seconds * SAMPLE_RATE))
@@ -76,10 +88,6 @@ def client_audio(source: np.ndarray | None, seconds: float, index: int) -> np.nd
     offset = (index * 7919 * SAMPLE_RATE // 1000) % len(source)  # ~8 s apart, so clients do not speak in unison
     repeats = -(-(offset + n) // len(source))
     return np.tile(source, repeats)[offset : offset + n]
-
-
-def to_s16le(samples: np.ndarray) -> bytes:
-    return (np.clip(samples, -1.0, 1.0) * 32767.0).round().astype("<i2").tobytes()
 
 
 # ---- one client --------------------------------------------------------------------------------------------------
@@ -107,61 +115,58 @@ class ClientRecord:
 
 async def run_client(args, index: int, audio: np.ndarray, record: ClientRecord, stop_at: float,
                      bench_start: float) -> None:
-    from websockets.asyncio.client import connect
-    from websockets.exceptions import ConnectionClosed
-
+    """One real-time stream through qasr.client's StreamClient; what it saw goes into `record`."""
     record.speed = args.speed
-    start = {"type": "start", "sample_rate": SAMPLE_RATE, "encoding": "s16le",
-             "partial_interval_ms": args.partial_interval_ms}
-    if args.language:
-        start["language"] = args.language
+    options = StreamOptions(sample_rate=SAMPLE_RATE, encoding="s16le", language=args.language or None,
+                            partial_interval_ms=args.partial_interval_ms)
     chunk = int(args.chunk_ms * SAMPLE_RATE / 1000)
     chunk_s = chunk / SAMPLE_RATE / args.speed
+    client = StreamClient(args.url, options, open_timeout_s=30.0)
     try:
-        async with connect(args.url, max_size=None, open_timeout=30) as websocket:
-            await websocket.send(json.dumps(start))
-            ready = json.loads(await websocket.recv())
-            if ready.get("type") != "ready":
-                record.error = f"not ready: {ready}"
-                return
-            record.session_id = ready["session_id"]
-            record.pre_roll_s = ready.get("config", {}).get("vad", {}).get("pre_roll_ms", 0) / 1000
+        ready = await client.connect()
+    except (ClientError, OSError) as error:  # unreachable, or turned away (full, not ready)
+        record.error = f"{type(error).__name__}: {error}"
+        return
+    try:
+        record.session_id = ready.session_id
+        record.pre_roll_s = ready.config.get("vad", {}).get("pre_roll_ms", 0) / 1000
 
-            async def receive() -> None:
-                try:
-                    async for message in websocket:  # until the server closes
-                        event = json.loads(message) if isinstance(message, str) else {"type": "binary"}
-                        record.events.append((time.perf_counter(), event))
-                        if event.get("type") == "summary":
-                            record.drained = True
-                except ConnectionClosed:
-                    pass
-
-            receiving = asyncio.ensure_future(receive())
-            record.t0 = time.perf_counter()
-            for k, offset in enumerate(range(0, len(audio), chunk)):
-                due = record.t0 + (k + 1) * chunk_s  # a live source has the chunk once it is full
-                now = time.perf_counter()
-                if now >= stop_at or receiving.done():
-                    break
-                if due > now:
-                    await asyncio.sleep(due - now)
-                piece = audio[offset : offset + chunk]
-                await websocket.send(to_s16le(piece))
-                lag_ms = max(0.0, (time.perf_counter() - due) * 1e3)
-                record.send_lag_ms.append(lag_ms)
-                record.lag_series.append((time.perf_counter() - bench_start, lag_ms))
-                record.audio_seconds += len(piece) / SAMPLE_RATE
-            if not receiving.done():
-                await websocket.send(json.dumps({"type": "end"}))
+        async def receive() -> None:
             try:
-                await asyncio.wait_for(asyncio.shield(receiving), args.drain_timeout_s)
-            except asyncio.TimeoutError:
-                receiving.cancel()
-                record.error = f"no summary within --drain-timeout-s {args.drain_timeout_s:g}"
-            record.close_code = websocket.close_code
-    except (OSError, ConnectionClosed, asyncio.TimeoutError) as e:
-        record.error = f"{type(e).__name__}: {e}"
+                async for event in client.events():  # until the server closes
+                    record.events.append((time.perf_counter(), {"type": event.TYPE, **dataclasses.asdict(event)}))
+                    if isinstance(event, Summary):
+                        record.drained = True
+            except StreamClosed as closed:  # closed otherwise than after the summary: a failed client
+                record.error = f"{type(closed).__name__}: {closed}"
+
+        receiving = asyncio.ensure_future(receive())
+        record.t0 = time.perf_counter()
+        for k, offset in enumerate(range(0, len(audio), chunk)):
+            due = record.t0 + (k + 1) * chunk_s  # a live source has the chunk once it is full
+            now = time.perf_counter()
+            if now >= stop_at or receiving.done():
+                break
+            if due > now:
+                await asyncio.sleep(due - now)
+            piece = audio[offset : offset + chunk]
+            await client.send_audio(piece)
+            lag_ms = max(0.0, (time.perf_counter() - due) * 1e3)
+            record.send_lag_ms.append(lag_ms)
+            record.lag_series.append((time.perf_counter() - bench_start, lag_ms))
+            record.audio_seconds += len(piece) / SAMPLE_RATE
+        if not receiving.done():
+            await client.end()
+        try:
+            await asyncio.wait_for(asyncio.shield(receiving), args.drain_timeout_s)
+        except asyncio.TimeoutError:
+            receiving.cancel()
+            record.error = f"no summary within --drain-timeout-s {args.drain_timeout_s:g}"
+    except (ClientError, OSError) as error:
+        record.error = record.error or f"{type(error).__name__}: {error}"
+    finally:
+        await client.close()
+        record.close_code = client.close_code
 
 
 # ---- server CPU --------------------------------------------------------------------------------------------------
@@ -359,11 +364,7 @@ def plot(path: str, records: list[ClientRecord], summary_series: dict, out: dict
 
 async def run_clients(args, indices: list[int], bench_start: float, stop_at: float) -> list[ClientRecord]:
     """Run the clients `indices` (of args.clients), each starting at its place in the stagger."""
-    source = None
-    if args.audio:
-        from qasr.model.audio import load_audio
-
-        source = load_audio(args.audio, SAMPLE_RATE)
+    source = load_source(args.audio) if args.audio else None
     records = [ClientRecord(i) for i in indices]
 
     async def staggered(record: ClientRecord) -> None:
@@ -405,7 +406,6 @@ async def run_workers(args, bench_start: float, stop_at: float, tmp: str) -> asy
 
 
 async def bench(args) -> dict:
-    import dataclasses
     import tempfile
 
     from tqdm import tqdm

@@ -170,6 +170,11 @@ class StreamClient:
                 raise error from None
 
     @property
+    def close_code(self) -> int | None:
+        """The WebSocket close code once the connection has closed (1000 after a normal end), else None."""
+        return self._websocket.close_code if self._websocket is not None else None
+
+    @property
     def complete(self) -> bool:
         """The client ended the stream and the server answered with its summary: nothing more can arrive."""
         return self.ended and self.summary is not None
