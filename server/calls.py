@@ -223,7 +223,8 @@ class CallStream:
         if self.closed:
             return
         self.call._digits.append(digit)
-        self.call.publish({"type": "dtmf", "digit": digit, "time": round(time_s, 3), **self._where(self.track(channel))})
+        where = self._where(self.track(channel))
+        self.call.publish({"type": "dtmf", "digit": digit, "time": round(time_s, 3), **where})
 
     def audio(self, seconds: float, channel: int = 0) -> None:
         """`seconds` more audio received on `channel` (for the summary)."""

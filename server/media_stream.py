@@ -306,7 +306,8 @@ class MediaStreamAdapter:
     def _media(self, message: dict) -> list[Command]:
         name = self._track_name(field(message, "media.track"))
         if name not in self.tracks:
-            raise MalformedMessage(f"media: track {name!r} is not one of this stream's tracks ({', '.join(self.tracks)})")
+            raise MalformedMessage(f"media: track {name!r} is not one of this stream's tracks "
+                                   f"({', '.join(self.tracks)})")
         channel = self.tracks[name]
         samples = self._decode(payload(message))
         timestamp_ms = number(message, "media.timestamp") if "timestamp" in message.get("media", {}) else None

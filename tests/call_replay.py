@@ -183,7 +183,8 @@ class AudioHookClient:
         return message
 
 
-def audiohook_call(client: AudioHookClient, external: np.ndarray, internal: np.ndarray) -> list[tuple[float, str | bytes]]:
+def audiohook_call(client: AudioHookClient, external: np.ndarray,
+                   internal: np.ndarray) -> list[tuple[float, str | bytes]]:
     """open, stereo PCMU audio in 20 ms frames with a ping each second, then close (serverseq is the receiver's
     business: play() leaves it at 0, which never exceeds the server's)."""
     frames = [(0.0, client.open())]

@@ -21,7 +21,8 @@ RATE = 8000
 
 
 def adapter(registry: CallRegistry | None = None) -> TwilioAdapter:
-    return TwilioAdapter(defaults=StreamSettings(), limits=StreamLimits(), calls=registry if registry is not None else CallRegistry())
+    return TwilioAdapter(defaults=StreamSettings(), limits=StreamLimits(),
+                         calls=registry if registry is not None else CallRegistry())
 
 
 def tone(frequency: float, seconds: float) -> np.ndarray:
