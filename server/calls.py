@@ -31,7 +31,7 @@ import collections
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 from qasr.server.webhooks import WebhookSender, check_url
