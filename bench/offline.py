@@ -6,7 +6,6 @@ official qwen-asr transformers backend timed in the same run on the same checkpo
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import statistics
@@ -257,29 +256,6 @@ def bench_official(model_dir: Path, args, device: torch.device, out: dict) -> No
         torch.cuda.empty_cache()
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--size", default="0.6B", choices=["tiny", "0.6B", "1.7B"], help="random checkpoint shapes")
-    p.add_argument("--model", help="use this checkpoint instead of generating one")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--clip-seconds", type=float, default=10.9)
-    p.add_argument("--tokens", type=int, default=40, help="decoded tokens per clip (forced)")
-    p.add_argument("--num-clips", type=int, default=1000)
-    p.add_argument("--slots", type=int, default=256, help="engine decode slots (largest batch)")
-    p.add_argument("--max-len", type=int, default=320)
-    p.add_argument("--prefill-tokens", type=int, default=32768)
-    p.add_argument("--context", type=int, default=200, help="context length for the decode-step timing")
-    p.add_argument("--latency-runs", type=int, default=20)
-    p.add_argument("--step-runs", type=int, default=50)
-    p.add_argument("--independence-requests", type=int, default=200)
-    p.add_argument("--eager-requests", type=int, default=40)
-    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only decoder (opt-in)")
-    p.add_argument("--official", action="store_true", help="time the official qwen-asr backend in the same run")
-    p.add_argument("--official-batch", type=int, default=128)
-    p.add_argument("--official-clips", type=int, default=512)
-    p.add_argument("--out", help="write the results as JSON here")
-
-
 def run(args) -> dict:
     from qasr.model.checkpoint import resolve_device
     from qasr.model.testmodel import make_test_model
@@ -311,6 +287,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="qasr-bench offline", description=__doc__)
-    add_arguments(p)
-    run(p.parse_args(argv))
+    """`qasr-bench offline`; its options are declared in qasr.bench.cli, where --help needs no torch."""
+    from .cli import offline_parser
+
+    run(offline_parser().parse_args(argv))

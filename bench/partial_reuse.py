@@ -1,7 +1,7 @@
 """What partial reuse saves: one segment growing to 30 s, a partial every second, decoded with and without reuse.
 
-    python -m qasr.bench.partial_reuse                       # tiny random model, on this machine's device
-    python -m qasr.bench.partial_reuse --size 0.6B --out reuse.json
+    qasr-bench partial-reuse                       # tiny random model, on this machine's device
+    qasr-bench partial-reuse --size 0.6B --out reuse.json
 
 With reuse (the partials carry a stream id) the engine keeps the stream's whole 8 s encoder windows and the decoder KV
 of the prompt prefix + those windows, and prefills only what is new; without (no stream id) every partial encodes and
@@ -13,7 +13,6 @@ weights: the transcripts are meaningless, the work is real.
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 import time
@@ -115,18 +114,10 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m qasr.bench.partial_reuse", description=__doc__.split("\n\n")[0])
-    p.add_argument("--size", default="tiny", choices=["tiny", "0.6B", "1.7B"], help="random checkpoint shapes")
-    p.add_argument("--model", help="use this checkpoint instead of generating one")
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--seconds", type=float, default=30.0, help="length the segment grows to")
-    p.add_argument("--interval", type=float, default=1.0, help="new audio between partials, seconds")
-    p.add_argument("--tokens", type=int, default=8, help="decoded tokens per partial (forced)")
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", help="write the results as JSON here")
-    run(p.parse_args(argv))
+    """`qasr-bench partial-reuse`; its options are declared in qasr.bench.cli, where --help needs no torch."""
+    from .cli import partial_reuse_parser
+
+    run(partial_reuse_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -463,26 +463,35 @@ async def bench(args) -> dict:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="qasr-bench stream", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--url", default="ws://127.0.0.1:8765/v1/stream", help="the server's stream endpoint")
-    p.add_argument("--clients", type=int, default=8, help="concurrent streams")
-    p.add_argument("--duration", type=float, default=30.0, help="seconds each client streams (wall time)")
-    p.add_argument("--speed", type=float, default=1.0, help="audio seconds sent per second (1: real time)")
+    p = argparse.ArgumentParser(prog="qasr-bench stream", description=__doc__.split("\n\n")[0].replace("`", ""))
+    p.add_argument("--url", default="ws://127.0.0.1:8765/v1/stream",
+                   help="the server's stream endpoint (default: %(default)s)")
+    p.add_argument("--clients", type=int, default=8, help="concurrent streams (default: %(default)s)")
+    p.add_argument("--duration", type=float, default=30.0,
+                   help="seconds each client streams, wall time (default: %(default)s)")
+    p.add_argument("--speed", type=float, default=1.0,
+                   help="audio seconds sent per second; 1 is real time (default: %(default)s)")
     p.add_argument("--audio", help="a WAV/FLAC file to stream (looped; each client from its own offset); "
                                    "default: generated speech-like utterances with pauses")
-    p.add_argument("--chunk-ms", type=int, default=100, help="audio per message")
-    p.add_argument("--partial-interval-ms", type=int, default=1000, help="asked of the server in `start`")
+    p.add_argument("--chunk-ms", type=int, default=100, help="audio per message (default: %(default)s)")
+    p.add_argument("--partial-interval-ms", type=int, default=1000,
+                   help="asked of the server in `start` (default: %(default)s)")
     p.add_argument("--language", default=None, help="force a language (default: the model detects it)")
-    p.add_argument("--stagger-s", type=float, default=1.0, help="client starts are spread over this long")
-    p.add_argument("--drain-timeout-s", type=float, default=60.0, help="after streaming, wait this long for finals")
-    p.add_argument("--server-pid", type=int, default=None, help="a local server's pid: its CPU use is measured")
-    p.add_argument("--sample-interval-s", type=float, default=0.5, help="CPU sampling and progress interval")
-    p.add_argument("--out", help="write the results as JSON here")
-    p.add_argument("--plot", help="write a PNG plot here (needs matplotlib)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
+    p.add_argument("--stagger-s", type=float, default=1.0,
+                   help="client starts are spread over this long (default: %(default)s)")
+    p.add_argument("--drain-timeout-s", type=float, default=60.0,
+                   help="after streaming, wait this long for finals (default: %(default)s)")
+    p.add_argument("--server-pid", type=int, default=None,
+                   help="a local server's pid: its CPU is read from /proc (default: from the server's /metrics)")
+    p.add_argument("--sample-interval-s", type=float, default=0.5,
+                   help="CPU sampling and progress interval (default: %(default)s)")
+    p.add_argument("--out", metavar="JSON", help="also write the results here")
+    p.add_argument("--plot", metavar="PNG", help="also write a plot here (needs matplotlib)")
+    p.add_argument("--no-progress", dest="progress", action="store_false",
+                   help="hide the progress bar (shown on stderr by default)")
     p.add_argument("--processes", type=int, default=1,
-                   help="spread the clients over this many client processes (for hundreds of clients)")
+                   help="spread the clients over this many client processes, for hundreds of clients "
+                        "(default: %(default)s)")
     # internal: a --processes child
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--bench-start", type=float, default=None, help=argparse.SUPPRESS)
