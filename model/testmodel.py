@@ -25,10 +25,9 @@ import string
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import tokenizers
-import torch
-from safetensors.torch import save_file
 from tokenizers import normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
@@ -36,12 +35,15 @@ from tokenizers.trainers import BpeTrainer
 from .prompt import SUPPORTED_LANGUAGES
 from .tokenizer import QWEN2_PRETOKENIZE_REGEX
 
+if TYPE_CHECKING:  # torch is imported where weights are made, so `qasr-make-test-model --help` is instant
+    import torch
+
 VOCAB_SIZE = 151936  # embedding rows of every Qwen3-ASR size
 NUM_BPE_TOKENS = 151643  # entries of vocab.json; added tokens start here
 TRANSFORMERS_VERSION = "4.57.1"  # written into config.json; see checkpoint_config
 SIZES = ("tiny", "0.6B", "1.7B")
 LAYOUTS = ("original", "hf")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = ("float32", "bfloat16")  # names of torch dtypes the weights can be saved in
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,7 @@ def make_test_model(
     _write_json(out / "generation_config.json", _generation_config())
     _write_json(out / "preprocessor_config.json", _preprocessor_config(layout))
     write_tokenizer_files(out)
-    _write_weights(out, specs, layout=layout, seed=seed, torch_dtype=DTYPES[dtype], num_shards=num_shards)
+    _write_weights(out, specs, layout=layout, seed=seed, dtype=dtype, num_shards=num_shards)
     (out / "README.md").write_text(
         README.format(size=size, layout=layout, dtype=dtype, seed=seed, num_shards=num_shards, tie=tie),
         encoding="utf-8",
@@ -323,6 +325,8 @@ LM_HEAD_GAIN = 32.0
 
 def init_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
     """The float32 values of one tensor: a function of (seed, name) only."""
+    import torch
+
     digest = hashlib.sha256(f"{seed}:{spec.name}".encode()).digest()
     gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
     values = torch.randn(spec.shape, generator=gen, dtype=torch.float32)
@@ -341,10 +345,14 @@ def init_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
 
 
 def _write_weights(
-    out: Path, specs: list[TensorSpec], *, layout: str, seed: int, torch_dtype: torch.dtype, num_shards: int
+    out: Path, specs: list[TensorSpec], *, layout: str, seed: int, dtype: str, num_shards: int
 ) -> None:
-    """Save the tensors, `num_shards` files of about equal size; only one shard's tensors are in memory at a time."""
+    """Save the tensors as `dtype`, `num_shards` files of about equal size; only one shard's tensors are in memory at
+    a time."""
     name_of = hf_name if layout == "hf" else (lambda name: name)
+    import torch
+    from safetensors.torch import save_file
+
     shards = _split_evenly(specs, num_shards)
     files = (
         ["model.safetensors"]
@@ -356,7 +364,7 @@ def _write_weights(
         tensors = {}
         for spec in shard:
             name = name_of(spec.name)
-            tensors[name] = init_tensor(spec, seed).to(torch_dtype)
+            tensors[name] = init_tensor(spec, seed).to(getattr(torch, dtype))
             total_size += tensors[name].nbytes
             weight_map[name] = file_name
         save_file(tensors, str(out / file_name), metadata={"format": "pt"})
@@ -645,17 +653,37 @@ def _write_json(path: Path, obj: dict, indent: int | None = 2) -> None:
     path.write_text(json.dumps(obj, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+def _out_dir_problem(out_dir: Path, *, force: bool) -> str | None:
+    """Why main() will not write to `out_dir` (None: it may): a file is never replaced, and a folder that holds
+    something only with --force (a mistyped path must not fill someone's folder with weights)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        return f"{out_dir} is a file: name a new or empty folder"
+    if out_dir.is_dir() and not force and any(out_dir.iterdir()):
+        return f"{out_dir} is not empty: name a new or empty folder, or pass --force to write into it"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="qasr-make-test-model",
         description="Write a random-weight Qwen3-ASR checkpoint (meaningless transcripts) for tests and benchmarks.",
+        epilog="Then serve it: qasr-server --model OUT_DIR --device cpu",
     )
-    parser.add_argument("out_dir", type=Path, help="folder to write (created if missing)")
-    parser.add_argument("--layout", choices=LAYOUTS, default="original", help="tensor names and config layout")
-    parser.add_argument("--size", choices=SIZES, default="tiny", help="tiny for CPU tests, or the real shapes")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32")
-    parser.add_argument("--shards", type=int, default=1, help="number of safetensors files (index when > 1)")
+    parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="a new or empty folder to write (created)")
+    parser.add_argument("--force", action="store_true",
+                        help="write into OUT_DIR although it is not empty (files of the same names are replaced)")
+    parser.add_argument("--layout", choices=LAYOUTS, default="original",
+                        help="tensor names and config layout: the original Qwen release's or transformers' -hf "
+                             "(default: %(default)s)")
+    parser.add_argument("--size", choices=SIZES, default="tiny",
+                        help="tiny for CPU tests and demos, or the real model's shapes (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="each tensor is drawn from (SEED, its name): the same seed writes the same weights "
+                             "in any layout or shard count (default: %(default)s)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32",
+                        help="dtype of the saved weights (default: %(default)s)")
+    parser.add_argument("--shards", type=int, default=1,
+                        help="number of safetensors files, with an index when > 1 (default: %(default)s)")
     parser.add_argument(
         "--tie-word-embeddings",
         action=argparse.BooleanOptionalAction,
@@ -663,6 +691,8 @@ def main(argv: list[str] | None = None) -> int:
         help="share lm_head with the embedding (default: untied for tiny, tied for 0.6B/1.7B)",
     )
     args = parser.parse_args(argv)
+    if problem := _out_dir_problem(args.out_dir, force=args.force):
+        parser.error(problem)
     try:
         path = make_test_model(
             args.out_dir,
@@ -675,6 +705,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     except ValueError as exc:
         parser.error(str(exc))
+    except OSError as exc:  # no permission, a full disk, a file where a parent folder should be
+        print(f"qasr-make-test-model: error: cannot write {args.out_dir}: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote a random-weight {args.size} checkpoint ({args.layout} layout) to {path}", file=sys.stderr)
     return 0
 

@@ -185,6 +185,22 @@ def test_official_greedy_generation_is_long_and_follows_the_audio(official_tiny)
     assert official.official_generate(model, processor, tone, max_new_tokens=24) != ids
 
 
+def test_cli_refuses_a_file_or_a_non_empty_folder_unless_forced(tmp_path, capsys):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("keep me")
+    for argv in ([str(notes)], [str(notes), "--force"]):  # a file is never replaced
+        with pytest.raises(SystemExit) as exc:
+            testmodel.main(argv)
+        assert exc.value.code == 2 and f"{notes} is a file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        testmodel.main([str(tmp_path)])
+    error = capsys.readouterr().err
+    assert exc.value.code == 2 and f"{tmp_path} is not empty" in error and "--force" in error
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    assert testmodel.main([str(tmp_path), "--force"]) == 0
+    assert (tmp_path / "config.json").is_file() and notes.read_text() == "keep me"
+
+
 def test_cli_writes_a_checkpoint_and_rejects_bad_arguments(tmp_path, capsys):
     assert testmodel.main([str(tmp_path / "m"), "--layout", "hf", "--shards", "2", "--seed", "3"]) == 0
     assert (tmp_path / "m" / "model.safetensors.index.json").is_file()
