@@ -1,4 +1,4 @@
-"""The demo page in Debian's headless Chromium, driven over the DevTools protocol (tests/web/chromium.py), against
+"""The demo page in Debian's headless Chromium, driven through Playwright (tests/web/chromium.py), against
 a running qasr server: the fake microphone plays espeak-ng speech into the page, which streams it through its
 AudioWorklet and shows partials, then finals with times, language and latency. Also: a denied microphone shows the
 denied state, a server that goes away shows the dropped state, and Reconnect resumes against a restarted server.
@@ -16,10 +16,10 @@ import re
 import pytest
 import soundfile
 
-from qasr.server.limits import StreamDefaults
+from qasr.streaming.settings import StreamSettings
 
 # tests/ is on sys.path (tests/conftest.py); tests/web is put there by pytest for this file's folder
-from chromium import Chromium, find_chromium
+from chromium import console_of, find_chromium, launch, wait_for
 from fakes import FakeEngine, speech_like
 from live_server import REPO, WEB_ROOT, ThreadedServer, real_engine, spoken_wav
 
@@ -43,12 +43,12 @@ STYLES = """Object.fromEntries(['partial', 'final'].map(kind => {
 async def listening_page(browser, server, prepare: str | None = None):
     """The demo page, opened and started: `prepare` (a script) runs before the click, then it is listening."""
     page = await browser.new_page()
-    await page.navigate(server.http_url + "/")
+    await page.goto(server.http_url + "/")
     if prepare is not None:
         await page.evaluate(prepare)
     assert await page.evaluate(STATE) == "idle"
     await page.click("#toggle")
-    await page.wait_for(f"{STATE} === 'listening'")
+    await wait_for(page, f"{STATE} === 'listening'")
     return page
 
 
@@ -58,22 +58,22 @@ def run(coroutine, timeout: float = 90):
 
 def test_the_page_transcribes_the_microphone_with_partials_then_finals(tiny_model_dir, tmp_path):
     truth = spoken_wav(tmp_path / "speech.wav", SENTENCES, lead_s=1.0, pause_s=1.2, tail_s=1.5)
-    defaults = StreamDefaults(partial_interval_ms=500)  # several partials per utterance
+    defaults = StreamSettings(partial_interval_ms=500)  # several partials per utterance
 
     async def main(server: ThreadedServer):
-        async with Chromium.launch(fake_audio=tmp_path / "speech.wav") as browser:
+        async with launch(fake_audio=tmp_path / "speech.wav") as browser:
             page = await listening_page(browser, server)
-            level = await page.wait_for("document.getElementById('level').value > 0.3")  # the meter moves
-            await page.wait_for(f"document.querySelectorAll('#transcript li.final').length >= {len(truth)}",
-                                timeout=45)
+            level = await wait_for(page, "document.getElementById('level').value > 0.3")  # the meter moves
+            await wait_for(page, f"document.querySelectorAll('#transcript li.final').length >= {len(truth)}",
+                           timeout=45)
             items = await page.evaluate(ITEMS)
             # the file loops: the next utterance shows as a partial, styled apart from the finals
-            await page.wait_for("document.querySelector('#transcript li.partial')?.dataset.partials >= 1")
+            await wait_for(page, "document.querySelector('#transcript li.partial')?.dataset.partials >= 1")
             styles = await page.evaluate(STYLES)
-            await page.screenshot(tmp_path / "page.png")
+            await page.screenshot(path=tmp_path / "page.png", full_page=True)
             await page.click("#toggle")  # stop: `end`, the last finals, close 1000
-            await page.wait_for(f"{STATE} === 'idle'")
-            return items, level, styles, page.console
+            await wait_for(page, f"{STATE} === 'idle'")
+            return items, level, styles, console_of(page)
 
     with ThreadedServer(lambda: real_engine(tiny_model_dir), web_root=WEB_ROOT, defaults=defaults) as server:
         items, level, styles, console = run(main(server))
@@ -100,31 +100,31 @@ def test_a_denied_microphone_and_a_dropped_socket_show_their_states(tmp_path):
         with ThreadedServer(lambda: FakeEngine(delay_s=0.005), web_root=WEB_ROOT) as first:
             port, origin = first.port, first.http_url
             # no --use-fake-ui-for-media-stream: the page gets what the permission says, nothing is auto-accepted
-            async with Chromium.launch(fake_audio=tmp_path / "bursts.wav", fake_ui=False) as browser:
+            async with launch(fake_audio=tmp_path / "bursts.wav", fake_ui=False) as browser:
                 page = await browser.new_page()
-                await page.navigate(origin + "/")
-                await browser.set_microphone(origin, "denied")
+                await page.goto(origin + "/")
+                await browser.clear_permissions()  # not granted, and no UI to ask: the request is denied
                 await page.click("#toggle")
-                await page.wait_for(f"{STATE} === 'denied'")
+                await wait_for(page, f"{STATE} === 'denied'")
                 denied = await page.evaluate("document.getElementById('status').textContent")
                 assert first.num_connections() == 0  # no stream without a microphone
 
-                await browser.set_microphone(origin, "granted")
+                await browser.grant_permissions(["microphone"], origin=origin)
                 await page.click("#toggle")
-                await page.wait_for(f"{STATE} === 'listening'")
+                await wait_for(page, f"{STATE} === 'listening'")
                 await asyncio.to_thread(first.stop)  # the server goes away mid-stream (1001)
-                await page.wait_for(f"{STATE} === 'dropped'")
+                await wait_for(page, f"{STATE} === 'dropped'")
                 dropped = await page.evaluate("document.getElementById('status').textContent")
                 reconnect_shown = await page.evaluate("!document.getElementById('reconnect').hidden")
-                await page.screenshot(tmp_path / "dropped.png")
+                await page.screenshot(path=tmp_path / "dropped.png", full_page=True)
 
                 with ThreadedServer(lambda: FakeEngine(delay_s=0.005), web_root=WEB_ROOT, port=port):
                     await page.click("#reconnect")
-                    await page.wait_for(f"{STATE} === 'listening'")
-                    await page.wait_for("document.querySelectorAll('#transcript li.final').length >= 1",
-                                        timeout=20)
+                    await wait_for(page, f"{STATE} === 'listening'")
+                    await wait_for(page, "document.querySelectorAll('#transcript li.final').length >= 1",
+                                   timeout=20)
                     await page.click("#toggle")
-                    await page.wait_for(f"{STATE} === 'idle'")
+                    await wait_for(page, f"{STATE} === 'idle'")
                 return denied, dropped, reconnect_shown
 
     denied, dropped, reconnect_shown = run(main())
@@ -159,9 +159,9 @@ RESAMPLE = """(async () => {
 def test_the_capture_worklet_downsamples_to_16k_without_aliasing():
     async def main():
         with ThreadedServer(lambda: FakeEngine(), web_root=WEB_ROOT) as server:
-            async with Chromium.launch() as browser:
+            async with launch() as browser:
                 page = await browser.new_page()
-                await page.navigate(server.http_url + "/")
+                await page.goto(server.http_url + "/")
                 return await page.evaluate(RESAMPLE)
 
     result = run(main())
@@ -185,12 +185,12 @@ def test_a_microphone_context_below_16k_is_declared_at_its_own_rate(tmp_path):
     })()"""
 
     async def main(server: ThreadedServer):
-        async with Chromium.launch(fake_audio=tmp_path / "burst.wav") as browser:
+        async with launch(fake_audio=tmp_path / "burst.wav") as browser:
             page = await listening_page(browser, server, force_8k)
-            await page.wait_for("document.querySelectorAll('#transcript li.final').length >= 1", timeout=30)
+            await wait_for(page, "document.querySelectorAll('#transcript li.final').length >= 1", timeout=30)
             items = await page.evaluate(ITEMS)
             await page.click("#toggle")
-            await page.wait_for(f"{STATE} === 'idle'")
+            await wait_for(page, f"{STATE} === 'idle'")
             return items
 
     with ThreadedServer(lambda: FakeEngine(delay_s=0.005), web_root=WEB_ROOT) as server:
@@ -267,13 +267,13 @@ def test_stop_sends_every_captured_sample_before_end(tmp_path):
     soundfile.write(str(tmp_path / "speech.wav"), audio, 16000, subtype="PCM_16")
 
     async def main(server: ThreadedServer):
-        async with Chromium.launch(fake_audio=tmp_path / "speech.wav") as browser:
+        async with launch(fake_audio=tmp_path / "speech.wav") as browser:
             page = await listening_page(browser, server, INSTRUMENT)
             await asyncio.sleep(1.5)
             captured = await page.evaluate(STOP_MID_CHUNK)
-            await page.wait_for(f"{STATE} === 'idle'")
+            await wait_for(page, f"{STATE} === 'idle'")
             events = await page.evaluate("window.qasrEvents")
-            return captured, events, page.console
+            return captured, events, console_of(page)
 
     with ThreadedServer(lambda: FakeEngine(delay_s=0.005), web_root=WEB_ROOT) as server:
         captured, events, console = run(main(server))
