@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
+import os
 import signal
 import sys
 
-from qasr.model.checkpoint import resolve_device
 from qasr.server.app import QasrServer, ServerConfig
+from qasr.server import logs
 from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits, StreamDefaults
 from qasr.engine.engine import EngineOptions
@@ -28,11 +30,23 @@ log = logging.getLogger("qasr.server")
 CPU_SLOTS = 8
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends an option's default where it says something: not for a required option, a flag, or a None whose
+    meaning the help text gives."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default is None or isinstance(action.default, bool):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     limits, defaults = ServerLimits(), StreamDefaults()
     parser = argparse.ArgumentParser(prog="qasr-server", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--model", required=True, help="checkpoint directory or Hugging Face id")
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--model", required=True,
+                        help="checkpoint directory (e.g. from qasr-make-test-model) or Hugging Face id "
+                             "(e.g. Qwen/Qwen3-ASR-0.6B)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8765, help="port to listen on (0: any free port)")
     parser.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:N")
@@ -80,7 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--web-root", default=None,
                         help="folder with the web page's index.html (default: $QASR_WEB_ROOT, then the web/ "
                              "folder beside the package)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", choices=logs.LEVELS,
+                        help="least severe log records shown; debug adds a line per HTTP request")
+    parser.add_argument("--log-format", default="text", choices=logs.FORMATS,
+                        help="text lines for people, or one JSON object per line (time, level, logger, message, "
+                             "session where known) for log pipelines")
     return parser
 
 
@@ -92,6 +110,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     defaults = StreamDefaults(partial_interval_ms=args.partial_interval_ms,
                               vad_aggressiveness=args.vad_aggressiveness, end_silence_ms=args.end_silence_ms,
                               max_segment_s=args.max_segment_s)
+    from qasr.model.checkpoint import resolve_device  # imports torch: only once the arguments are parsed
+
     resolve_device(args.device)  # an unusable --device is a usage error, before anything starts
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
@@ -100,9 +120,10 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
 
 
 async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; 1 if the model could not be loaded."""
+    """Serve until SIGTERM/SIGINT; 1 if the port cannot be bound or the model could not be loaded."""
     from qasr.engine.engine import AsyncEngine
     from qasr.engine.engine_process import EngineProcess
+    from qasr.model.checkpoint import resolve_device
 
     slots = args.slots or (EngineOptions().num_slots if resolve_device(args.device).type == "cuda" else CPU_SLOTS)
     retained = slots if args.retained_slots is None else args.retained_slots
@@ -112,7 +133,11 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
                             admission_interval_ms=args.admission_interval_ms,
                             max_audio_seconds=max(60.0, args.max_segment_s + 5))
     server = QasrServer(None, config)
-    await server.start()
+    try:
+        await server.start()
+    except OSError as error:  # the port is taken, or the address is not this machine's
+        log.error("cannot listen on %s:%d: %s", config.host, config.port, _bind_problem(error))
+        return 1
     if config.web_root is None:
         log.warning("no web page found: / answers 404 (see --web-root)")
     loop = asyncio.get_running_loop()
@@ -135,14 +160,21 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
             loop.remove_signal_handler(signum)
 
 
+def _bind_problem(error: OSError) -> str:
+    """asyncio words a failed bind as 'error while attempting to bind on address (...): ...': the reason alone."""
+    if error.errno == errno.EADDRINUSE:
+        return "the port is in use (another qasr-server? stop it or pick another --port)"
+    return os.strerror(error.errno) if isinstance(error.errno, int) and error.errno > 0 else str(error)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_config(args)
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
+    logs.configure(args.log_level, args.log_format)  # only once it will serve: it takes over the process's logging
     try:
         import uvloop
     except ImportError:  # Windows, or a minimal install: the standard loop works too

@@ -22,7 +22,7 @@ from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
 
 from qasr.model.audio import SAMPLE_RATE
-from qasr.server import errors
+from qasr.server import errors, logs
 from qasr.server.limits import ServerLimits, StreamDefaults
 from qasr.server.metrics import ServerMetrics
 from qasr.server.protocol import Audio, End, Flush, NativeProtocol, Notice, Start, StreamConfig
@@ -41,6 +41,7 @@ class StreamConnection:
         self.metrics = metrics
         self.protocol = NativeProtocol(limits=limits, defaults=defaults)
         self.session_id = uuid.uuid4().hex[:16]
+        logs.bind_session(self.session_id)  # what this connection's task logs carries its session id
         self.session: Session | None = None
         self.stopping = False  # the server is shutting down
         self._receiver: asyncio.Task | None = None  # the task reading from the socket, interrupted by stop

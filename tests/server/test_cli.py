@@ -7,6 +7,9 @@ import json
 import os
 import signal
 import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from websockets.asyncio.client import connect
@@ -32,9 +35,9 @@ def test_options_become_limits_and_defaults():
     config = cli.build_config(args)
     assert (config.host, config.port) == ("127.0.0.1", 0)
     assert (config.limits.max_sessions, config.limits.max_message_bytes, config.limits.idle_timeout_s) == (3, 4096, 5)
-    assert config.limits.max_segment_s == 20 and config.limits.drain_timeout_s == 2
-    assert (config.defaults.partial_interval_ms, config.defaults.vad_aggressiveness,
-            config.defaults.end_silence_ms, config.defaults.max_segment_s) == (700, 3, 800, 20)
+    assert config.stream_limits.max_segment_s == 20 and config.limits.drain_timeout_s == 2
+    assert (config.defaults.partial_interval_ms, config.defaults.vad.aggressiveness,
+            config.defaults.vad.end_silence_ms, config.defaults.vad.max_segment_s) == (700, 3, 800, 20)
 
 
 @pytest.mark.parametrize("argv", [
@@ -92,3 +95,35 @@ def test_a_model_that_cannot_load_exits_1(monkeypatch):
     monkeypatch.setattr(engine_module.EngineProcess, "from_pretrained", fail)
     args = cli.build_parser().parse_args(["--model", "missing", "--port", "0"])
     assert asyncio.run(asyncio.wait_for(cli.serve(args, cli.build_config(args)), 10)) == 1
+
+
+QASR_SERVER = Path(sys.executable).with_name("qasr-server")
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_a_busy_port_is_one_line_and_exit_1(log_format):
+    if not QASR_SERVER.exists():
+        pytest.skip(f"the qasr-server console script is not installed beside {sys.executable} (pip install -e .)")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([str(QASR_SERVER), "--model", "never-loaded", "--device", "cpu", "--port", str(port),
+                               "--log-format", log_format], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and done.stdout == ""
+    (line,) = done.stderr.splitlines()
+    expected = f"cannot listen on 127.0.0.1:{port}: the port is in use"
+    if log_format == "json":
+        entry = json.loads(line)
+        assert entry["level"] == "error" and entry["message"].startswith(expected)
+    else:
+        assert "ERROR" in line and expected in line and "Traceback" not in line
+
+
+def test_help_shows_defaults_only_where_they_say_something(capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert caught.value.code == 0
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "--log-format {text,json}" in text and "(default: 8765)" in text
