@@ -15,10 +15,11 @@ from typing import Mapping
 import msgpack
 import numpy as np
 
+from qasr.audio import ENCODINGS, SAMPLE_RATE
 from qasr.client.errors import ProtocolMismatch
 from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary
 
-ENCODINGS = {"s16le": np.dtype("<i2"), "f32le": np.dtype("<f4")}  # wire encoding -> sample dtype
+SENT_ENCODINGS = ("s16le", "f32le")  # the ENCODINGS this client encodes numpy audio into (the server takes more)
 FORMATS = ("json", "msgpack")
 EVENT_TYPES = {cls.TYPE: cls for cls in (Ready, SpeechStarted, Partial, Final, Error, Summary)}
 
@@ -30,7 +31,7 @@ FLUSH = json.dumps({"type": "flush"})
 class StreamOptions:
     """What the client asks for in `start`; None leaves a setting to the server's default."""
 
-    sample_rate: int = 16000  # Hz of the audio sent
+    sample_rate: int = SAMPLE_RATE  # Hz of the audio sent
     encoding: str = "s16le"  # on the wire: "s16le" (half the bytes) or "f32le"
     channels: int = 1  # interleaved; the server averages them to mono
     language: str | None = None  # e.g. "English"; None: the model detects it
@@ -43,12 +44,17 @@ class StreamOptions:
     def __post_init__(self):
         if isinstance(self.sample_rate, bool) or not isinstance(self.sample_rate, int) or self.sample_rate <= 0:
             raise ValueError(f"sample_rate must be a positive integer number of Hz, got {self.sample_rate!r}")
-        if self.encoding not in ENCODINGS:
-            raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {self.encoding!r}")
+        if self.encoding not in SENT_ENCODINGS:
+            raise ValueError(f"encoding must be one of {', '.join(SENT_ENCODINGS)}, got {self.encoding!r}")
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if isinstance(self.channels, bool) or not isinstance(self.channels, int) or self.channels < 1:
             raise ValueError(f"channels must be a positive integer, got {self.channels!r}")
+
+
+def bytes_per_frame(options: StreamOptions) -> int:
+    """Bytes of one sample on every channel, on the wire."""
+    return ENCODINGS[options.encoding] * options.channels
 
 
 def start_message(options: StreamOptions) -> str:

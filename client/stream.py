@@ -36,7 +36,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from qasr.client.errors import NORMAL_CLOSURE, ClientError, ConnectionLost, ServerUnreachable, StreamClosed
-from qasr.client.protocol import END, FLUSH, StreamOptions, encode_audio, parse_event, start_message
+from qasr.client.protocol import (END, FLUSH, StreamOptions, bytes_per_frame, encode_audio, parse_event,
+                                  start_message)
 from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary
 
 
@@ -138,7 +139,7 @@ class StreamClient:
         """Send one chunk ([n] or [n, channels], float in [-1, 1] or int16). Raises StreamClosed once closed."""
         frame = encode_audio(chunk, self.options)
         await self._send(frame)
-        self.samples_sent += len(frame) // (_bytes_per_sample(self.options) * self.options.channels)
+        self.samples_sent += len(frame) // bytes_per_frame(self.options)
 
     async def flush(self) -> None:
         """Close the open segment now (push-to-talk release); its final follows, the stream goes on."""
@@ -413,10 +414,6 @@ class _Timeline:
                            audio_seconds=event.audio_seconds + self.offset_s,
                            speech_seconds=event.speech_seconds + self.speech_s)
         return event
-
-
-def _bytes_per_sample(options: StreamOptions) -> int:
-    return 2 if options.encoding == "s16le" else 4
 
 
 def _why_unreachable(error: BaseException, client: StreamClient) -> str:

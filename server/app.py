@@ -17,15 +17,19 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
+from websockets.http11 import Request
 
 from qasr.engine.face import SpeechEngine
 from qasr.server import errors
-from qasr.server.connection import StreamConnection
-from qasr.server.http import HttpRoutes
-from qasr.server.limits import ServerLimits, StreamDefaults
+from qasr.server.connection import PingAwareConnection, StreamConnection, WireAdapter
+from qasr.server.http import STREAM_PATH, HttpRoutes
+from qasr.server.limits import ServerLimits
 from qasr.server.metrics import ServerMetrics
+from qasr.server.protocol import NativeProtocol
+from qasr.streaming.settings import StreamLimits, StreamSettings
 
 log = logging.getLogger("qasr.server")
 
@@ -34,19 +38,34 @@ log = logging.getLogger("qasr.server")
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8765  # 0: any free port (see QasrServer.port)
-    limits: ServerLimits = field(default_factory=ServerLimits)
-    defaults: StreamDefaults = field(default_factory=StreamDefaults)
+    limits: ServerLimits = field(default_factory=ServerLimits)  # per connection, whatever the stream
+    stream_limits: StreamLimits = field(default_factory=StreamLimits)  # what a stream's settings may ask for
+    defaults: StreamSettings = field(default_factory=StreamSettings)  # a stream's settings where it asks nothing
     web_root: Path | None = None  # the static page's folder (http.find_web_root), None: no page
     ping_interval_s: float | None = 20.0  # keepalive pings find clients that vanished without closing
 
     def __post_init__(self):
-        if self.defaults.max_segment_s > self.limits.max_segment_s:
-            raise ValueError(f"default max_segment_s {self.defaults.max_segment_s} is over the limit "
-                             f"{self.limits.max_segment_s}")
-        if not (self.limits.min_partial_interval_ms <= self.defaults.partial_interval_ms
-                <= self.limits.max_partial_interval_ms):
-            raise ValueError(f"default partial_interval_ms {self.defaults.partial_interval_ms} is outside the "
-                             f"limits {self.limits.min_partial_interval_ms}..{self.limits.max_partial_interval_ms}")
+        try:
+            self.stream_limits.check(self.defaults)
+        except ValueError as error:
+            raise ValueError(f"the default stream settings are outside the stream limits: {error}") from None
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """What a wire adapter is built from: the upgrade request (path, query, headers) and the server's settings."""
+
+    request: Request
+    config: ServerConfig
+    model_name: str  # what clients are told; "" while no engine is loaded (the connection is then refused)
+
+
+# WebSocket path -> the wire adapter for its connections. Other wire formats register their paths here.
+WIRE_ADAPTERS: dict[str, Callable[[Handshake], WireAdapter]] = {
+    STREAM_PATH: lambda handshake: NativeProtocol(defaults=handshake.config.defaults,
+                                                  stream_limits=handshake.config.stream_limits,
+                                                  limits=handshake.config.limits),
+}
 
 
 class QasrServer:
@@ -69,11 +88,11 @@ class QasrServer:
         """Bind and serve. The HTTP endpoints answer at once; streams are admitted once the engine is ready."""
         limits = self.config.limits
         routes = HttpRoutes(metrics=self.metrics, engine=_EngineView(self), is_ready=self.is_ready,
-                            web_root=self.config.web_root)
+                            web_root=self.config.web_root, stream_paths=WIRE_ADAPTERS.keys())
         self._websocket_server = await serve(
             self._handle, self.config.host, self.config.port, process_request=routes,
             max_size=limits.max_message_bytes, ping_interval=self.config.ping_interval_s,
-            ping_timeout=self.config.ping_interval_s,
+            ping_timeout=self.config.ping_interval_s, create_connection=PingAwareConnection,
             compression=None)  # PCM barely compresses; inflating every frame was ~6% of the event loop at 500 streams
         self.port = self._websocket_server.sockets[0].getsockname()[1]  # the bound port (useful with port 0)
         log.info("listening on ws://%s:%d/v1/stream", self.config.host, self.port)
@@ -86,10 +105,10 @@ class QasrServer:
             await engine.close()
             return
         try:  # a server whose slots cannot hold its longest segment would refuse every start
-            await engine.check_context("", language=None, max_audio_seconds=self.config.limits.max_segment_s)
+            await engine.check_context("", language=None, max_audio_seconds=self.config.stream_limits.max_segment_s)
         except ValueError as error:
             await engine.close()
-            raise ValueError(f"the engine's max_len cannot hold a {self.config.limits.max_segment_s:g} s "
+            raise ValueError(f"the engine's max_len cannot hold a {self.config.stream_limits.max_segment_s:g} s "
                              f"segment (raise --max-len or lower --max-segment-s): {error}") from None
         self.engine = engine
         await engine.start()
@@ -134,8 +153,10 @@ class QasrServer:
 
     async def _handle(self, websocket: ServerConnection) -> None:
         self.metrics.connections_total.inc()
-        connection = StreamConnection(websocket, engine=self.engine, limits=self.config.limits,
-                                      defaults=self.config.defaults, metrics=self.metrics)
+        make_adapter = WIRE_ADAPTERS[urlsplit(websocket.request.path).path]  # http.HttpRoutes let only these in
+        handshake = Handshake(websocket.request, self.config, self.engine.model_name if self.engine else "")
+        connection = StreamConnection(websocket, make_adapter(handshake), engine=self.engine,
+                                      limits=self.config.limits, metrics=self.metrics)
         try:
             await connection.run(admit=functools.partial(self._admit, connection))
         finally:

@@ -20,7 +20,8 @@ import sys
 from qasr.server.app import QasrServer, ServerConfig
 from qasr.server import logs
 from qasr.server.http import find_web_root
-from qasr.server.limits import ServerLimits, StreamDefaults
+from qasr.server.limits import ServerLimits
+from qasr.streaming.settings import StreamLimits, StreamSettings, VadSettings
 from qasr.engine.engine import EngineOptions
 
 log = logging.getLogger("qasr.server")
@@ -41,7 +42,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    limits, defaults = ServerLimits(), StreamDefaults()
+    limits, defaults = ServerLimits(), StreamSettings()
     parser = argparse.ArgumentParser(prog="qasr-server", description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--model", required=True,
@@ -62,11 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="on shutdown, how long open streams may wait for their finals")
     parser.add_argument("--partial-interval-ms", type=int, default=defaults.partial_interval_ms,
                         help="default partial cadence (new speech between partials)")
-    parser.add_argument("--vad-aggressiveness", type=int, default=defaults.vad_aggressiveness, choices=range(4),
+    parser.add_argument("--vad-aggressiveness", type=int, default=defaults.vad.aggressiveness, choices=range(4),
                         help="default webrtcvad mode: 0 keeps most audio, 3 drops most non-speech")
-    parser.add_argument("--end-silence-ms", type=int, default=defaults.end_silence_ms,
+    parser.add_argument("--end-silence-ms", type=int, default=defaults.vad.end_silence_ms,
                         help="default silence that ends a segment")
-    parser.add_argument("--max-segment-s", type=float, default=defaults.max_segment_s,
+    parser.add_argument("--max-segment-s", type=float, default=defaults.vad.max_segment_s,
                         help="longest segment (default and limit); longer speech is cut at its quietest point")
     engine = EngineOptions()
     parser.add_argument("--slots", type=int, default=None,
@@ -105,18 +106,19 @@ def build_parser() -> argparse.ArgumentParser:
 def build_config(args: argparse.Namespace) -> ServerConfig:
     """The server's configuration from parsed arguments; ValueError/FileNotFoundError say what is wrong."""
     limits = ServerLimits(max_sessions=args.max_sessions, max_message_bytes=args.max_message_bytes,
-                          idle_timeout_s=args.idle_timeout_s, max_segment_s=args.max_segment_s,
-                          drain_timeout_s=args.drain_timeout_s)
-    defaults = StreamDefaults(partial_interval_ms=args.partial_interval_ms,
-                              vad_aggressiveness=args.vad_aggressiveness, end_silence_ms=args.end_silence_ms,
-                              max_segment_s=args.max_segment_s)
+                          idle_timeout_s=args.idle_timeout_s, drain_timeout_s=args.drain_timeout_s)
+    # --max-segment-s is both the default and the limit; the stream settings validate the flags once
+    stream_limits = StreamLimits(max_segment_s=args.max_segment_s)
+    defaults = StreamSettings(partial_interval_ms=args.partial_interval_ms,
+                              vad=VadSettings(aggressiveness=args.vad_aggressiveness,
+                                              end_silence_ms=args.end_silence_ms, max_segment_s=args.max_segment_s))
     from qasr.model.checkpoint import resolve_device  # imports torch: only once the arguments are parsed
 
     resolve_device(args.device)  # an unusable --device is a usage error, before anything starts
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
-    return ServerConfig(host=args.host, port=args.port, limits=limits, defaults=defaults,
-                        web_root=find_web_root(args.web_root))
+    return ServerConfig(host=args.host, port=args.port, limits=limits, stream_limits=stream_limits,
+                        defaults=defaults, web_root=find_web_root(args.web_root))
 
 
 async def serve(args: argparse.Namespace, config: ServerConfig) -> int:

@@ -1,51 +1,87 @@
-"""One WebSocket connection of the native protocol: frames in -> Session calls; Session events -> frames out.
+"""One WebSocket connection, in any wire format: frames in -> commands -> the stream; its events -> frames out.
 
-The thin asyncio layer between `NativeProtocol` (parsing) and `Session` (the stream): two tasks, a receiver that
-feeds the session and a sender that sends its events in order, plus the timeouts and the teardown. Every way a
-connection can end goes through `_finish`, which asks `errors.decide_close` for the close code.
+`StreamConnection` is the thin asyncio layer around a sans-I/O `WireAdapter` (the native protocol of
+qasr.server.protocol; OpenAI Realtime, Deepgram and the telephony adapters) and a `StreamRunner` (the session and
+its engine work): two tasks, a receiver that carries out the adapter's commands and a sender that sends the
+stream's events in order, plus the timeouts and the teardown. Every way a connection can end goes through
+`_finish`, which asks `errors.decide_close` for the close code.
 
     awaiting start --start--> streaming --end--> draining (finals, summary) --> close 1000
                   (server full, not ready: 1013; bad input: error event [+ finals] + 1003/1007/1009;
                    idle: 1008; SIGTERM: finals + 1001; internal: 1011; client gone: abort, nothing sent)
+
+A client's WebSocket pings count as activity for the idle timeout (`PingAwareConnection`): a push-to-talk client
+may stay connected between presses by pinging.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
+import math
 import uuid
-from typing import Callable
+from typing import Callable, Protocol
 
 from websockets.asyncio.server import ServerConnection
 from websockets.exceptions import ConnectionClosed
+from websockets.frames import Frame, Opcode
 
-from qasr.model.audio import SAMPLE_RATE
+from qasr.audio import SAMPLE_RATE
+from qasr.engine.face import SpeechEngine
 from qasr.server import errors, logs
-from qasr.server.limits import ServerLimits, StreamDefaults
+from qasr.server.commands import Audio, Command, End, Flush, Notice, Reply, Start
+from qasr.server.limits import ServerLimits
 from qasr.server.metrics import ServerMetrics
-from qasr.server.protocol import Audio, End, Flush, NativeProtocol, Notice, Start, StreamConfig
+from qasr.server.stream_runner import StreamRunner
 from qasr.streaming import events
-from qasr.streaming.session import Session, SessionOptions
+from qasr.streaming.session import Session
+from qasr.streaming.settings import StreamSettings
 
 log = logging.getLogger("qasr.server")
 
 
+class WireAdapter(Protocol):
+    """One connection's wire format, sans-I/O. Built per connection from the handshake (see Handshake); raises
+    qasr.server.errors.ProtocolError subclasses for fatal problems (their close codes), never anything else."""
+
+    def greeting(self) -> list[str | bytes]:
+        """Frames sent as soon as the socket opens ([] for the native protocol)."""
+
+    def receive(self, message: str | bytes) -> list[Command]:
+        """One client message -> what the connection should do."""
+
+    def encode(self, event: events.ServerEvent) -> list[str | bytes]:
+        """Zero or more frames for one stream event."""
+
+
+class PingAwareConnection(ServerConnection):
+    """websockets' server connection that notes when the client last pinged (websockets answers pings itself, so
+    the handler never sees them): the idle timeout counts them as activity."""
+
+    last_ping_at: float = -math.inf  # loop.time()
+
+    def process_event(self, event) -> None:
+        super().process_event(event)
+        if isinstance(event, Frame) and event.opcode is Opcode.PING:
+            self.last_ping_at = self.loop.time()
+
+
 class StreamConnection:
-    def __init__(self, websocket: ServerConnection, *, engine, limits: ServerLimits, defaults: StreamDefaults,
-                 metrics: ServerMetrics):
+    def __init__(self, websocket: ServerConnection, adapter: WireAdapter, *, engine: SpeechEngine | None,
+                 limits: ServerLimits, metrics: ServerMetrics):
         self.websocket = websocket
+        self.adapter = adapter
         self.engine = engine
         self.limits = limits
         self.metrics = metrics
-        self.protocol = NativeProtocol(limits=limits, defaults=defaults)
         self.session_id = uuid.uuid4().hex[:16]
         logs.bind_session(self.session_id)  # what this connection's task logs carries its session id
-        self.session: Session | None = None
+        self.settings: StreamSettings | None = None
+        self.runner: StreamRunner | None = None
         self.stopping = False  # the server is shutting down
         self._receiver: asyncio.Task | None = None  # the task reading from the socket, interrupted by stop
-        self._sender: asyncio.Task | None = None  # the task sending the session's events
+        self._sender: asyncio.Task | None = None  # the task sending the stream's events
         self._stop_timer: asyncio.TimerHandle | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
@@ -54,8 +90,10 @@ class StreamConnection:
         """Serve the connection to its end. `admit()` raises ServerFull/NotReady to turn the client away."""
         try:
             admit()
-            config, notices = await self._receive(self._receive_start())
-            await self._open_session(config, notices)
+            await self._send_frames(self.adapter.greeting())
+            settings, commands = await self._receive(self._receive_start())
+            await self._open_stream(settings)
+            await self._carry_out(commands)
             await self._stream()
             close_code = errors.GOING_AWAY if self.stopping else errors.NORMAL
             await self._close(close_code, "server is shutting down" if self.stopping else "")
@@ -90,8 +128,8 @@ class StreamConnection:
         pending = [task for task in (self._receiver, self._sender) if task is not None]
         if pending:
             await asyncio.wait(pending)
-        if self.session is not None:
-            await self.session.abort()
+        if self.runner is not None:
+            await self.runner.abort()
             self.metrics.sessions_active -= 1
 
     # -- receiving -------------------------------------------------------------------------------------------
@@ -112,54 +150,69 @@ class StreamConnection:
             raise errors.ShuttingDown("server is shutting down")
         return task.result()
 
-    async def _receive_start(self) -> tuple[StreamConfig, list[Notice]]:
-        # anything but a start raises MalformedMessage; a connection that sends nothing gives its slot back soon
-        with _IdleWatch(min(self.limits.start_timeout_s, self.limits.idle_timeout_s)):
-            commands = self.protocol.receive(await self.websocket.recv())
-        start, *notices = commands
-        assert isinstance(start, Start)  # the protocol guarantees it in AWAITING_START
-        return start.config, notices
+    async def _receive_start(self) -> tuple[StreamSettings, list[Command]]:
+        """Until the adapter says Start: protocol replies and notices go out at once; audio, flush or end before
+        it are a client mistake. A connection that sends nothing gives its slot back soon (the start timeout)."""
+        with _IdleWatch(min(self.limits.start_timeout_s, self.limits.idle_timeout_s), self.websocket):
+            while True:
+                commands = self.adapter.receive(await self.websocket.recv())
+                for index, command in enumerate(commands):
+                    if isinstance(command, Start):
+                        return command.settings, commands[index + 1:]
+                    if isinstance(command, Reply):
+                        await self._send_frames(command.frames)
+                    elif isinstance(command, Notice):
+                        await self._send(events.Error(command.code, command.message))
+                    else:
+                        raise errors.MalformedMessage(f"{type(command).__name__.lower()} before the stream started")
 
     async def _receive_stream(self) -> None:
-        """Feed the session until `end`; pauses reading while too many finals are pending."""
-        session = self.session
-        with _IdleWatch(self.limits.idle_timeout_s) as idle:
+        """Carry out the adapter's commands until End; pauses reading while too many finals are pending."""
+        with _IdleWatch(self.limits.idle_timeout_s, self.websocket) as idle:
             while True:
-                await session.wait_for_capacity()
+                await self.runner.wait_for_capacity()
                 idle.heard()  # the server's own pause does not count as the client's silence
                 message = await self.websocket.recv()
                 idle.heard()
-                for command in self.protocol.receive(message):
-                    if isinstance(command, Audio):
-                        session.feed(command.samples)
-                        self.metrics.audio_seconds_total.inc(len(command.samples) / self.protocol.config.sample_rate)
-                    elif isinstance(command, Flush):
-                        session.flush()
-                    elif isinstance(command, End):
-                        return
-                    elif isinstance(command, Notice):
-                        session.notify(events.Error(command.code, command.message))
+                if await self._carry_out(self.adapter.receive(message)):
+                    return
+
+    async def _carry_out(self, commands: list[Command]) -> bool:
+        """Apply commands to the stream in order; True once End came (nothing after it is read)."""
+        runner = self.runner
+        for command in commands:
+            if isinstance(command, Audio):
+                runner.feed(command.samples)
+                self.metrics.audio_seconds_total.inc(len(command.samples) / self.settings.sample_rate)
+            elif isinstance(command, Flush):
+                runner.flush()
+            elif isinstance(command, End):
+                return True
+            elif isinstance(command, Notice):
+                runner.notify(events.Error(command.code, command.message))
+            elif isinstance(command, Reply):
+                await self._send_frames(command.frames)
+            else:
+                raise errors.MalformedMessage("the stream has already started")
+        return False
 
     # -- the stream ------------------------------------------------------------------------------------------
 
-    async def _open_session(self, config: StreamConfig, notices: list[Notice]) -> None:
+    async def _open_stream(self, settings: StreamSettings) -> None:
         try:  # a context that leaves no room for the longest segment would fail or cut every final later
-            await self.engine.check_context(config.context, language=config.language,
-                                            max_audio_seconds=config.vad.max_segment_s)
+            await self.engine.check_context(settings.context, language=settings.language,
+                                            max_audio_seconds=settings.vad.max_segment_s)
         except ValueError as error:
             raise errors.MalformedMessage(str(error)) from None
-        options = SessionOptions(input_rate=config.sample_rate, language=config.language, context=config.context,
-                                 partials=config.partials, partial_interval_ms=config.partial_interval_ms,
-                                 vad=config.vad.to_options(), max_pending_finals=self.limits.max_pending_finals)
-        self.session = Session(self.engine, self.session_id, options, observer=self.metrics)
+        self.settings = settings
+        session = Session(self.session_id, settings, max_pending_finals=self.limits.max_pending_finals,
+                          observer=self.metrics)
+        self.runner = StreamRunner(session, self.engine, observer=self.metrics)
         self.metrics.sessions_active += 1
         self.metrics.sessions_total.inc()
-        await self._send(events.Ready(self.session_id, self.engine.model_name, config.sample_rate, SAMPLE_RATE,
-                                      self.limits.to_client(), dataclasses.asdict(config)))
-        for notice in notices:
-            self.session.notify(events.Error(notice.code, notice.message))
-        log.info("session %s started: %d Hz %s x%d, language %s", self.session_id, config.sample_rate,
-                 config.encoding, config.channels, config.language or "auto")
+        await self._send(events.Ready(self.session_id, self.engine.model_name, settings.sample_rate, SAMPLE_RATE))
+        log.info("session %s started: %d Hz %s x%d, language %s", self.session_id, settings.sample_rate,
+                 settings.encoding, settings.channels, settings.language or "auto")
 
     async def _stream(self) -> None:
         """Receive until `end` while sending events; then send the rest (finals, summary)."""
@@ -175,11 +228,11 @@ class StreamConnection:
             self._sender.result()  # raises why the events stopped
             raise errors.ServerError("the event stream ended before the client's stream did")
         receiving.result()  # raises the client's mistake, a disconnect, idle, or stop; returns on `end`
-        self.session.end()
+        self.runner.end()
         await self._drain()
 
     async def _send_events(self) -> None:
-        while (event := await self.session.next_event()) is not None:
+        while (event := await self.runner.next_event()) is not None:
             await self._send(event)
 
     async def _drain(self, timeout: float | None = None) -> None:
@@ -192,9 +245,13 @@ class StreamConnection:
             self._sender.result()
 
     async def _send(self, event: events.ServerEvent) -> None:
-        await self.websocket.send(self.protocol.encode(event))
+        await self._send_frames(self.adapter.encode(event))
         if isinstance(event, events.Error):
             self.metrics.error_sent(event.code)
+
+    async def _send_frames(self, frames: list[str | bytes]) -> None:
+        for frame in frames:
+            await self.websocket.send(frame)
 
     # -- the end ---------------------------------------------------------------------------------------------
 
@@ -204,9 +261,9 @@ class StreamConnection:
             self._record_disconnect(exc)
             return
         fatal = events.Error(decision.error_code, decision.message, fatal=True)
-        if decision.finalise and self.session is not None and self._sender is not None and not self._sender.done():
-            self.session.notify(fatal)
-            self.session.end()
+        if decision.finalise and self.runner is not None and self._sender is not None and not self._sender.done():
+            self.runner.notify(fatal)
+            self.runner.end()
             try:
                 await self._drain(timeout=self.limits.drain_timeout_s)
             except Exception:  # the close below still happens; the reason is logged
@@ -255,8 +312,9 @@ class _IdleWatch:
     read, not the timer that `wait_for` builds and cancels per message (~13% of the event loop at 600 streams on
     the H200)."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, websocket: ServerConnection):
         self._loop = asyncio.get_running_loop()
+        self._websocket = websocket  # its pings count as activity (PingAwareConnection)
         self.timeout_s = timeout_s
         self._task = asyncio.current_task()  # cancelled when the timeout passes
         self.expired = False
@@ -267,7 +325,8 @@ class _IdleWatch:
         self._last = self._loop.time()
 
     def _check(self) -> None:
-        quiet = self._loop.time() - self._last
+        # a plain ServerConnection (no ping tracking) counts only messages
+        quiet = self._loop.time() - max(self._last, getattr(self._websocket, "last_ping_at", -math.inf))
         if quiet < self.timeout_s:
             self._timer = self._loop.call_later(self.timeout_s - quiet, self._check)
             return

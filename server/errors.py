@@ -10,7 +10,8 @@ Hierarchy::
     ├── IdleTimeout                 1008  no frame from the client for too long
     ├── ServerFull                  1013  max sessions reached
     ├── NotReady                    1013  the engine is still loading
-    └── ShuttingDown                1001  the server is stopping
+    ├── ShuttingDown                1001  the server is stopping
+    └── EngineStopped               1001 while the server stops, else 1011: the engine closed under the stream
 
 Anything else that escapes a connection is an internal error: 1011, logged with its traceback, and the client
 only hears "internal server error". A client that goes away (websockets' ConnectionClosed) is no error at all.
@@ -24,8 +25,6 @@ import logging
 from dataclasses import dataclass
 
 from websockets.exceptions import ConnectionClosed
-
-from qasr.engine.request import EngineClosed
 
 log = logging.getLogger("qasr.server")
 
@@ -83,6 +82,11 @@ class ShuttingDown(ServerError):
     error_code = "going_away"
 
 
+class EngineStopped(ServerError):
+    """The engine closed under a stream (qasr.server.stream_runner turns the engine's EngineClosed into this, so
+    the wire adapters that raise these errors need nothing of the engine)."""
+
+
 @dataclass(frozen=True)
 class CloseDecision:
     close_code: int
@@ -98,11 +102,11 @@ def decide_close(exc: BaseException, *, stopping: bool = False) -> CloseDecision
     """
     if isinstance(exc, ConnectionClosed):
         return None
-    if isinstance(exc, ServerError):
+    if isinstance(exc, EngineStopped) and stopping:
+        return CloseDecision(GOING_AWAY, ShuttingDown.error_code, "server is shutting down", False)
+    if isinstance(exc, ServerError) and not isinstance(exc, EngineStopped):
         finalise = isinstance(exc, (ProtocolError, IdleTimeout, ShuttingDown))
         return CloseDecision(exc.close_code, exc.error_code, str(exc) or exc.error_code, finalise)
-    if isinstance(exc, EngineClosed) and stopping:
-        return CloseDecision(GOING_AWAY, ShuttingDown.error_code, "server is shutting down", False)
     log.error("internal error in a connection", exc_info=exc)
     return CloseDecision(INTERNAL_ERROR, "internal", "internal server error", False)
 

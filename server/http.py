@@ -19,7 +19,7 @@ import logging
 import mimetypes
 import os
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 from urllib.parse import unquote, urlsplit
 
 from websockets.datastructures import Headers
@@ -49,7 +49,9 @@ def find_web_root(explicit: str | os.PathLike | None = None) -> Path | None:
 class HttpRoutes:
     """process_request for websockets.asyncio.server.serve."""
 
-    def __init__(self, *, metrics: ServerMetrics, engine, is_ready: Callable[[], bool], web_root: Path | None):
+    def __init__(self, *, metrics: ServerMetrics, engine, is_ready: Callable[[], bool], web_root: Path | None,
+                 stream_paths: Collection[str] = (STREAM_PATH,)):
+        self.stream_paths = stream_paths  # the WebSocket paths of the wire adapters (app.WIRE_ADAPTERS)
         self.metrics = metrics
         self.engine = engine
         self.is_ready = is_ready
@@ -57,7 +59,7 @@ class HttpRoutes:
 
     def __call__(self, connection, request: Request) -> Response | None:
         path = urlsplit(request.path).path
-        if path == STREAM_PATH:
+        if path in self.stream_paths:
             return None  # the WebSocket handshake goes on (a plain GET here gets websockets' 426)
         method = getattr(request, "method", "GET")  # websockets < 14 parses GET only
         if method != "GET":

@@ -1,10 +1,12 @@
-"""The native streaming protocol, sans-I/O: frames in, typed commands out; server events in, frames out.
+"""The native streaming protocol, sans-I/O: frames in, commands out; server events in, frames out.
 
-`NativeProtocol` holds one connection's wire state and never touches a socket: the asyncio layer hands it each
-received message (`str` for a text frame, `bytes` for a binary one) and sends what `encode` returns. Fatal problems
-raise a `ProtocolError` whose close code the server uses; problems that are not fatal come back as `Notice`
-commands, which the server answers with an `error` event while the stream carries on. docs/protocol.md is the
-contract this implements.
+`NativeProtocol` is the wire adapter of `/v1/stream` (see qasr.server.connection.WireAdapter): it holds one
+connection's wire state and never touches a socket. The connection hands it each received message (`str` for a text
+frame, `bytes` for a binary one) and sends what `encode` returns. A `start` becomes the stream's settings:
+`dataclasses.replace(defaults, **what_the_client_asked)`, checked against the server's stream limits. Fatal
+problems raise a `ProtocolError` whose close code the server uses; problems that are not fatal come back as
+`Notice` commands, which the server answers with an `error` event while the stream carries on. docs/protocol.md is
+the contract this implements. Torch-free.
 
     AWAITING_START --start--> STREAMING --end--> ENDED
 """
@@ -15,93 +17,26 @@ import dataclasses
 import enum
 import json
 import math
-from dataclasses import dataclass
-from typing import Callable, Union
 
 import msgpack
-import numpy as np
 
-from qasr.audio import AudioError, decode_pcm, downmix
-from qasr.model.prompt import normalize_language
+from qasr.audio import AudioError, decode_pcm
+from qasr.server.commands import Audio, Command, End, Flush, Notice, Start
 from qasr.server.errors import MalformedMessage, MessageTooBig, UnsupportedFormat
-from qasr.server.limits import ServerLimits, StreamDefaults
+from qasr.server.languages import NAMES as LANGUAGE_NAMES
+from qasr.server.limits import ServerLimits
 from qasr.streaming import events
-from qasr.streaming.vad import VadOptions
+from qasr.streaming.settings import SettingsError, StreamLimits, StreamSettings
 
-ENCODINGS = {"s16le": 2, "f32le": 4}  # wire encoding -> bytes per sample
 FORMATS = ("json", "msgpack")  # how server events are framed: JSON text frames or msgpack binary frames
-VAD_AGGRESSIVENESS = (0, 3)
-END_SILENCE_MS = (100, 5000)
-PRE_ROLL_MS = (0, 2000)
-
 START_FIELDS = {"type", "sample_rate", "encoding", "channels", "language", "context", "format", "partials",
                 "partial_interval_ms", "vad"}
 VAD_FIELDS = {"aggressiveness", "end_silence_ms", "pre_roll_ms", "max_segment_s"}
-
-
-@dataclass(frozen=True)
-class VadSettings:
-    aggressiveness: int  # webrtcvad 0..3
-    end_silence_ms: int  # silence that closes a segment
-    pre_roll_ms: int  # audio kept before the speech start
-    max_segment_s: float  # longer speech is cut
-
-    def to_options(self) -> VadOptions:
-        """The segmenter's options (raises ValueError for combinations it cannot honour)."""
-        return VadOptions(aggressiveness=self.aggressiveness, end_silence_ms=self.end_silence_ms,
-                          pre_roll_ms=self.pre_roll_ms, max_segment_s=self.max_segment_s,
-                          cut_window_s=min(VadOptions.cut_window_s, self.max_segment_s))
-
-
-@dataclass(frozen=True)
-class StreamConfig:
-    """A validated `start` message, with the server's defaults filled in."""
-
-    sample_rate: int = 16000  # Hz, of the audio the client sends
-    encoding: str = "s16le"  # "s16le" | "f32le"
-    channels: int = 1  # interleaved; averaged to mono
-    language: str | None = None  # canonical language name; None: detect
-    context: str = ""  # hints for the decoder: names, topic, spelling
-    format: str = "json"  # "json" | "msgpack": how server events are framed
-    partials: bool = True
-    partial_interval_ms: int = 1000
-    vad: VadSettings = VadSettings(2, 500, 300, 30.0)
-
-    @property
-    def bytes_per_frame(self) -> int:
-        """Bytes of one sample on every channel."""
-        return ENCODINGS[self.encoding] * self.channels
-
-
-@dataclass(frozen=True)
-class Start:
-    config: StreamConfig
-
-
-@dataclass(frozen=True)
-class Audio:
-    samples: np.ndarray  # float32 mono at config.sample_rate, in [-1, 1)
-
-
-@dataclass(frozen=True)
-class Flush:
-    """Finalise the open segment now."""
-
-
-@dataclass(frozen=True)
-class End:
-    """No more audio: finalise, send every final, then the summary, then close 1000."""
-
-
-@dataclass(frozen=True)
-class Notice:
-    """A problem that is not fatal: answer with an `error` event and carry on."""
-
-    code: str
-    message: str
-
-
-Command = Union[Start, Audio, Flush, End, Notice]
+# the wire type of each `start` field that maps onto StreamSettings (VadSettings for vad.*)
+FIELD_TYPES = {"sample_rate": int, "encoding": str, "channels": int, "context": str, "partials": bool,
+               "partial_interval_ms": int}
+VAD_FIELD_TYPES = {"aggressiveness": int, "end_silence_ms": int, "pre_roll_ms": int, "max_segment_s": float}
+UNSUPPORTED_FIELDS = {"sample_rate", "encoding", "channels"}  # a value we cannot take closes 1003, others 1007
 
 
 class State(enum.Enum):
@@ -113,13 +48,17 @@ class State(enum.Enum):
 class NativeProtocol:
     """One connection of the native protocol. `receive` parses, `encode` serialises; no I/O."""
 
-    def __init__(self, *, limits: ServerLimits = ServerLimits(), defaults: StreamDefaults = StreamDefaults(),
-                 normalize_language: Callable[[str], str] = normalize_language):
-        self.limits = limits
+    def __init__(self, *, defaults: StreamSettings = StreamSettings(), stream_limits: StreamLimits = StreamLimits(),
+                 limits: ServerLimits = ServerLimits()):
         self.defaults = defaults
-        self.normalize_language = normalize_language
+        self.stream_limits = stream_limits
+        self.limits = limits
         self.state = State.AWAITING_START
-        self.config: StreamConfig | None = None
+        self.settings: StreamSettings | None = None
+        self.format = "json"
+
+    def greeting(self) -> list[str | bytes]:
+        return []  # the client speaks first (`start`)
 
     # -- client -> server ------------------------------------------------------------------------------------
 
@@ -132,7 +71,7 @@ class NativeProtocol:
             return [Notice("ignored", "the stream has ended; message ignored")]
         if isinstance(message, str):
             return self._receive_text(message)
-        return self._receive_audio(bytes(message))
+        return self._receive_audio(message)
 
     def _receive_text(self, text: str) -> list[Command]:
         try:
@@ -145,10 +84,10 @@ class NativeProtocol:
         if kind == "start":
             if self.state is not State.AWAITING_START:
                 raise MalformedMessage("the stream has already started: send `start` once")
-            notices = []
-            self.config = self._parse_start(message, notices)
+            notices: list[Command] = []
+            self.settings = self._parse_start(message, notices)
             self.state = State.STREAMING
-            return [Start(self.config), *notices]
+            return [Start(self.settings), *notices]
         if kind in ("flush", "end"):
             if self.state is State.AWAITING_START:
                 raise MalformedMessage(f"`{kind}` before `start`: the first message must be `start`")
@@ -161,92 +100,61 @@ class NativeProtocol:
             raise MalformedMessage('text frames need a "type": start, flush or end')
         raise MalformedMessage(f"unknown message type {kind!r}: use start, flush or end (audio goes in binary frames)")
 
-    def _receive_audio(self, data: bytes) -> list[Command]:
+    def _receive_audio(self, data: bytes | bytearray | memoryview) -> list[Command]:
         if self.state is State.AWAITING_START:
             raise MalformedMessage("audio before `start`: the first message must be a `start` text frame")
-        config = self.config
-        if len(data) % config.bytes_per_frame:
-            raise MalformedMessage(
-                f"audio frames must hold whole samples on all channels ({config.bytes_per_frame} bytes each for "
-                f"{config.channels} x {config.encoding}), got {len(data)} bytes")
-        if not data:
+        if not len(data):
             return []
         try:
-            samples = decode_pcm(data, config.encoding, config.channels)
+            return [Audio(decode_pcm(data, self.settings.encoding, self.settings.channels))]
         except AudioError as error:
-            raise MalformedMessage(str(error)) from None
-        return [Audio(downmix(samples))]
+            raise MalformedMessage(str(error)) from None  # a partial sample, NaN/inf in f32le
 
-    def _parse_start(self, message: dict, notices: list[Notice]) -> StreamConfig:
-        limits, defaults = self.limits, self.defaults
+    def _parse_start(self, message: dict, notices: list[Command]) -> StreamSettings:
         notices += _unknown_fields(message, START_FIELDS, "start")
-        sample_rate = _integer(message, "sample_rate", 16000)
-        if not limits.min_sample_rate <= sample_rate <= limits.max_sample_rate:
-            raise UnsupportedFormat(f"sample_rate {sample_rate} is not supported: use "
-                                    f"{limits.min_sample_rate}..{limits.max_sample_rate} Hz")
-        encoding = _string(message, "encoding", "s16le")
-        if encoding not in ENCODINGS:
-            raise UnsupportedFormat(f"encoding {encoding!r} is not supported: use {' or '.join(ENCODINGS)}")
-        channels = _integer(message, "channels", 1)
-        if not 1 <= channels <= limits.max_channels:
-            raise UnsupportedFormat(f"channels {channels} is not supported: use 1..{limits.max_channels}")
-        event_format = _string(message, "format", "json")
-        if event_format not in FORMATS:
-            raise UnsupportedFormat(f"format {event_format!r} is not supported: use {' or '.join(FORMATS)}")
-        context = _string(message, "context", "")
-        if len(context) > limits.max_context_chars:
-            raise MalformedMessage(f"context has {len(context)} characters; the limit is {limits.max_context_chars}")
-        partials = message.get("partials", defaults.partials)
-        if not isinstance(partials, bool):
-            raise MalformedMessage(f"partials must be true or false, got {partials!r}")
-        interval = _integer(message, "partial_interval_ms", defaults.partial_interval_ms)
-        _check_range("partial_interval_ms", interval, limits.min_partial_interval_ms, limits.max_partial_interval_ms)
-        return StreamConfig(sample_rate=sample_rate, encoding=encoding, channels=channels,
-                            language=self._parse_language(message.get("language")), context=context,
-                            format=event_format, partials=partials, partial_interval_ms=interval,
-                            vad=self._parse_vad(message.get("vad"), notices))
-
-    def _parse_language(self, language) -> str | None:
-        if language is None or (isinstance(language, str) and language.strip().lower() in ("", "auto")):
-            return None
-        if not isinstance(language, str):
-            raise MalformedMessage(f"language must be a string or null, got {language!r}")
-        try:
-            return self.normalize_language(language)
-        except ValueError as error:
-            raise UnsupportedFormat(f"language {language!r} is not supported: {error}") from None
-
-    def _parse_vad(self, vad, notices: list[Notice]) -> VadSettings:
-        defaults = self.defaults
-        if vad is None:
-            vad = {}
+        asked = {name: _typed(message, name, kind) for name, kind in FIELD_TYPES.items() if name in message}
+        if "language" in message:
+            asked["language"] = _language(message["language"])
+        self.format = _typed(message, "format", str) if "format" in message else "json"
+        if self.format not in FORMATS:
+            raise UnsupportedFormat(f"format {self.format!r} is not supported: use {' or '.join(FORMATS)}")
+        vad = message.get("vad", {})
         if not isinstance(vad, dict):
             raise MalformedMessage(f"vad must be an object, got {vad!r}")
         notices += _unknown_fields(vad, VAD_FIELDS, "vad")
-        settings = VadSettings(
-            aggressiveness=_integer(vad, "aggressiveness", defaults.vad_aggressiveness, "vad."),
-            end_silence_ms=_integer(vad, "end_silence_ms", defaults.end_silence_ms, "vad."),
-            pre_roll_ms=_integer(vad, "pre_roll_ms", defaults.pre_roll_ms, "vad."),
-            max_segment_s=_number(vad, "max_segment_s", min(defaults.max_segment_s, self.limits.max_segment_s),
-                                  "vad."))
-        _check_range("vad.aggressiveness", settings.aggressiveness, *VAD_AGGRESSIVENESS)
-        _check_range("vad.end_silence_ms", settings.end_silence_ms, *END_SILENCE_MS)
-        _check_range("vad.pre_roll_ms", settings.pre_roll_ms, *PRE_ROLL_MS)
-        _check_range("vad.max_segment_s", settings.max_segment_s, 1.0, self.limits.max_segment_s)
+        vad_asked = {name: _typed(vad, name, kind, "vad.") for name, kind in VAD_FIELD_TYPES.items() if name in vad}
         try:
-            settings.to_options()
-        except ValueError as error:
-            raise MalformedMessage(f"vad: {error}") from None
+            settings = dataclasses.replace(self.defaults, **asked,
+                                           vad=dataclasses.replace(self.defaults.vad, **vad_asked))
+            self.stream_limits.check(settings)
+        except SettingsError as error:
+            raise (UnsupportedFormat if error.field in UNSUPPORTED_FIELDS else MalformedMessage)(str(error)) from None
         return settings
 
     # -- server -> client ------------------------------------------------------------------------------------
 
-    def encode(self, event: events.ServerEvent) -> str | bytes:
-        """The frame for `event`: JSON text, or msgpack binary once a `start` asked for format "msgpack"."""
+    def encode(self, event: events.ServerEvent) -> list[str | bytes]:
+        """The frames for `event`: JSON text, or msgpack binary once a `start` asked for format "msgpack". Nothing for
+        `speech_ended` (the final says where the segment ended); `ready` gains the limits and the stream's config."""
+        if isinstance(event, events.SpeechEnded):
+            return []
+        if isinstance(event, events.Ready):
+            event = dataclasses.replace(event, limits={**self.limits.to_client(), **self.stream_limits.to_client()},
+                                        config=self.config())
         payload = event_to_dict(event)
-        if self.config is not None and self.config.format == "msgpack":
-            return msgpack.packb(payload, use_bin_type=True)
-        return json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+        if self.format == "msgpack":
+            return [msgpack.packb(payload, use_bin_type=True)]
+        return [json.dumps(payload, ensure_ascii=False, separators=(",", ":"))]
+
+    def config(self) -> dict:
+        """The stream's settings as the `start` message spells them, defaults filled in (the `ready` event's config)."""
+        settings = self.settings or self.defaults
+        config = {name: getattr(settings, name) for name in ("sample_rate", "encoding", "channels", "language",
+                                                             "context")}
+        config["format"] = self.format
+        config.update(partials=settings.partials, partial_interval_ms=settings.partial_interval_ms,
+                      vad=dataclasses.asdict(settings.vad))
+        return config
 
 
 def event_to_dict(event: events.ServerEvent) -> dict:
@@ -254,36 +162,41 @@ def event_to_dict(event: events.ServerEvent) -> dict:
     return {"type": event.TYPE, **dataclasses.asdict(event)}
 
 
-def _unknown_fields(message: dict, known: set[str], where: str) -> list[Notice]:
+def _unknown_fields(message: dict, known: set[str], where: str) -> list[Command]:
     unknown = sorted(str(key) for key in message if key not in known)
     if not unknown:
         return []
     return [Notice("unknown_field", f"{where}: ignored unknown field(s) {', '.join(unknown)}")]
 
 
-def _integer(message: dict, name: str, default: int, prefix: str = "") -> int:
-    value = message.get(name, default)
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise MalformedMessage(f"{prefix}{name} must be an integer, got {value!r}")
+def _typed(message: dict, name: str, kind: type, prefix: str = ""):
+    """message[name] as the Python type the setting takes; MalformedMessage (1007) for a wrong wire type."""
+    value = message[name]
+    if kind is int:
+        if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+            value = int(value)  # JSON numbers: 16000.0 is 16000
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise MalformedMessage(f"{prefix}{name} must be an integer, got {value!r}")
+    elif kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise MalformedMessage(f"{prefix}{name} must be a number, got {value!r}")
+        value = float(value)
+    elif kind is bool:
+        if not isinstance(value, bool):
+            raise MalformedMessage(f"{prefix}{name} must be true or false, got {value!r}")
+    elif not isinstance(value, str):
+        raise MalformedMessage(f"{prefix}{name} must be a string, got {value!r}")
     return value
 
 
-def _number(message: dict, name: str, default: float, prefix: str = "") -> float:
-    value = message.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise MalformedMessage(f"{prefix}{name} must be a number, got {value!r}")
-    return float(value)
-
-
-def _string(message: dict, name: str, default: str) -> str:
-    value = message.get(name, default)
-    if not isinstance(value, str):
-        raise MalformedMessage(f"{name} must be a string, got {value!r}")
-    return value
-
-
-def _check_range(name: str, value, low, high) -> None:
-    if not low <= value <= high:
-        raise MalformedMessage(f"{name} must be between {low} and {high}, got {value}")
+def _language(language) -> str | None:
+    """null, "" or "auto": detect; otherwise a language Qwen3-ASR knows, any case -> its canonical name."""
+    if language is None or (isinstance(language, str) and language.strip().lower() in ("", "auto")):
+        return None
+    if not isinstance(language, str):
+        raise MalformedMessage(f"language must be a string or null, got {language!r}")
+    canonical = LANGUAGE_NAMES.get(language.strip().lower())
+    if canonical is None:
+        raise UnsupportedFormat(f"language {language!r} is not supported: use one of "
+                                f"{', '.join(sorted(set(LANGUAGE_NAMES.values())))}")
+    return canonical

@@ -1,8 +1,9 @@
 """What a stream tells its client: the server events of the native protocol, as plain values.
 
-A `Session` produces `SpeechStarted`, `Partial`, `Final`, `Error` and `Summary`; the server adds `Ready` and
-fatal `Error`s. Wire adapters (`qasr.server.protocol` for the native protocol) turn them into frames, so nothing
-here knows about JSON, msgpack or sockets. Times are seconds from the start of the stream.
+A `Session` produces `SpeechStarted`, `SpeechEnded`, `Partial`, `Final`, `Error` and `Summary`; the server adds
+`Ready` and fatal `Error`s. Wire adapters (`qasr.server.protocol` for the native protocol) turn them into frames
+(zero or more each: the native protocol sends nothing for `SpeechEnded`), so nothing here knows about JSON, msgpack
+or sockets. Times are seconds from the start of the stream.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ class SpeechStarted:
     TYPE: ClassVar[str] = "speech_started"
     segment_id: int
     start: float  # seconds: where the segment begins (pre-roll included)
+
+
+@dataclass(frozen=True)
+class SpeechEnded:
+    """The VAD closed a segment: its final is being decoded (wire protocols that announce the end of speech use it)."""
+
+    TYPE: ClassVar[str] = "speech_ended"
+    segment_id: int
+    end: float  # seconds: where the segment ends
 
 
 @dataclass(frozen=True)
@@ -67,4 +77,4 @@ class Summary:
     speech_seconds: float  # total length of the segments
 
 
-ServerEvent = Union[Ready, SpeechStarted, Partial, Final, Error, Summary]
+ServerEvent = Union[Ready, SpeechStarted, SpeechEnded, Partial, Final, Error, Summary]

@@ -1,4 +1,4 @@
-"""Per-stream resampling to the model's 16 kHz, chunk by chunk, and channel downmixing.
+"""Per-stream resampling to the model's 16 kHz (qasr.audio.SAMPLE_RATE), chunk by chunk.
 
 `StreamResampler` keeps soxr's filter state between chunks, so the concatenated output of
 `process()` calls plus `flush()` equals resampling the whole signal at once, in values and in
@@ -10,15 +10,16 @@ from __future__ import annotations
 import numpy as np
 import soxr
 
+from qasr.audio import SAMPLE_RATE
+
 MIN_RATE = 8_000  # Hz; telephony
 MAX_RATE = 192_000  # Hz; studio interfaces
-MODEL_RATE = 16_000  # Hz; what the VAD and the model take
 
 
 class StreamResampler:
     """Resamples one float32 mono stream from `input_rate` to `output_rate`. One instance per stream."""
 
-    def __init__(self, input_rate: int, output_rate: int = MODEL_RATE, *, quality: str = "HQ") -> None:
+    def __init__(self, input_rate: int, output_rate: int = SAMPLE_RATE, *, quality: str = "HQ") -> None:
         for name, rate in (("input_rate", input_rate), ("output_rate", output_rate)):
             if not isinstance(rate, (int, np.integer)) or not MIN_RATE <= rate <= MAX_RATE:
                 raise ValueError(f"{name} must be an integer sample rate in {MIN_RATE}..{MAX_RATE} Hz, got {rate!r}")
@@ -50,20 +51,6 @@ class StreamResampler:
         if self._stream is None:
             return np.zeros(0, dtype=np.float32)
         return self._stream.resample_chunk(np.zeros(0, dtype=np.float32), last=True)
-
-
-def downmix(interleaved: np.ndarray, channels: int) -> np.ndarray:
-    """Average interleaved channels: [n * channels] (L R L R ...) -> [n] float32 mono."""
-    if not isinstance(channels, (int, np.integer)) or channels < 1:
-        raise ValueError(f"channels must be a positive integer, got {channels!r}")
-    interleaved = as_float32_mono(interleaved)
-    if len(interleaved) % channels:
-        raise ValueError(
-            f"{len(interleaved)} interleaved samples do not divide into {channels} channels; send whole frames"
-        )
-    if channels == 1:
-        return interleaved
-    return interleaved.reshape(-1, channels).mean(axis=1, dtype=np.float32)
 
 
 def as_float32_mono(samples: np.ndarray) -> np.ndarray:

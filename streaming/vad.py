@@ -1,6 +1,7 @@
 """Sans-I/O voice-activity segmenter: 16 kHz float32 PCM in, speech-segment events out.
 
 `Segmenter.feed(samples)` accepts pieces of any length and returns the events they caused;
+`Segmenter.end_segment()` closes the open segment now (a client's flush) and the stream goes on;
 `Segmenter.flush()` ends the stream. No clock, no socket, no thread: the same samples always give
 the same events, however they are cut into pieces.
 
@@ -19,8 +20,11 @@ How a stream is cut (start_ms, end_silence_ms and min_segment_ms count whole fra
   says "speech" for its first ~100 ms of any noisy stream while its noise model settles, and a run
   requirement longer than that start-up blip is the simplest filter that keeps onsets sharp.
 - Once open, any voiced frame keeps the segment alive; `end_silence_ms` of unvoiced frames closes it.
-- A segment never grows past `max_segment_s`: it is cut at the quietest frame of its last
-  `cut_window_s` and the rest continues at once as the next segment (next start == previous end).
+- A segment never grows past `max_segment_s`: it is cut at the quietest point of its last
+  `cut_window_s`, but never in its first 3/4 of `max_segment_s` (so a cut leaves a segment of useful
+  length, never a sliver of the pre-roll), and the rest continues at once as the next segment
+  (next start == previous end).
+- The pre-roll is clamped to a quarter of `max_segment_s` (a 2 s segment keeps at most 500 ms of it).
 - `min_segment_ms` holds back the announcement of a segment until it has that much voiced audio.
   A blip that falls silent earlier was never announced and leaves no event. Once `SpeechStarted`
   has been emitted, the segment always ends with exactly one `SegmentClosed`.
@@ -38,10 +42,11 @@ from typing import Callable, Literal, Union
 import numpy as np
 import webrtcvad
 
-from .resample import as_float32_mono
+from qasr.audio import SAMPLE_RATE, quietest_point
+from qasr.streaming.resample import as_float32_mono
+from qasr.streaming.settings import VadSettings
 
-SAMPLE_RATE = 16_000  # Hz; the segmenter's only input rate (resample first: streaming/resample.py)
-SAMPLES_PER_MS = SAMPLE_RATE // 1000  # 16
+SAMPLES_PER_MS = SAMPLE_RATE // 1000  # 16; the segmenter's only input rate is SAMPLE_RATE (resample first)
 
 # frame: [frame_samples] float32 in [-1, 1] -> is it speech? Stateful; one instance per stream.
 FrameClassifier = Callable[[np.ndarray], bool]
@@ -54,81 +59,8 @@ CloseReason = Literal["silence", "max_length", "flush"]
 _MAX_OVERHANG_MS = 150
 _OVERHANG_FLOOR_RATIO = 3.0  # a trailing frame this close to the noise floor (~5 dB) is not speech
 _MIN_FLOOR_FRAMES = 3  # unvoiced frames needed to trust a noise-floor estimate
-
-
-@dataclass(frozen=True)
-class VadOptions:
-    """How a stream is cut into segments. Validated once, here; the defaults suit conversational speech."""
-
-    aggressiveness: int = 2  # webrtcvad mode 0 (keeps most audio) .. 3 (drops most non-speech)
-    frame_ms: int = 30  # webrtcvad frame: 10, 20 or 30 ms
-    start_ms: int = 150  # consecutive voiced audio that opens a segment (> webrtcvad's ~100 ms start-up blip)
-    end_silence_ms: int = 500  # unvoiced audio that closes a segment
-    hangover_ms: int = 50  # audio kept after the speech ends (soft word endings); <= end_silence_ms
-    pre_roll_ms: int = 300  # audio kept before the first voiced frame (soft onsets, VAD latency)
-    max_segment_s: float = 30.0  # a longer segment is cut at its quietest point; the rest continues
-    cut_window_s: float = 3.0  # the quietest point is searched in this last stretch (capped at max_segment_s)
-    min_segment_ms: int = 0  # voiced audio a segment needs before it is announced; 0 = no minimum
-
-    def __post_init__(self) -> None:
-        def require(ok: bool, message: str) -> None:
-            if not ok:
-                raise ValueError(f"VadOptions: {message}")
-
-        require(
-            isinstance(self.aggressiveness, int) and 0 <= self.aggressiveness <= 3,
-            f"aggressiveness must be an int 0..3, got {self.aggressiveness!r}",
-        )
-        require(self.frame_ms in (10, 20, 30), f"frame_ms must be 10, 20 or 30 (webrtcvad), got {self.frame_ms!r}")
-        require(self.start_ms > 0, f"start_ms must be > 0, got {self.start_ms!r}")
-        require(self.end_silence_ms > 0, f"end_silence_ms must be > 0, got {self.end_silence_ms!r}")
-        require(
-            0 <= self.hangover_ms <= self.end_silence_ms,
-            f"hangover_ms must be in 0..end_silence_ms ({self.end_silence_ms}), got {self.hangover_ms!r}",
-        )
-        require(self.pre_roll_ms >= 0, f"pre_roll_ms must be >= 0, got {self.pre_roll_ms!r}")
-        require(self.min_segment_ms >= 0, f"min_segment_ms must be >= 0, got {self.min_segment_ms!r}")
-        require(self.max_segment_s >= 1.0, f"max_segment_s must be >= 1 s, got {self.max_segment_s!r}")
-        require(self.cut_window_s >= 0.1, f"cut_window_s must be >= 0.1 s, got {self.cut_window_s!r}")
-        # A segment opens already holding pre-roll + the start run; it must fit, with a frame to spare.
-        opening_ms = self.pre_roll_ms + self.start_frames * self.frame_ms + self.frame_ms
-        require(
-            opening_ms <= self.max_segment_s * 1000,
-            f"pre_roll_ms + start_ms + frame_ms ({opening_ms} ms) must fit in max_segment_s ({self.max_segment_s} s)",
-        )
-
-    # Derived sizes, in frames or samples (time options round up to whole frames where frames count).
-    @property
-    def frame_samples(self) -> int:
-        return int(self.frame_ms) * SAMPLES_PER_MS
-
-    @property
-    def start_frames(self) -> int:
-        return math.ceil(self.start_ms / self.frame_ms)
-
-    @property
-    def end_frames(self) -> int:
-        return math.ceil(self.end_silence_ms / self.frame_ms)
-
-    @property
-    def min_segment_frames(self) -> int:
-        return math.ceil(self.min_segment_ms / self.frame_ms)
-
-    @property
-    def hangover_samples(self) -> int:
-        return round(self.hangover_ms * SAMPLES_PER_MS)
-
-    @property
-    def pre_roll_samples(self) -> int:
-        return round(self.pre_roll_ms * SAMPLES_PER_MS)
-
-    @property
-    def max_segment_samples(self) -> int:
-        return round(self.max_segment_s * SAMPLE_RATE)
-
-    @property
-    def cut_window_samples(self) -> int:
-        return round(min(self.cut_window_s, self.max_segment_s) * SAMPLE_RATE)
+MIN_CUT_FRACTION = 0.75  # a max-length cut leaves a segment of at least this share of max_segment_s
+MAX_PRE_ROLL_FRACTION = 0.25  # pre-roll is clamped to this share of max_segment_s
 
 
 @dataclass(frozen=True)
@@ -239,10 +171,47 @@ class _Segment:
 class Segmenter:
     """Cuts one 16 kHz float32 mono stream into speech segments. One instance per stream."""
 
-    def __init__(self, options: VadOptions = VadOptions(), *, classify_frame: FrameClassifier | None = None) -> None:
-        self.options = options
+    def __init__(self, settings: VadSettings = VadSettings(), *, frame_ms: int = 30, start_ms: int = 150,
+                 hangover_ms: int = 50, cut_window_s: float = 3.0, min_segment_ms: int = 0,
+                 classify_frame: FrameClassifier | None = None) -> None:
+        """settings: what a client may choose (validated there). The keyword arguments tune the detector itself;
+        their defaults suit conversational speech:
+
+        frame_ms        webrtcvad frame: 10, 20 or 30 ms
+        start_ms        consecutive voiced audio that opens a segment (> webrtcvad's ~100 ms start-up blip)
+        hangover_ms     audio kept after the speech ends (soft word endings); <= settings.end_silence_ms
+        cut_window_s    a max-length cut is searched in this last stretch of the segment (and never in its first
+                        MIN_CUT_FRACTION of max_segment_s)
+        min_segment_ms  voiced audio a segment needs before it is announced; 0 = no minimum
+        """
+        def require(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"Segmenter: {message}")
+
+        require(frame_ms in (10, 20, 30), f"frame_ms must be 10, 20 or 30 (webrtcvad), got {frame_ms!r}")
+        require(start_ms > 0, f"start_ms must be > 0, got {start_ms!r}")
+        require(0 <= hangover_ms <= settings.end_silence_ms,
+                f"hangover_ms must be in 0..end_silence_ms ({settings.end_silence_ms}), got {hangover_ms!r}")
+        require(cut_window_s >= 0.1, f"cut_window_s must be >= 0.1 s, got {cut_window_s!r}")
+        require(min_segment_ms >= 0, f"min_segment_ms must be >= 0, got {min_segment_ms!r}")
+        require(start_ms + frame_ms <= settings.max_segment_s * 1000 / 2,
+                f"start_ms + frame_ms ({start_ms + frame_ms} ms) must fit in half of max_segment_s")
+        self.settings = settings
+        self.frame_ms = frame_ms
+        # sizes in frames or samples (time options round up to whole frames where frames count)
+        self.frame_samples = frame_ms * SAMPLES_PER_MS
+        self.start_frames = math.ceil(start_ms / frame_ms)
+        self.end_frames = math.ceil(settings.end_silence_ms / frame_ms)
+        self.min_segment_frames = math.ceil(min_segment_ms / frame_ms)
+        self.hangover_samples = hangover_ms * SAMPLES_PER_MS
+        self.max_segment_samples = round(settings.max_segment_s * SAMPLE_RATE)
+        # A long pre-roll on a short max segment would fill segments with the silence before the onset.
+        self.pre_roll_samples = min(settings.pre_roll_ms * SAMPLES_PER_MS,
+                                    int(MAX_PRE_ROLL_FRACTION * self.max_segment_samples))
+        self.min_cut_samples = int(MIN_CUT_FRACTION * self.max_segment_samples)
+        self.cut_window_samples = round(min(cut_window_s, settings.max_segment_s) * SAMPLE_RATE)
         if classify_frame is None:
-            self._classify = webrtc_frames_classifier(options.aggressiveness)
+            self._classify = webrtc_frames_classifier(settings.aggressiveness)
         else:
             self._classify = lambda frames: [classify_frame(frame) for frame in frames]
         self._buffer = _SampleBuffer()
@@ -253,6 +222,7 @@ class Segmenter:
         self._next_segment_id = 0
         self._previous_end = 0  # end_sample of the last closed segment: the next one starts no earlier
         self._flushed = False
+        self._overhang_until = 0  # after end_segment(): voiced frames up to here may be webrtcvad's overhang
 
     # ---- read-only views -------------------------------------------------------------------------
 
@@ -283,7 +253,7 @@ class Segmenter:
         samples = as_float32_mono(samples)
         self._buffer.append(samples)
         events: list[Event] = []
-        frame = self.options.frame_samples
+        frame = self.frame_samples
         start = self._frames_end
         count = (self._buffer.end - start) // frame
         if count:
@@ -291,6 +261,22 @@ class Segmenter:
             for i, voiced in enumerate(self._classify(frames)):
                 self._on_frame(bool(voiced), start + (i + 1) * frame, events)
         self._forget_unneeded_audio()
+        return events
+
+    def end_segment(self) -> list[Event]:
+        """Close the open segment now ("flush": push-to-talk released) and go on: the stream, its timeline and its
+        segment ids continue. Only whole frames received so far count; the rest belongs to what follows."""
+        if self._flushed:
+            raise RuntimeError("end_segment() after flush(): the stream has ended")
+        events: list[Event] = []
+        segment = self._segment
+        if segment is not None and segment.announced:
+            events.append(self._close(self._speech_end(segment), "flush"))
+        self._segment = None  # an unannounced candidate shorter than min_segment_ms is a blip
+        self._voiced_run = self._silent_run = 0
+        # webrtcvad keeps saying "speech" for up to _MAX_OVERHANG_MS after speech stops: those frames must not
+        # open a segment of their own; speech that goes on past them does (its pre-roll reaches back)
+        self._overhang_until = self._frames_end + _MAX_OVERHANG_MS * SAMPLES_PER_MS
         return events
 
     def flush(self) -> list[Event]:
@@ -301,7 +287,7 @@ class Segmenter:
         events: list[Event] = []
         received = self._buffer.end
         if received > self._frames_end:  # a partial frame: zero-pad it for the classifier only
-            padded = np.zeros(self.options.frame_samples, dtype=np.float32)
+            padded = np.zeros(self.frame_samples, dtype=np.float32)
             padded[: received - self._frames_end] = self._buffer.view(self._frames_end, received)
             self._on_frame(bool(self._classify(padded[None])[0]), received, events)
         segment = self._segment
@@ -314,14 +300,16 @@ class Segmenter:
     # ---- the state machine, one frame at a time --------------------------------------------------
 
     def _on_frame(self, voiced: bool, frame_end: int, events: list[Event]) -> None:
-        options = self.options
         frame_start = self._frames_end
         self._frames_end = frame_end
         segment = self._segment
         if segment is None:
+            if voiced and frame_end <= self._overhang_until:
+                return  # the flushed segment's speech dying out (or going on): not an onset yet
+            self._overhang_until = 0 if not voiced else self._overhang_until
             self._voiced_run = self._voiced_run + 1 if voiced else 0
-            if self._voiced_run >= options.start_frames:
-                first_voiced = frame_start - (self._voiced_run - 1) * options.frame_samples
+            if self._voiced_run >= self.start_frames:
+                first_voiced = frame_start - (self._voiced_run - 1) * self.frame_samples
                 self._begin(first_voiced, frame_end, events)
             return
         if voiced:
@@ -331,13 +319,13 @@ class Segmenter:
         else:
             self._silent_run += 1
         self._announce_if_due(events)
-        if self._silent_run >= options.end_frames:
+        if self._silent_run >= self.end_frames:
             self._end_by_silence(events)
-        elif frame_end + options.frame_samples - segment.start_sample > options.max_segment_samples:
+        elif frame_end + self.frame_samples - segment.start_sample > self.max_segment_samples:
             self._cut_at_quietest_point(events)
 
     def _begin(self, first_voiced: int, frame_end: int, events: list[Event]) -> None:
-        start = max(first_voiced - self.options.pre_roll_samples, self._previous_end, 0)
+        start = max(first_voiced - self.pre_roll_samples, self._previous_end, 0)
         self._segment = _Segment(
             segment_id=self._next_segment_id,
             start_sample=start,
@@ -347,13 +335,13 @@ class Segmenter:
         self._voiced_run = 0
         self._silent_run = 0
         self._announce_if_due(events)
-        if frame_end + self.options.frame_samples - start > self.options.max_segment_samples:
+        if frame_end + self.frame_samples - start > self.max_segment_samples:
             self._cut_at_quietest_point(events)
 
     def _announce_if_due(self, events: list[Event]) -> None:
         segment = self._segment
         if segment is not None and not segment.announced:
-            if segment.num_voiced_frames >= self.options.min_segment_frames:
+            if segment.num_voiced_frames >= self.min_segment_frames:
                 self._announce(events)
 
     def _announce(self, events: list[Event]) -> None:
@@ -369,14 +357,19 @@ class Segmenter:
         self._segment = None  # an unannounced candidate was a blip: no event, no segment id used
 
     def _cut_at_quietest_point(self, events: list[Event]) -> None:
-        """The segment would outgrow max_segment_s: close it at the quietest frame of its last
-        cut_window_s; what follows that point continues as the next segment, nothing dropped."""
+        """The segment would outgrow max_segment_s: close it at the quietest point of its last cut_window_s (never
+        in its first min_cut_samples); what follows that point continues as the next segment, nothing dropped.
+        Where the speech has ended inside the window, that is the cut: the segment ends as if by silence (and says
+        so), rather than leaving a sliver of webrtcvad's overhang to open the next one."""
         segment = self._segment
         if not segment.announced:  # long enough to be speech, whatever min_segment_ms says
             self._announce(events)
-        cut = self._quietest_point(segment.start_sample, self._frames_end)
-        if segment.last_voiced_end <= cut:  # only silence after the cut: end as if by silence
-            events.append(self._close(self._speech_end(segment), "max_length"))
+        speech_end = self._speech_end(segment)
+        earliest = max(segment.start_sample + self.min_cut_samples, self._frames_end - self.cut_window_samples)
+        cut = self._quietest_point(segment.start_sample, earliest, speech_end) if speech_end > earliest else None
+        speech_ended = segment.last_voiced_end < self._frames_end  # unvoiced frames follow the last voiced one
+        if speech_ended and (cut is None or cut >= speech_end - self.hangover_samples - self.frame_samples):
+            events.append(self._close(speech_end, "silence"))  # nothing of it continues in a next segment
             self._segment = None
             return
         events.append(self._close(cut, "max_length"))
@@ -393,31 +386,29 @@ class Segmenter:
         plus hangover_ms. webrtcvad keeps saying "speech" for up to ~150 ms after speech stops; the
         unvoiced frames that follow tell us the noise floor, so trailing frames no louder than
         _OVERHANG_FLOOR_RATIO x that floor are given back (at most _MAX_OVERHANG_MS of them)."""
-        frame = self.options.frame_samples
+        frame = self.frame_samples
         end = segment.last_voiced_end
         num_silent = (self._frames_end - end) // frame
         if num_silent >= _MIN_FLOOR_FRAMES:
             floor = float(np.median(self._frame_energies(end, num_silent)))
-            max_trim = max(0, min(_MAX_OVERHANG_MS // self.options.frame_ms, (end - segment.start_sample) // frame - 1))
+            max_trim = max(0, min(_MAX_OVERHANG_MS // self.frame_ms, (end - segment.start_sample) // frame - 1))
             trailing = self._frame_energies(end - max_trim * frame, max_trim)[::-1]  # last frame first
             loud = np.nonzero(trailing > _OVERHANG_FLOOR_RATIO * floor)[0]
             end -= (int(loud[0]) if len(loud) else max_trim) * frame
-        return min(end + self.options.hangover_samples, self._frames_end)
+        return min(end + self.hangover_samples, self._frames_end)
 
     def _frame_energies(self, first: int, num_frames: int) -> np.ndarray:
         """Mean energy of num_frames frames from stream sample `first`: [num_frames] float64."""
-        frame = self.options.frame_samples
+        frame = self.frame_samples
         frames = self._buffer.view(first, first + num_frames * frame).reshape(num_frames, frame)
         return np.einsum("ij,ij->i", frames, frames, dtype=np.float64) / frame
 
-    def _quietest_point(self, start: int, stop: int) -> int:
-        """Middle of the lowest-energy whole frame (on the stream's frame grid) in the window
-        [max(start, stop - cut_window), stop). The segment is longer than a second, so frames exist."""
-        frame = self.options.frame_samples
-        first = max(start, stop - self.options.cut_window_samples)
-        first = -(-first // frame) * frame  # round up onto the frame grid
-        energy = self._frame_energies(first, (stop - first) // frame)
-        return first + int(np.argmin(energy)) * frame + frame // 2
+    def _quietest_point(self, start: int, earliest: int, latest: int) -> int:
+        """The quietest point (qasr.audio.quietest_point) in [earliest, latest] of the segment starting at `start`,
+        reading only classified frames: the same however the audio was fed."""
+        first = max(start, earliest - self.frame_samples // 2)
+        audio = self._buffer.view(first, latest)
+        return first + quietest_point(audio, earliest - first, latest - first, self.frame_samples)
 
     def _close(self, end: int, reason: CloseReason) -> SegmentClosed:
         segment = self._segment
@@ -432,5 +423,5 @@ class Segmenter:
         if self._segment is not None:
             self._buffer.discard_before(self._segment.start_sample)
             return
-        reach = self.options.pre_roll_samples + self.options.start_frames * self.options.frame_samples
+        reach = self.pre_roll_samples + self.start_frames * self.frame_samples
         self._buffer.discard_before(max(self._previous_end, self._frames_end - reach))

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from qasr.server.app import QasrServer, ServerConfig
-from qasr.server.limits import ServerLimits, StreamDefaults
+from qasr.server.limits import ServerLimits
+from qasr.streaming.settings import StreamSettings
 
 REPO = Path(__file__).resolve().parents[1]
 WEB_ROOT = REPO / "web"
@@ -62,7 +63,7 @@ class ThreadedServer:
     """A QasrServer on its own thread and event loop. `engine_factory` runs on that loop."""
 
     def __init__(self, engine_factory: Callable[[], object], *, port: int = 0, web_root: Path | None = None,
-                 defaults: StreamDefaults = StreamDefaults(), **limits):
+                 defaults: StreamSettings = StreamSettings(), **limits):
         self.engine_factory = engine_factory
         self.port = port
         self.web_root = web_root

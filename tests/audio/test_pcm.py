@@ -47,5 +47,7 @@ def test_downmix_averages_the_channels():
     np.testing.assert_allclose(downmix(frames), [0.375, 0.0, 0.2], rtol=1e-6)
     mono = downmix(frames[:, :1])
     assert mono.dtype == np.float32 and mono.shape == (3,) and mono.flags.c_contiguous
+    six = np.tile(np.arange(6, dtype=np.float32), 4).reshape(4, 6)
+    np.testing.assert_allclose(downmix(six), np.full(4, 2.5))
     with pytest.raises(AudioError, match="frames, channels"):
         downmix(np.zeros(4, np.float32))

@@ -10,7 +10,8 @@ import pytest
 
 from qasr.client.errors import ProtocolMismatch
 from qasr.client.protocol import END, FLUSH, StreamOptions, encode_audio, parse_event, start_message
-from qasr.server.protocol import NativeProtocol, Start
+from qasr.server.commands import Start
+from qasr.server.protocol import NativeProtocol
 from qasr.streaming.events import Final, Ready, Summary
 
 
@@ -18,10 +19,11 @@ def test_the_start_message_is_what_the_server_parses():
     options = StreamOptions(sample_rate=48000, encoding="f32le", channels=2, language="german", context="Müller",
                             format="msgpack", partials=False, partial_interval_ms=700,
                             vad={"end_silence_ms": 800, "aggressiveness": 3})
-    start, *notices = NativeProtocol().receive(start_message(options))
+    protocol = NativeProtocol()
+    start, *notices = protocol.receive(start_message(options))
     assert isinstance(start, Start) and not notices
-    config = start.config
-    assert (config.sample_rate, config.encoding, config.channels, config.language, config.context, config.format,
+    config = start.settings
+    assert (config.sample_rate, config.encoding, config.channels, config.language, config.context, protocol.format,
             config.partials, config.partial_interval_ms) == (48000, "f32le", 2, "German", "Müller", "msgpack",
                                                              False, 700)
     assert (config.vad.end_silence_ms, config.vad.aggressiveness) == (800, 3)
@@ -50,7 +52,7 @@ def test_audio_frames_round_trip_through_the_servers_decoder():
         protocol = NativeProtocol()
         protocol.receive(start_message(options))
         [audio] = protocol.receive(encode_audio(samples, options))
-        assert np.allclose(audio.samples, np.clip(samples, -1, 1), atol=1 / 32767)
+        assert np.allclose(audio.samples[:, 0], np.clip(samples, -1, 1), atol=1 / 32767)
     assert encode_audio(np.array([1, -2], np.int16), StreamOptions()) == b"\x01\x00\xfe\xff"
     assert encode_audio(np.array([0.5], np.float32), StreamOptions()) == np.int16(16384).tobytes()
 

@@ -18,6 +18,7 @@ from websockets.exceptions import ConnectionClosed
 
 from qasr.server.app import QasrServer, ServerConfig
 from qasr.server.limits import ServerLimits
+from qasr.streaming.settings import StreamLimits
 
 # tests/ is on sys.path (tests/conftest.py)
 from fakes import FakeEngine, speech_like, to_s16le
@@ -195,7 +196,7 @@ BAD_INPUTS = {
     "partial sample": ([START, b"\x00\x00" * 100 + b"\x00"], 1007, "malformed"),
     "bad value": (['{"type": "start", "partial_interval_ms": "soon"}'], 1007, "malformed"),
     "unsupported rate": (['{"type": "start", "sample_rate": 4000}'], 1003, "unsupported"),
-    "unsupported encoding": (['{"type": "start", "encoding": "mulaw"}'], 1003, "unsupported"),
+    "unsupported encoding": (['{"type": "start", "encoding": "s24le"}'], 1003, "unsupported"),
     "unsupported channels": (['{"type": "start", "channels": 12}'], 1003, "unsupported"),
     "message too big": ([START, bytes(70_000)], 1009, None),  # websockets closes it; no event fits
 }
@@ -290,6 +291,22 @@ def test_a_client_sending_more_often_than_the_idle_timeout_is_never_idle():
 
     out, code = run(main())
     assert code == 1000 and out[-1]["type"] == "summary" and not [e for e in out if e["type"] == "error"]
+
+
+def test_websocket_pings_count_as_activity_for_the_idle_timeout():
+    """A push-to-talk client stays connected between presses by pinging (issue #14 item 5)."""
+    async def main():
+        async with running(idle_timeout_s=0.3) as server:
+            async with connect(url(server), ping_interval=None) as websocket:
+                await websocket.send(json.dumps({"type": "start", "partials": False}))
+                for _ in range(10):  # 1 s: three idle timeouts long, never 0.3 s without a ping
+                    await asyncio.sleep(0.1)
+                    await websocket.ping()
+                await websocket.send('{"type": "end"}')
+                return await receive_all(websocket), websocket.close_code
+
+    out, code = run(main())
+    assert code == 1000 and [event["type"] for event in out] == ["ready", "summary"]
 
 
 def test_the_server_full_and_not_ready_cases_close_with_1013():
@@ -405,7 +422,7 @@ def test_an_engine_whose_slots_cannot_hold_the_longest_segment_is_refused_at_loa
     engine = ShortEngine()
 
     async def main():
-        server = QasrServer(None, ServerConfig(port=0, limits=ServerLimits(max_segment_s=30)))
+        server = QasrServer(None, ServerConfig(port=0, stream_limits=StreamLimits(max_segment_s=30)))
         with pytest.raises(ValueError, match="cannot hold a 30 s segment.*--max-len"):
             await server.load_engine(lambda: engine)
         return server

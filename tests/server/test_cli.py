@@ -35,9 +35,9 @@ def test_options_become_limits_and_defaults():
     config = cli.build_config(args)
     assert (config.host, config.port) == ("127.0.0.1", 0)
     assert (config.limits.max_sessions, config.limits.max_message_bytes, config.limits.idle_timeout_s) == (3, 4096, 5)
-    assert config.limits.max_segment_s == 20 and config.limits.drain_timeout_s == 2
-    assert (config.defaults.partial_interval_ms, config.defaults.vad_aggressiveness,
-            config.defaults.end_silence_ms, config.defaults.max_segment_s) == (700, 3, 800, 20)
+    assert config.stream_limits.max_segment_s == 20 and config.limits.drain_timeout_s == 2
+    assert (config.defaults.partial_interval_ms, config.defaults.vad.aggressiveness,
+            config.defaults.vad.end_silence_ms, config.defaults.vad.max_segment_s) == (700, 3, 800, 20)
 
 
 @pytest.mark.parametrize("argv", [

@@ -8,11 +8,13 @@ import msgpack
 import numpy as np
 import pytest
 
+from qasr.audio.g711 import MULAW_TO_LINEAR
+from qasr.server.commands import Audio, End, Flush, Notice, Start
 from qasr.server.errors import MalformedMessage, MessageTooBig, UnsupportedFormat
-from qasr.server.limits import ServerLimits, StreamDefaults
-from qasr.server.protocol import (Audio, End, Flush, NativeProtocol, Notice, Start, State, StreamConfig, VadSettings,
-                                  event_to_dict)
+from qasr.server.limits import ServerLimits
+from qasr.server.protocol import NativeProtocol, State, event_to_dict
 from qasr.streaming import events
+from qasr.streaming.settings import StreamLimits, StreamSettings, VadSettings
 
 
 def started(**fields) -> NativeProtocol:
@@ -24,33 +26,39 @@ def started(**fields) -> NativeProtocol:
 def test_a_bare_start_gets_the_documented_defaults():
     protocol = NativeProtocol()
     commands = protocol.receive('{"type": "start"}')
-    assert commands == [Start(StreamConfig())]
+    assert commands == [Start(StreamSettings())]
     assert protocol.state is State.STREAMING
-    assert protocol.config == StreamConfig(sample_rate=16000, encoding="s16le", channels=1, language=None,
-                                           context="", format="json", partials=True, partial_interval_ms=1000,
-                                           vad=VadSettings(2, 500, 300, 30.0))
+    assert protocol.settings == StreamSettings(sample_rate=16000, encoding="s16le", channels=1, language=None,
+                                               context="", partials=True, partial_interval_ms=1000,
+                                               vad=VadSettings(2, 500, 300, 30.0))
+    assert protocol.format == "json"
 
 
 def test_a_full_start_is_taken_as_given_and_the_language_normalised():
     message = {"type": "start", "sample_rate": 48000, "encoding": "f32le", "channels": 2, "language": "english",
                "context": "Names: Qasr", "format": "msgpack", "partials": False, "partial_interval_ms": 500,
                "vad": {"aggressiveness": 3, "end_silence_ms": 300, "pre_roll_ms": 0, "max_segment_s": 12}}
-    [start] = NativeProtocol().receive(json.dumps(message))
-    assert start.config == StreamConfig(48000, "f32le", 2, "English", "Names: Qasr", "msgpack", False, 500,
-                                        VadSettings(3, 300, 0, 12.0))
+    protocol = NativeProtocol()
+    [start] = protocol.receive(json.dumps(message))
+    assert start.settings == StreamSettings(48000, "f32le", 2, language="English", context="Names: Qasr",
+                                            partials=False, partial_interval_ms=500, vad=VadSettings(3, 300, 0, 12.0))
+    assert protocol.format == "msgpack"
+    assert protocol.config() == {key: value for key, value in message.items() if key != "type"} | {
+        "language": "English", "vad": {"aggressiveness": 3, "end_silence_ms": 300, "pre_roll_ms": 0,
+                                       "max_segment_s": 12.0}}
 
 
 def test_server_defaults_fill_the_missing_fields():
-    defaults = StreamDefaults(partials=False, partial_interval_ms=700, vad_aggressiveness=1, end_silence_ms=800,
-                              max_segment_s=20.0)
-    [start] = NativeProtocol(defaults=defaults).receive('{"type": "start"}')
-    assert start.config.partials is False and start.config.partial_interval_ms == 700
-    assert start.config.vad == VadSettings(1, 800, 300, 20.0)
+    defaults = StreamSettings(partials=False, partial_interval_ms=700,
+                              vad=VadSettings(aggressiveness=1, end_silence_ms=800, max_segment_s=20.0))
+    [start] = NativeProtocol(defaults=defaults).receive('{"type": "start", "vad": {"pre_roll_ms": 100}}')
+    assert start.settings.partials is False and start.settings.partial_interval_ms == 700
+    assert start.settings.vad == VadSettings(1, 800, 100, 20.0)
 
 
 @pytest.mark.parametrize("language", [None, "", "auto", " Auto "])
 def test_no_language_means_detect(language):
-    assert started(language=language).config.language is None
+    assert started(language=language).settings.language is None
 
 
 def test_unknown_fields_are_not_fatal_but_noticed():
@@ -65,7 +73,7 @@ def test_unknown_fields_are_not_fatal_but_noticed():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("sample_rate", 7999), ("sample_rate", 192001), ("encoding", "mulaw"), ("encoding", "s24le"),
+    ("sample_rate", 7999), ("sample_rate", 192001), ("encoding", "u-law"), ("encoding", "s24le"),
     ("channels", 0), ("channels", 9), ("format", "xml"), ("language", "Klingon"),
 ])
 def test_unsupported_formats_close_with_1003(field, value):
@@ -85,7 +93,6 @@ def test_unsupported_formats_close_with_1003(field, value):
     '{"type": "start", "vad": {"aggressiveness": 4}}', '{"type": "start", "vad": {"end_silence_ms": 10}}',
     '{"type": "start", "vad": {"pre_roll_ms": -1}}', '{"type": "start", "vad": {"max_segment_s": 31}}',
     '{"type": "start", "vad": {"max_segment_s": 0.5}}', '{"type": "start", "vad": {"max_segment_s": NaN}}',
-    '{"type": "start", "vad": {"max_segment_s": 1, "pre_roll_ms": 2000}}',
     '{"type": "start", "context": 7}', json.dumps({"type": "start", "context": "x" * 2001}),
     "[" * 100_000,  # nested deeper than the JSON parser recurses: a client mistake, not a server fault
 ])
@@ -93,6 +100,19 @@ def test_malformed_first_messages_close_with_1007(message):
     with pytest.raises(MalformedMessage) as caught:
         NativeProtocol().receive(message)
     assert caught.value.close_code == 1007 and caught.value.error_code == "malformed"
+
+
+def test_a_pre_roll_longer_than_the_segment_allows_is_taken_and_clamped_by_the_vad():
+    """Each within its documented range, so no 1007 (issue #14 item 4): the VAD uses a quarter of max_segment_s."""
+    [start] = NativeProtocol().receive('{"type": "start", "vad": {"max_segment_s": 2, "pre_roll_ms": 2000}}')
+    assert start.settings.vad == VadSettings(2, 500, 2000, 2.0)
+
+
+def test_out_of_range_values_are_named_as_the_client_spells_them():
+    with pytest.raises(MalformedMessage, match=r"vad\.end_silence_ms must be between 100 and 5000, got 10"):
+        NativeProtocol().receive('{"type": "start", "vad": {"end_silence_ms": 10}}')
+    with pytest.raises(MalformedMessage, match="partial_interval_ms must be between 200 and 10000"):
+        NativeProtocol().receive('{"type": "start", "partial_interval_ms": 50}')
 
 
 def test_audio_before_start_closes_with_1007():
@@ -117,16 +137,25 @@ def test_nan_float_audio_closes_with_1007():
         started(encoding="f32le").receive(np.array([0.0, np.nan], "<f4").tobytes())
 
 
-def test_s16le_audio_decodes_to_float32():
+def test_s16le_audio_decodes_to_float32_frames():
     [audio] = started().receive(np.array([0, 16384, -32768], "<i2").tobytes())
     assert isinstance(audio, Audio) and audio.samples.dtype == np.float32
-    np.testing.assert_array_equal(audio.samples, [0.0, 0.5, -1.0])
+    np.testing.assert_array_equal(audio.samples, [[0.0], [0.5], [-1.0]])
 
 
-def test_f32le_stereo_is_averaged_to_mono():
+def test_f32le_stereo_keeps_its_channels_for_the_session_to_average():
     frames = np.array([[0.5, 0.25], [-1.0, 1.0], [0.2, 0.2]], "<f4")  # [samples, channels] interleaved
     [audio] = started(encoding="f32le", channels=2).receive(frames.tobytes())
-    np.testing.assert_allclose(audio.samples, [0.375, 0.0, 0.2], rtol=1e-6)
+    np.testing.assert_array_equal(audio.samples, frames)
+
+
+@pytest.mark.parametrize("encoding", ["mulaw", "alaw"])
+def test_g711_audio_is_taken(encoding):
+    [start] = NativeProtocol().receive(json.dumps({"type": "start", "encoding": encoding, "sample_rate": 8000}))
+    assert start.settings.encoding == encoding and start.settings.bytes_per_frame == 1
+    protocol = started(encoding="mulaw", sample_rate=8000)
+    [audio] = protocol.receive(bytes([0xFF, 0x80]))
+    np.testing.assert_array_equal(audio.samples[:, 0], MULAW_TO_LINEAR[[0xFF, 0x80]] / 32768.0)
 
 
 def test_empty_audio_frames_are_ignored():
@@ -153,7 +182,8 @@ def test_messages_over_the_size_limit_close_with_1009():
 
 
 def test_limits_narrow_what_a_start_may_ask_for():
-    protocol = NativeProtocol(limits=ServerLimits(max_sample_rate=48000, max_channels=2, max_segment_s=10))
+    protocol = NativeProtocol(stream_limits=StreamLimits(max_sample_rate=48000, max_channels=2, max_segment_s=10),
+                              defaults=StreamSettings(vad=VadSettings(max_segment_s=10)))
     with pytest.raises(UnsupportedFormat):
         protocol.receive('{"type": "start", "sample_rate": 96000}')
     with pytest.raises(UnsupportedFormat):
@@ -161,7 +191,7 @@ def test_limits_narrow_what_a_start_may_ask_for():
     with pytest.raises(MalformedMessage):
         protocol.receive('{"type": "start", "vad": {"max_segment_s": 20}}')
     [start] = protocol.receive('{"type": "start"}')
-    assert start.config.vad.max_segment_s == 10.0  # the server default is capped by the limit
+    assert start.settings.vad.max_segment_s == 10.0
 
 
 ALL_EVENTS = [
@@ -176,24 +206,41 @@ ALL_EVENTS = [
 
 def test_events_serialise_to_json_text_frames_by_default():
     protocol = NativeProtocol()
-    frames = [protocol.encode(event) for event in ALL_EVENTS]
+    frames = [frame for event in ALL_EVENTS for frame in protocol.encode(event)]
     assert all(isinstance(frame, str) for frame in frames)
     decoded = [json.loads(frame) for frame in frames]
     assert [message["type"] for message in decoded] == ["ready", "speech_started", "partial", "final", "error",
                                                         "summary"]
     assert decoded[3] == {"type": "final", "segment_id": 0, "text": "hello world", "language": "English",
                           "start": 0.25, "end": 1.5, "reason": "silence", "latency_ms": 12.5}
-    assert decoded[0]["limits"] == {"max_message_bytes": 1024}
-    assert json.loads(protocol.encode(events.Partial(1, "é中", "", 0, 1)))["text"] == "é中"
+    [frame] = protocol.encode(events.Partial(1, "é中", "", 0, 1))
+    assert json.loads(frame)["text"] == "é中"
+
+
+def test_ready_carries_the_limits_and_the_streams_config_and_speech_ended_sends_nothing():
+    protocol = NativeProtocol(limits=ServerLimits(max_message_bytes=4096))
+    protocol.receive('{"type": "start", "sample_rate": 48000, "vad": {"pre_roll_ms": 0}}')
+    [frame] = protocol.encode(events.Ready("abc", "Qwen3-ASR-0.6B", 48000, 16000))
+    ready = json.loads(frame)
+    assert ready["limits"] == {"max_message_bytes": 4096, "idle_timeout_s": 30.0, "sample_rates": [8000, 192000],
+                               "max_channels": 8, "partial_interval_ms": [200, 10000], "max_context_chars": 2000,
+                               "max_segment_s": 30.0}
+    assert ready["config"] == {"sample_rate": 48000, "encoding": "s16le", "channels": 1, "language": None,
+                               "context": "", "format": "json", "partials": True, "partial_interval_ms": 1000,
+                               "vad": {"aggressiveness": 2, "end_silence_ms": 500, "pre_roll_ms": 0,
+                                       "max_segment_s": 30.0}}
+    assert protocol.encode(events.SpeechEnded(0, 1.5)) == []
+    assert protocol.greeting() == []
 
 
 def test_events_serialise_to_msgpack_binary_frames_when_asked():
     protocol = started(format="msgpack")
-    for event in ALL_EVENTS:
-        frame = protocol.encode(event)
+    for event in ALL_EVENTS[1:]:
+        [frame] = protocol.encode(event)
         assert isinstance(frame, bytes)
         assert msgpack.unpackb(frame, raw=False) == event_to_dict(event)
 
 
 def test_errors_before_a_start_are_json_even_for_msgpack_clients():
-    assert isinstance(NativeProtocol().encode(events.Error("server_full", "try later", True)), str)
+    [frame] = NativeProtocol().encode(events.Error("server_full", "try later", True))
+    assert isinstance(frame, str)

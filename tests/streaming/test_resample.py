@@ -1,4 +1,4 @@
-"""Streaming resampling equals resampling the whole signal at once; downmixing averages channels."""
+"""Streaming resampling equals resampling the whole signal at once (downmixing: tests/audio/test_pcm.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import soxr
 
-from qasr.streaming.resample import StreamResampler, downmix
+from qasr.streaming.resample import StreamResampler
 
 
 def chirp(rate: int, seconds: float = 1.3) -> np.ndarray:
@@ -73,25 +73,3 @@ def test_process_checks_its_input_and_the_stream_end():
     assert len(resampler.flush()) == 0
     with pytest.raises(RuntimeError, match="flush"):
         resampler.process(np.zeros(10, np.float32))
-
-
-def test_downmix_averages_interleaved_channels():
-    left = np.array([1.0, 0.5, -1.0], np.float32)
-    right = np.array([0.0, 0.5, 1.0], np.float32)
-    interleaved = np.stack([left, right], axis=1).reshape(-1)
-    mono = downmix(interleaved, 2)
-    assert mono.dtype == np.float32
-    np.testing.assert_array_equal(mono, [0.5, 0.5, 0.0])
-    np.testing.assert_array_equal(downmix(left, 1), left)
-    six = np.tile(np.arange(6, dtype=np.float32), 4)
-    np.testing.assert_allclose(downmix(six, 6), np.full(4, 2.5))
-
-
-@pytest.mark.parametrize("samples, channels, message", [
-    (np.zeros(5, np.float32), 2, "whole frames"),
-    (np.zeros(4, np.float32), 0, "positive integer"),
-    (np.zeros(4, np.int16), 2, "int16"),
-])
-def test_downmix_rejects_bad_input(samples, channels, message):
-    with pytest.raises(ValueError, match=message):
-        downmix(samples, channels)

@@ -5,22 +5,19 @@ Truth for speech-like audio is where the inserted speech is, measured by energy 
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 import wave
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import pytest
 import soxr
 
-from qasr.streaming.vad import (
-    SAMPLE_RATE,
-    SegmentClosed,
-    Segmenter,
-    SpeechStarted,
-    VadOptions,
-    webrtc_frames_classifier,
-)
+from qasr.audio import SAMPLE_RATE
+from qasr.streaming.settings import SettingsError, VadSettings
+from qasr.streaming.vad import SegmentClosed, Segmenter, SpeechStarted, webrtc_frames_classifier
 
 SR = SAMPLE_RATE
 MS = SR // 1000  # samples per millisecond
@@ -33,6 +30,31 @@ ESPEAK_TEXTS = [
     "Seven hundred and twelve.",
 ]
 GAPS_S = [1.0, 0.8, 1.5, 1.2, 0.9]  # silence before each utterance, and after the last
+
+
+@dataclass(frozen=True)
+class Options:
+    """A segmenter's settings (what a client chooses) and tuning (keyword arguments), to build identical ones;
+    derived sizes (frame_samples, pre_roll_samples, ...) are read from a segmenter built with them."""
+
+    aggressiveness: int = 2
+    end_silence_ms: int = 500
+    pre_roll_ms: int = 300
+    max_segment_s: float = 30.0
+    frame_ms: int = 30
+    start_ms: int = 150
+    hangover_ms: int = 50
+    cut_window_s: float = 3.0
+    min_segment_ms: int = 0
+
+    def make(self, classify_frame=None) -> Segmenter:
+        fields = asdict(self)
+        settings = VadSettings(**{name: fields.pop(name) for name in ("aggressiveness", "end_silence_ms",
+                                                                      "pre_roll_ms", "max_segment_s")})
+        return Segmenter(settings, classify_frame=classify_frame, **fields)
+
+    def __getattr__(self, name):
+        return getattr(self.make(), name)
 
 
 # ---- audio ---------------------------------------------------------------------------------------
@@ -124,7 +146,7 @@ def assert_well_formed(events, stream):
         assert before.end_sample <= after.start_sample
 
 
-def assert_matches_truth(segments, truth, options: VadOptions):
+def assert_matches_truth(segments, truth, options: Options):
     assert len(segments) == len(truth), [(s.start_sample / SR, s.end_sample / SR) for s in segments]
     previous_end = 0
     for segment, (speech_start, speech_end) in zip(segments, truth):
@@ -142,8 +164,8 @@ def assert_matches_truth(segments, truth, options: VadOptions):
 @pytest.mark.parametrize("pre_roll_ms", [0, 300])
 def test_espeak_utterances_are_cut_at_their_pauses(espeak_stream, frame_ms, pre_roll_ms):
     stream, truth = espeak_stream
-    options = VadOptions(frame_ms=frame_ms, pre_roll_ms=pre_roll_ms)
-    events = feed_in_pieces(Segmenter(options), stream, 4000)
+    options = Options(frame_ms=frame_ms, pre_roll_ms=pre_roll_ms)
+    events = feed_in_pieces(options.make(), stream, 4000)
     assert_well_formed(events, stream)
     assert_matches_truth(closed(events), truth, options)
 
@@ -151,8 +173,8 @@ def test_espeak_utterances_are_cut_at_their_pauses(espeak_stream, frame_ms, pre_
 @pytest.mark.parametrize("aggressiveness", [0, 1, 2, 3])
 def test_synthetic_voice_is_cut_at_its_pauses(synthetic_stream, aggressiveness):
     stream, truth = synthetic_stream
-    options = VadOptions(aggressiveness=aggressiveness)
-    events = feed_in_pieces(Segmenter(options), stream, 4000)
+    options = Options(aggressiveness=aggressiveness)
+    events = feed_in_pieces(options.make(), stream, 4000)
     assert_well_formed(events, stream)
     assert_matches_truth(closed(events), truth, options)
 
@@ -165,13 +187,13 @@ def energy_classifier(threshold: float = 0.01):
 def test_timestamps_are_sample_exact_with_pre_roll_and_hangover():
     """With a classifier that has no overhang of its own, the arithmetic is exact: start = first voiced
     frame - pre-roll (clamped at 0 and at the previous end), end = last voiced frame + hangover."""
-    options = VadOptions(start_ms=90, end_silence_ms=300, hangover_ms=50, pre_roll_ms=300)
+    options = Options(start_ms=90, end_silence_ms=300, hangover_ms=50, pre_roll_ms=300)
     frame = options.frame_samples
     stream = np.zeros(200 * frame, dtype=np.float32)
     bursts = [(5 * frame, 20 * frame), (35 * frame, 50 * frame), (100 * frame, 130 * frame)]
     for start, end in bursts:
         stream[start:end] = 0.5
-    events = feed_in_pieces(Segmenter(options, classify_frame=energy_classifier()), stream, 1000)
+    events = feed_in_pieces(options.make(classify_frame=energy_classifier()), stream, 1000)
     assert_well_formed(events, stream)
     spans = [(s.start_sample, s.end_sample, s.reason) for s in closed(events)]
     hangover = options.hangover_samples
@@ -197,28 +219,28 @@ def event_signature(events):
 
 @pytest.mark.parametrize(
     "options",
-    [VadOptions(), VadOptions(frame_ms=10, max_segment_s=1.5, cut_window_s=1.0, min_segment_ms=300)],
+    [Options(), Options(frame_ms=10, max_segment_s=1.5, cut_window_s=1.0, min_segment_ms=300)],
     ids=["defaults", "short-max-and-min"],
 )
 def test_piece_size_does_not_change_the_events(synthetic_stream, options):
     stream, _ = synthetic_stream
     stream = stream[: 7 * SR + 123]  # ends inside the third burst, on a partial frame
-    reference = feed_in_pieces(Segmenter(options), stream, len(stream))
+    reference = feed_in_pieces(options.make(), stream, len(stream))
     reasons = [segment.reason for segment in closed(reference)]
     assert reasons[-1] == "flush" and len(reasons) >= 3
     assert ("max_length" in reasons) == (options.max_segment_s < 2)
     for piece in (1, 37, 160, 480, 4000):
-        events = feed_in_pieces(Segmenter(options), stream, piece)
+        events = feed_in_pieces(options.make(), stream, piece)
         assert event_signature(events) == event_signature(reference), piece
         for mine, theirs in zip(closed(events), closed(reference)):
             np.testing.assert_array_equal(mine.audio, theirs.audio)
 
 
 def test_flush_closes_the_open_segment_including_a_partial_frame():
-    options = VadOptions()
+    options = Options()
     # still speaking when the stream ends, on a partial frame
     stream = np.concatenate([np.zeros(SR // 2, np.float32), harmonic_voice(1.5)[: SR + 200]])
-    segmenter = Segmenter(options)
+    segmenter = options.make()
     events = segmenter.feed(stream)
     assert [type(e) for e in events] == [SpeechStarted]
     assert segmenter.open_segment is not None
@@ -255,9 +277,9 @@ def test_no_voiced_audio_is_lost(request, stream_name):
     """Every voiced frame of a run long enough to open a segment lies inside a closed segment, except
     webrtcvad's overhang after a segment's speech, which must be as quiet as the background noise."""
     stream, _ = request.getfixturevalue(stream_name)
-    options = VadOptions(frame_ms=20, max_segment_s=2.5, cut_window_s=1.0)  # cuts happen too
+    options = Options(frame_ms=20, max_segment_s=2.5, cut_window_s=1.0)  # cuts happen too
     decisions: list[bool] = []
-    segmenter = Segmenter(options, classify_frame=recording_classifier(options.aggressiveness, decisions))
+    segmenter = options.make(classify_frame=recording_classifier(options.aggressiveness, decisions))
     events = feed_in_pieces(segmenter, stream, 333)
     assert_well_formed(events, stream)
     segments = closed(events)
@@ -296,8 +318,8 @@ def test_max_segment_cuts_a_long_utterance_at_quiet_points():
         voice[start:end] = 0.0
     stream, _ = join_with_pauses([voice], [1.0, 1.0])
     offset = SR  # the voice starts after 1 s of noise
-    options = VadOptions(max_segment_s=3.0, cut_window_s=1.5)
-    events = feed_in_pieces(Segmenter(options), stream, 480)
+    options = Options(max_segment_s=3.0, cut_window_s=1.5)
+    events = feed_in_pieces(options.make(), stream, 480)
     assert_well_formed(events, stream)
     segments = closed(events)
     assert len(segments) >= 4
@@ -311,11 +333,11 @@ def test_max_segment_cuts_a_long_utterance_at_quiet_points():
 
 
 def test_min_segment_ignores_blips_but_keeps_real_speech():
-    options = VadOptions(min_segment_ms=400)
+    options = Options(min_segment_ms=400)
     blip = harmonic_voice(0.25)
     word = harmonic_voice(0.9)
     stream, truth = join_with_pauses([blip, word], [1.0, 1.0, 1.0])
-    segmenter = Segmenter(options)
+    segmenter = options.make()
     events, announced_at = [], None
     for start in range(0, len(stream), 480):
         events += segmenter.feed(stream[start : start + 480])
@@ -349,8 +371,8 @@ def test_open_segment_is_a_read_only_view_of_the_audio_so_far():
 
 @pytest.mark.parametrize("noise", [0.0, NOISE])
 def test_silence_keeps_memory_bounded_and_yields_nothing(noise):
-    options = VadOptions()
-    segmenter = Segmenter(options)
+    options = Options()
+    segmenter = options.make()
     rng = np.random.default_rng(1)
     reach = options.pre_roll_samples + options.start_frames * options.frame_samples
     for _ in range(60 * 25):  # 60 s in 40 ms pieces
@@ -363,23 +385,96 @@ def test_silence_keeps_memory_bounded_and_yields_nothing(noise):
 @pytest.mark.parametrize(
     "kwargs, field",
     [
-        ({"aggressiveness": 4}, "aggressiveness"),
-        ({"aggressiveness": -1}, "aggressiveness"),
-        ({"frame_ms": 25}, "frame_ms"),
-        ({"start_ms": 0}, "start_ms"),
-        ({"end_silence_ms": 0}, "end_silence_ms"),
-        ({"hangover_ms": 600}, "hangover_ms"),
-        ({"hangover_ms": -1}, "hangover_ms"),
-        ({"pre_roll_ms": -10}, "pre_roll_ms"),
-        ({"min_segment_ms": -1}, "min_segment_ms"),
-        ({"max_segment_s": 0.5}, "max_segment_s"),
-        ({"cut_window_s": 0}, "cut_window_s"),
-        ({"max_segment_s": 1.0, "pre_roll_ms": 900}, "fit in max_segment_s"),
+        ({"aggressiveness": 4}, "vad.aggressiveness"),
+        ({"aggressiveness": -1}, "vad.aggressiveness"),
+        ({"aggressiveness": True}, "vad.aggressiveness"),
+        ({"end_silence_ms": 0}, "vad.end_silence_ms"),
+        ({"end_silence_ms": 5001}, "vad.end_silence_ms"),
+        ({"pre_roll_ms": -10}, "vad.pre_roll_ms"),
+        ({"pre_roll_ms": 2001}, "vad.pre_roll_ms"),
+        ({"max_segment_s": 0.5}, "vad.max_segment_s"),
+        ({"max_segment_s": math.nan}, "vad.max_segment_s"),
     ],
 )
-def test_options_are_validated(kwargs, field):
-    with pytest.raises(ValueError, match=field):
-        VadOptions(**kwargs)
+def test_settings_are_validated_in_wire_terms(kwargs, field):
+    with pytest.raises(SettingsError, match=field.replace(".", r"\.")) as caught:
+        VadSettings(**kwargs)
+    assert caught.value.field == field
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"frame_ms": 25}, "frame_ms"),
+        ({"start_ms": 0}, "start_ms"),
+        ({"hangover_ms": 600}, "hangover_ms"),
+        ({"hangover_ms": -1}, "hangover_ms"),
+        ({"min_segment_ms": -1}, "min_segment_ms"),
+        ({"cut_window_s": 0}, "cut_window_s"),
+        ({"max_segment_s": 1.0, "start_ms": 600}, "half of max_segment_s"),
+    ],
+)
+def test_tuning_is_validated(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        Options(**kwargs).make()
+
+
+def test_a_pre_roll_longer_than_a_quarter_of_max_segment_is_clamped():
+    """A 2 s pre-roll with 2 s segments (each within its documented range) is taken, as 500 ms of pre-roll."""
+    options = Options(pre_roll_ms=2000, max_segment_s=2.0)
+    assert options.pre_roll_samples == 500 * MS
+    assert Options(pre_roll_ms=300, max_segment_s=2.0).pre_roll_samples == 300 * MS
+    stream, truth = join_with_pauses([harmonic_voice(1.0)], [2.5, 1.0])
+    (segment,) = closed(feed_in_pieces(options.make(), stream, 480))
+    assert abs(segment.start_sample - (truth[0][0] - 500 * MS)) <= TOLERANCE
+
+
+def continuous_speech(seconds: float, seed: int = 0) -> np.ndarray:
+    """Voice without pauses long enough to end a segment: 40-120 ms dips between 'words' of 0.2-0.6 s."""
+    rng = np.random.default_rng(seed)
+    words, total = [], 0.0
+    while total < seconds:
+        word = harmonic_voice(min(rng.uniform(0.2, 0.6), seconds - total + 0.01), rng.uniform(100, 200))
+        gap = np.zeros(round(rng.uniform(0.04, 0.12) * SR), np.float32)
+        words += [word, gap]
+        total += (len(word) + len(gap)) / SR
+    return np.concatenate(words)[: round(seconds * SR)]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_small_max_segment_on_continuous_speech_gives_segments_near_it(seed):
+    """7.4 s of speech with max_segment_s 2: no slivers in the pre-roll or at word gaps, at most ceil(7.4 / 2) + 1
+    segments, each but the last at least 3/4 of max_segment_s."""
+    speech = continuous_speech(7.4, seed)
+    stream, _ = join_with_pauses([speech], [1.0, 1.0], seed=seed)
+    options = Options(max_segment_s=2.0)
+    events = feed_in_pieces(options.make(), stream, 320)
+    assert_well_formed(events, stream)
+    segments = closed(events)
+    assert 4 <= len(segments) <= math.ceil(7.4 / 2) + 1, [(s.start_sample / SR, s.end_sample / SR) for s in segments]
+    assert all(s.num_samples >= 1.5 * SR for s in segments[:-1])
+    assert all(s.num_samples <= options.max_segment_samples for s in segments)
+    for before, after in zip(segments, segments[1:]):
+        assert after.start_sample == before.end_sample and before.reason == "max_length"
+
+
+def test_end_segment_closes_the_open_segment_and_the_stream_goes_on():
+    first, _ = join_with_pauses([harmonic_voice(1.0)], [0.5, 0.0])
+    second, _ = join_with_pauses([harmonic_voice(0.8, 200)], [0.6, 1.0], seed=1)
+    stream = np.concatenate([first, second])
+    segmenter = Segmenter(VadSettings(pre_roll_ms=0))
+    events = segmenter.feed(first)
+    events += segmenter.end_segment()
+    assert [type(event) for event in events] == [SpeechStarted, SegmentClosed] and events[1].reason == "flush"
+    assert segmenter.open_segment is None and segmenter.end_segment() == []
+    events += segmenter.feed(second) + segmenter.flush()
+    assert_well_formed(events, stream)
+    flushed, after = closed(events)
+    assert abs(flushed.end_sample - len(first)) <= TOLERANCE
+    assert after.segment_id == 1 and after.reason == "silence"
+    assert abs(after.start_sample - (len(first) + 0.6 * SR)) <= TOLERANCE  # the timeline goes on: absolute times
+    with pytest.raises(RuntimeError, match="ended"):
+        segmenter.end_segment()
 
 
 @pytest.mark.parametrize(
@@ -408,7 +503,7 @@ def random_stream_and_options(seed: int):
     stream = np.concatenate(parts)
     stream += (rng.uniform(0, 0.004) * rng.standard_normal(len(stream))).astype(np.float32)
     end_silence_ms = int(rng.choice([100, 300, 500, 1000]))
-    options = VadOptions(
+    options = Options(
         aggressiveness=int(rng.integers(0, 4)),
         frame_ms=int(rng.choice([10, 20, 30])),
         start_ms=int(rng.choice([30, 90, 150, 300])),
@@ -425,7 +520,7 @@ def random_stream_and_options(seed: int):
 @pytest.mark.parametrize("seed", range(12))
 def test_random_streams_keep_the_invariants(seed):
     stream, options, piece = random_stream_and_options(seed)
-    reference = feed_in_pieces(Segmenter(options), stream, len(stream))
+    reference = feed_in_pieces(options.make(), stream, len(stream))
     assert_well_formed(reference, stream)
     assert all(segment.num_samples <= options.max_segment_samples for segment in closed(reference))
-    assert event_signature(feed_in_pieces(Segmenter(options), stream, piece)) == event_signature(reference)
+    assert event_signature(feed_in_pieces(options.make(), stream, piece)) == event_signature(reference)
