@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allowed-origins", default=None,
                        help="comma-separated browser origins allowed to open streams (e.g. https://app.example.com; "
                             "the server's own page is always allowed); others get 403; default: any")
-    group.add_argument("--trusted-proxies", default="",
+    group.add_argument("--trusted-proxies", default=None,
                        help="comma-separated addresses or networks of proxies whose X-Forwarded-For is believed")
     defaults, limits = SecuritySettings.__dataclass_fields__, ClientLimits()
     group.add_argument("--max-pending-per-address", type=int, default=defaults["max_pending_per_address"].default,
@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=f"sustained client messages per second per stream (bursts of {limits.message_burst}); "
                             "more close the stream with 1008 rate_limited")
     group.add_argument("--max-stream-audio-s", type=float, default=limits.max_stream_audio_s,
-                       help="audio one stream may send in all; more closes it with 1008 stream_audio_limit")
+                       help="audio one stream may send in all; more closes it with 1008 stream_audio_limit (0: no limit)")
 
 
 def from_args(args: argparse.Namespace, environ=os.environ) -> SecuritySettings:
@@ -99,7 +99,7 @@ def from_args(args: argparse.Namespace, environ=os.environ) -> SecuritySettings:
                             if origin.strip())
     try:
         proxies = tuple(ipaddress.ip_network(item.strip(), strict=False)
-                        for item in args.trusted_proxies.split(",") if item.strip())
+                        for item in (args.trusted_proxies or "").split(",") if item.strip())
     except ValueError as error:
         raise ValueError(f"--trusted-proxies: {error}") from None
     stream_audio = args.max_stream_audio_s if args.max_stream_audio_s and args.max_stream_audio_s > 0 else None
