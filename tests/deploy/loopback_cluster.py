@@ -121,7 +121,11 @@ class Nginx:
 
 
 class Replica:
-    """`qasr-server --device cpu --port 0` on 127.0.0.1; its log (stdout and stderr) in `log`."""
+    """`qasr-server --device cpu --port 0` on 127.0.0.1; its log (stdout and stderr) in `log`.
+
+    The engine runs in the server process (--engine-in-process): an engine process of its own would import torch
+    a second time per replica (~10 s each on a busy 2-core CI machine) and pay its lazy imports on the first
+    request; the SIGTERM drain under test is the server's, the same with either engine."""
 
     def __init__(self, model_dir: Path, log: Path, *, drain_timeout_s: float):
         self.log = log
