@@ -1,7 +1,9 @@
 """Genesys Cloud AudioHook (protocol version 2), qasr as the AudioHook server, sans-I/O; served at `/v1/audiohook`.
 
 Handshake headers: `Audiohook-Organization-Id`, `Audiohook-Session-Id` (every message's `id` must equal it),
-`Audiohook-Correlation-Id`, `X-API-KEY` (checked against the server's `--audiohook-api-key`s when any are set).
+`Audiohook-Correlation-Id`, `X-API-KEY`. The API key is the server's own authentication (qasr.server.auth reads
+`X-API-KEY`): the handshake gate answers a missing or wrong key with HTTP 401 before the upgrade, as AudioHook
+expects, so this adapter never sees an unauthenticated client.
 Text frames are JSON messages `{"version": "2", "id", "type", "seq", "parameters", ...}`; the client's also carry
 `serverseq` (the last server seq it saw) and `position` ("PT12.34S", the audio sent so far); the server's carry
 `clientseq` (the last client seq it saw). Binary frames are audio in the media chosen at `open`.
@@ -23,8 +25,7 @@ Text frames are JSON messages `{"version": "2", "id", "type", "seq", "parameters
 A `conversationId` of all zeros is Genesys's connection probe: it is opened and closed like a call, but nothing is
 transcribed and no call is published. Protocol violations (a `seq` that is not the last one + 1, a `serverseq`
 ahead of the server's, another session's `id`, a malformed message, audio outside ACTIVE) are answered with
-`disconnect` {reason: "error", info: "Client Error: ..."} and the connection closes; a missing or wrong API key
-with `disconnect` {reason: "unauthorized"}. The call id is the `conversationId`; channel 0 is `external` (the
+`disconnect` {reason: "error", info: "Client Error: ..."} and the connection closes. The call id is the `conversationId`; channel 0 is `external` (the
 customer: "caller"), channel 1 `internal` (the agent).
 """
 
@@ -57,13 +58,6 @@ CONFIDENCE = 1.0  # Qwen3-ASR gives no confidence; the transcript entity require
 MAX_TEXT_CHARS = 65535  # the reference server's limit on a text message
 
 
-class Unauthorized(errors.ProtocolError):
-    """The handshake's API key is missing or not one of the server's."""
-
-    close_code = errors.POLICY_VIOLATION
-    error_code = "unauthorized"
-
-
 class State(enum.Enum):
     PREPARING = "preparing"  # awaiting open
     ACTIVE = "active"
@@ -77,13 +71,12 @@ class AudioHookAdapter:
     PLATFORM = "audiohook"
 
     def __init__(self, *, defaults: StreamSettings, limits: StreamLimits, calls: CallRegistry,
-                 headers: Mapping[str, str], api_keys: frozenset[str] = frozenset()):
-        """headers: the handshake's (case-insensitive lookups); api_keys: empty accepts any key."""
+                 headers: Mapping[str, str]):
+        """headers: the handshake's (case-insensitive lookups)."""
         self.defaults = defaults
         self.limits = limits
         self.calls = calls
         self.headers = {key.lower(): value for key, value in headers.items()}
-        self.api_keys = api_keys
         self.session_id = self.headers.get("audiohook-session-id", "")
         self.state = State.PREPARING
         self.seq = 0  # the last server message's seq
@@ -141,8 +134,6 @@ class AudioHookAdapter:
         if not (_is_uuid(parameters.get("organizationId")) and _is_uuid(parameters.get("conversationId"))
                 and isinstance(parameters.get("participant"), dict) and isinstance(parameters.get("media"), list)):
             raise errors.MalformedMessage("Invalid Message: Invalid/missing parameters")
-        if self.api_keys and self.headers.get("x-api-key") not in self.api_keys:
-            raise Unauthorized("the X-API-KEY header is missing or not accepted")
         self.media = choose_media(parameters["media"])
         if self.media is None:
             raise errors.UnsupportedFormat("no supported media offered: qasr takes PCMU or L16 at 8000 Hz, "
@@ -251,8 +242,6 @@ class AudioHookAdapter:
         if self.state in (State.DISCONNECTED, State.CLOSED):
             return []
         self.state = State.DISCONNECTED
-        if error.code == Unauthorized.error_code:
-            return [self._message("disconnect", {"reason": "unauthorized", "info": error.message})]
         client_fault = error.code in (errors.MalformedMessage.error_code, errors.UnsupportedFormat.error_code,
                                       errors.MessageTooBig.error_code)
         info = f"Client Error: {error.message}" if client_fault else f"Server error: {error.message}"

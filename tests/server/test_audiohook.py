@@ -11,8 +11,7 @@ import pytest
 from call_replay import AudioHookClient
 
 from qasr.server import errors
-from qasr.server.audiohook import (PROBE_CONVERSATION, AudioHookAdapter, State, Unauthorized, choose_media,
-                                   duration)
+from qasr.server.audiohook import PROBE_CONVERSATION, AudioHookAdapter, State, choose_media, duration
 from qasr.server.calls import CallRegistry
 from qasr.server.commands import Audio, End, Flush, Notice, Reply, Start
 from qasr.streaming import events
@@ -21,10 +20,9 @@ from qasr.streaming.settings import StreamLimits, StreamSettings
 SILENCE = np.zeros(160, np.float32)
 
 
-def adapter(client: AudioHookClient, registry: CallRegistry | None = None, **options) -> AudioHookAdapter:
+def adapter(client: AudioHookClient, registry: CallRegistry | None = None) -> AudioHookAdapter:
     return AudioHookAdapter(defaults=StreamSettings(), limits=StreamLimits(),
-                            calls=registry if registry is not None else CallRegistry(), headers=client.headers,
-                            **options)
+                            calls=registry if registry is not None else CallRegistry(), headers=client.headers)
 
 
 def replies(commands) -> list[dict]:
@@ -175,21 +173,6 @@ def test_audio_before_open_and_bad_frames_are_client_errors():
         hook.receive(b"\xff" * 3)  # not whole stereo samples
     with pytest.raises(errors.MalformedMessage, match="not valid JSON"):
         hook.receive("{")
-
-
-def test_a_wrong_api_key_is_answered_unauthorized():
-    client = AudioHookClient()
-    hook = adapter(client, api_keys=frozenset({"the-right-key"}))
-    with pytest.raises(Unauthorized) as raised:
-        hook.receive(client.open())
-    assert raised.value.close_code == errors.POLICY_VIOLATION
-    [disconnect] = parse_all(hook.encode(events.Error("unauthorized", str(raised.value), fatal=True)))
-    assert disconnect["parameters"]["reason"] == "unauthorized"
-    good = AudioHookClient()
-    headers = {**good.headers, "x-api-key": "the-right-key"}
-    accepted = AudioHookAdapter(defaults=StreamSettings(), limits=StreamLimits(), calls=CallRegistry(),
-                                headers=headers, api_keys=frozenset({"the-right-key"}))
-    assert isinstance(accepted.receive(good.open())[0], Start)
 
 
 def test_a_client_error_message_becomes_a_notice_and_close_before_open_is_closed_at_once():
