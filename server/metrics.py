@@ -81,6 +81,9 @@ class ServerMetrics(SessionObserver):
                                     registry=registry)
         self.closes_total = Counter("qasr_closes_total", "Connections closed, by WebSocket close code.", ["code"],
                                     registry=registry)
+        self.webhooks_undelivered_total = Counter(
+            "qasr_webhooks_undelivered_total", "Call messages a webhook never received, by reason: unreachable, "
+            "http_4xx, http_5xx, queue_full, stopping.", ["reason"], registry=registry)
         self.final_latency = Histogram("qasr_final_latency_seconds",
                                        "From a segment's end decision to its final being sent.",
                                        buckets=LATENCY_BUCKETS_S, registry=registry)
@@ -140,6 +143,10 @@ class ServerMetrics(SessionObserver):
 
     def connection_closed(self, close_code: int | None) -> None:
         self.closes_total.labels(str(close_code) if close_code is not None else "none").inc()
+
+    def webhook_undelivered(self, reason: str) -> None:
+        """qasr.server.webhooks.WebhookSender's on_undelivered hook."""
+        self.webhooks_undelivered_total.labels(reason).inc()
 
     # -- exposition ------------------------------------------------------------------------------------------
 

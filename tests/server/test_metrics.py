@@ -46,6 +46,7 @@ def test_observer_calls_show_under_their_documented_names_and_labels():
     metrics.error_sent("malformed")
     metrics.connection_closed(1000)
     metrics.connection_closed(None)
+    metrics.webhook_undelivered("http_4xx")
     metrics.event_loop_lag.observe(0.003)
     text = metrics.render()
 
@@ -56,6 +57,7 @@ def test_observer_calls_show_under_their_documented_names_and_labels():
     assert sample(text, "qasr_decode_failures_total", priority="partial") == 1
     assert sample(text, "qasr_errors_total", code="malformed") == 1
     assert sample(text, "qasr_closes_total", code="1000") == 1 and sample(text, "qasr_closes_total", code="none") == 1
+    assert sample(text, "qasr_webhooks_undelivered_total", reason="http_4xx") == 1
     assert sample(text, "qasr_final_latency_seconds_bucket", le="0.3") == 1
     assert sample(text, "qasr_final_latency_seconds_bucket", le="10.0") == 1  # 20 s is past the last bound
     assert sample(text, "qasr_final_latency_seconds_bucket", le="+Inf") == 2
