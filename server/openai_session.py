@@ -100,7 +100,7 @@ class RealtimeConfig:
         config = self
         if "input_audio_format" in session:
             name = session["input_audio_format"]
-            if name not in BETA_FORMATS:
+            if not isinstance(name, str) or name not in BETA_FORMATS:  # a list or an object is no format name
                 raise ConfigError("session.input_audio_format", f"input_audio_format {name!r} is not supported: use "
                                                                 f"{', '.join(BETA_FORMATS)}")
             config = config._with_format({"type": BETA_FORMATS[name]}, "session.input_audio_format")
