@@ -17,6 +17,7 @@ import pytest
 import soundfile
 
 from qasr.client.stream import Reconnecting, stream_audio
+from qasr.audio import SAMPLE_RATE
 from qasr.client.sources import file_source
 from qasr.server.app import ServerConfig
 from qasr.server.limits import ServerLimits
@@ -101,6 +102,8 @@ class StreamRun:
 
     def __init__(self, url: str, wav):
         self.events: list = []
+        self.drain_began_s: float | None = None  # audio sent when the replica was told to drain
+        self.closed_s: float | None = None  # audio sent when the connection closed
         self.stream = stream_audio(url, file_source(wav), partials=False, vad=EXACT_VAD, reconnect=3,
                                    reconnect_delay_s=0.2)
         self.task = asyncio.ensure_future(self._run())
@@ -108,6 +111,15 @@ class StreamRun:
     async def _run(self) -> None:
         async for event in self.stream:
             self.events.append(event)
+            if isinstance(event, Reconnecting) and self.closed_s is None:  # the old connection, still current
+                self.closed_s = self.stream.client.samples_sent / SAMPLE_RATE
+
+    def drain_begins(self) -> None:
+        self.drain_began_s = self.stream.client.samples_sent / SAMPLE_RATE
+
+    def unheard(self, start: float, end: float) -> bool:
+        """Sent after the drain began and before the close: the replica had stopped reading (not transcribed)."""
+        return self.closed_s is not None and self.drain_began_s <= start and end <= self.closed_s
 
     def of_type(self, kind) -> list:
         return [event for event in self.events if isinstance(event, kind)]
@@ -132,7 +144,7 @@ async def until(condition, timeout_s: float, what: str) -> None:
 
 def test_sigterm_drains_one_replica_while_its_clients_reconnect_to_the_other(cluster, tmp_path):
     audio, truth = speech_like(PATTERN)
-    soundfile.write(str(tmp_path / "talk.wav"), audio, 16000, subtype="PCM_16")
+    soundfile.write(str(tmp_path / "talk.wav"), audio, SAMPLE_RATE, subtype="PCM_16")
     drained, survivor = cluster.replicas
 
     async def scenario() -> tuple[list[StreamRun], dict]:
@@ -143,6 +155,8 @@ def test_sigterm_drains_one_replica_while_its_clients_reconnect_to_the_other(clu
             assert (await asyncio.to_thread(http_get, f"{cluster.nginx.url}/v1/stream"))[0] == 426
             run = StreamRun(cluster.stream_url, tmp_path / "talk.wav")
             await until(lambda: run.session_ids() or run.task.done(), 15, "no `ready` from nginx")
+            if not run.session_ids():
+                await run.task  # raises why
             session_id = run.session_ids()[0]
             await until(lambda: cluster.replica_of(session_id) is not None, 5, "session in no replica's log")
             placement[run] = cluster.replica_of(session_id)
@@ -153,6 +167,8 @@ def test_sigterm_drains_one_replica_while_its_clients_reconnect_to_the_other(clu
         await until(lambda: all(any(event.segment_id == 1 for event in run.of_type(SpeechStarted))
                                 for run in on_drained), 15, "second bursts not heard")
         assert not any(run.has_final(1) for run in on_drained), "the second burst closed before the drain began"
+        for run in on_drained:
+            run.drain_begins()
         drained.sigterm()
         await asyncio.wait_for(asyncio.gather(*(run.task for run in runs)), 40)
         return runs, placement
@@ -165,8 +181,9 @@ def test_sigterm_drains_one_replica_while_its_clients_reconnect_to_the_other(clu
         # exactly one final per segment, numbered on across the reconnect, on one timeline
         assert [final.segment_id for final in finals] == list(range(len(finals))), finals
         assert all(a.end <= b.start + 1e-6 for a, b in zip(finals, finals[1:])), finals
-        for start, end in truth:  # no burst of speech went without a final
-            assert any(final.start < end and start < final.end for final in finals), (start, end, finals)
+        for start, end in truth:  # no burst of speech went without a final (unless the drain never heard it)
+            assert run.unheard(start, end) or any(final.start < end and start < final.end for final in finals), \
+                (start, end, finals)
         assert isinstance(run.events[-1], Summary)
 
         if placement[run] is survivor:
@@ -176,7 +193,7 @@ def test_sigterm_drains_one_replica_while_its_clients_reconnect_to_the_other(clu
         reconnected = run.index_of(lambda event: isinstance(event, Reconnecting))
         assert run.index_of(lambda event: isinstance(event, Final) and event.segment_id == 0) < reconnected
         assert run.index_of(lambda event: isinstance(event, Final) and event.segment_id == 1) < reconnected
-        assert "1001" in run.of_type(Reconnecting)[0].reason or "shutting down" in run.of_type(Reconnecting)[0].reason
+        assert "close code 1001" in run.of_type(Reconnecting)[0].reason
         # the new connection went to the surviving replica, through nginx's failover
         first, *later = run.session_ids()
         assert later and all(cluster.replica_of(session_id) is survivor for session_id in later), later
