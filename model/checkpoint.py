@@ -110,9 +110,14 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def target_name(name: str, layout: str) -> tuple[str, int | None] | None:
-    """Checkpoint tensor name -> (our parameter name, shard index of a fused parameter or None); None if foreign."""
-    for theirs, ours in _PREFIXES[layout]:
+def target_name(
+    name: str, layout: str, prefixes: list[tuple[str, str]] | None = None
+) -> tuple[str, int | None] | None:
+    """Checkpoint tensor name -> (our parameter name, shard index of a fused parameter or None); None if foreign.
+
+    prefixes: (checkpoint prefix, our prefix) pairs, the first match wins; default: the ASR model's for `layout`.
+    """
+    for theirs, ours in prefixes or _PREFIXES[layout]:
         if name.startswith(theirs):
             name = ours + name[len(theirs) :]
             break
@@ -149,7 +154,13 @@ def _reinit_buffers(model: Qwen3ASR, device: torch.device) -> None:
     model.decoder.inv_freq = rope_inv_freq(t).to(device)
 
 
-def load_weights(model: Qwen3ASR, files: list[Path], layout: str) -> None:
+def load_weights(
+    model: Qwen3ASR, files: list[Path], layout: str, prefixes: list[tuple[str, str]] | None = None
+) -> None:
+    """Fill `model` (anything with .cfg, .encoder and .decoder named as Qwen3ASR's) from the safetensors files.
+
+    prefixes: see `target_name` (the forced aligner passes its own: its head is not the decoder's lm_head).
+    """
     from safetensors import safe_open
 
     params = dict(model.named_parameters())
@@ -159,7 +170,7 @@ def load_weights(model: Qwen3ASR, files: list[Path], layout: str) -> None:
     for file in files:
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():
-                target = target_name(name, layout)
+                target = target_name(name, layout, prefixes)
                 if target is None or target[0] not in params:
                     unknown.append(name)
                     continue
@@ -181,6 +192,8 @@ def load_weights(model: Qwen3ASR, files: list[Path], layout: str) -> None:
             problems.append("config ties lm_head to embed_tokens but the checkpoint's lm_head differs from it")
         dec.lm_head.weight = dec.embed_tokens.weight
         filled.add(("decoder.lm_head.weight", None))
+    if layout == "hf":
+        _zero_dropped_key_biases(params, filled)
     expected = {(p, s) for p in params for s in (range(len(fused_sizes[p])) if p in fused_sizes else [None])}
     missing = sorted(f"{p}" + (f"[shard {s}]" if s is not None else "") for p, s in expected - filled)
     if unknown:
@@ -191,6 +204,15 @@ def load_weights(model: Qwen3ASR, files: list[Path], layout: str) -> None:
         problems.append(f"{len(missing)} missing tensor(s) (our names): {', '.join(missing[:20])}")
     if problems:
         raise CheckpointError(f"checkpoint does not fit the {layout}-layout model config: " + " | ".join(problems))
+
+
+def _zero_dropped_key_biases(params: dict[str, torch.nn.Parameter], filled: set) -> None:
+    """transformers' "-hf" conversion drops the audio encoder's k_proj biases: a key bias adds one constant to all of
+    a query's scores, which softmax cancels. Missing ones are zeros - the same function - and count as filled."""
+    for name, param in params.items():
+        if name.startswith("encoder.") and name.endswith(".self_attn.k_proj.bias") and (name, None) not in filled:
+            param.data.zero_()
+            filled.add((name, None))
 
 
 def _fused_shard_sizes(model: Qwen3ASR) -> dict[str, list[int]]:

@@ -6,6 +6,7 @@ The original layout nests everything under `thinker_config` (`audio_config`, `te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -123,3 +124,63 @@ def _pick(cls, values: dict):
     """Build a config dataclass from the keys it knows; the checkpoint's others are informational."""
     names = cls.__dataclass_fields__.keys()
     return cls(**{k: v for k, v in values.items() if k in names})
+
+
+# The languages Qwen3-ForcedAligner-0.6B aligns (its model card and config.json's support_languages, in that order);
+# the "-hf" config does not carry the list, so this is the default.
+ALIGNER_LANGUAGES: tuple[str, ...] = (
+    "Chinese", "English", "Cantonese", "French", "German", "Italian", "Japanese", "Korean", "Portuguese", "Russian",
+    "Spanish",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class AlignerConfig:
+    """A Qwen3-ForcedAligner checkpoint: the ASR network's shapes plus a timestamp-class head.
+
+    Original layout: `thinker_config.classify_num` (and `thinker_config.model_type` "qwen3_forced_aligner"), with
+    `timestamp_token_id`, `timestamp_segment_time` and `support_languages` at the top. "-hf" layout:
+    `num_timestamp_bins`, `timestamp_token_id` and `timestamp_segment_time` at the top.
+    """
+
+    model: ModelConfig  # encoder and decoder shapes; the decoder has no vocabulary head (tie_word_embeddings False)
+    classify_num: int  # timestamp classes (5000)
+    timestamp_token_id: int  # <timestamp> (151705)
+    timestamp_segment_ms: float  # ms per class (80)
+    languages: tuple[str, ...] = ALIGNER_LANGUAGES
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "AlignerConfig":
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f))
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> "AlignerConfig":
+        model = ModelConfig.from_dict(cfg)
+        if model.layout == "original":
+            classify_num, where = cfg["thinker_config"].get("classify_num"), "thinker_config.classify_num"
+        else:
+            classify_num, where = cfg.get("num_timestamp_bins"), "num_timestamp_bins"
+        if classify_num is None:
+            raise ValueError(
+                f"config.json has no {where}: not a Qwen3-ForcedAligner checkpoint (an ASR model's config?)"
+            )
+        missing = [key for key in ("timestamp_token_id", "timestamp_segment_time") if cfg.get(key) is None]
+        if missing:
+            raise ValueError(f"the forced aligner's config.json lacks {' and '.join(missing)}")
+        segment_ms = float(cfg["timestamp_segment_time"])
+        if int(classify_num) < 1 or segment_ms <= 0:
+            raise ValueError(f"bad timestamp head: {classify_num} classes of {segment_ms} ms")
+        text = dataclasses.replace(model.text, tie_word_embeddings=False)
+        return cls(
+            model=dataclasses.replace(model, text=text),
+            classify_num=int(classify_num),
+            timestamp_token_id=int(cfg["timestamp_token_id"]),
+            timestamp_segment_ms=segment_ms,
+            languages=model.support_languages or ALIGNER_LANGUAGES,
+        )
+
+    @property
+    def max_seconds(self) -> float:
+        """The longest clip whose times the classes can express (400 s for 5000 classes of 80 ms)."""
+        return self.classify_num * self.timestamp_segment_ms / 1000.0

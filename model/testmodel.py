@@ -16,6 +16,7 @@ every layout, dtype cast aside, and in any number of shards.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import hashlib
 import itertools
@@ -32,6 +33,7 @@ from tokenizers import normalizers, pre_tokenizers
 from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
+from .config import ALIGNER_LANGUAGES
 from .prompt import SUPPORTED_LANGUAGES
 from .tokenizer import QWEN2_PRETOKENIZE_REGEX
 
@@ -341,15 +343,27 @@ def init_tensor(spec: TensorSpec, seed: int) -> torch.Tensor:
             values.mul_(LM_HEAD_GAIN * spec.fan_in**-0.5)
         values[len(ADDED_TOKENS) + NUM_BPE_TOKENS :] = 0.0
         return values
+    if spec.kind == "aligner_embedding":  # the aligner's tokenizer has one more added token: <timestamp>
+        values[TIMESTAMP_TOKEN_ID + 1 :] = 0.0
+        values[TIMESTAMP_TOKEN_ID] *= TIMESTAMP_EMBED_SCALE
+        return values
+    if spec.kind == "classifier":  # the aligner's timestamp head: as sharp as the lm_head (see LM_HEAD_GAIN)
+        return values.mul_(LM_HEAD_GAIN * spec.fan_in**-0.5)
+    if spec.kind == "aligner_q_norm":  # see ALIGNER_QUERY_GAIN
+        return values.mul_(0.1).add_(1.0).mul_(ALIGNER_QUERY_GAIN)
     raise ValueError(f"unknown tensor kind {spec.kind!r}")
 
 
 def _write_weights(
-    out: Path, specs: list[TensorSpec], *, layout: str, seed: int, dtype: str, num_shards: int
+    out: Path, specs: list[TensorSpec], *, layout: str, seed: int, dtype: str, num_shards: int,
+    name_of=None,
 ) -> None:
     """Save the tensors as `dtype`, `num_shards` files of about equal size; only one shard's tensors are in memory at
-    a time."""
-    name_of = hf_name if layout == "hf" else (lambda name: name)
+    a time.
+
+    name_of(original name) -> saved name; default: the ASR model's names in `layout`.
+    """
+    name_of = name_of or (hf_name if layout == "hf" else (lambda name: name))
     import torch
     from safetensors.torch import save_file
 
@@ -647,10 +661,202 @@ def _filler_tokens():
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Forced aligner (Qwen3-ForcedAligner-0.6B): the same network with a timestamp-class head; see qasr.model.aligner
+
+
+ALIGNER_SIZES = ("tiny", "0.6B")
+# The real aligner pairs the 1.7B's audio encoder (d_model 1024, 24 layers) with the 0.6B's text decoder.
+ALIGNER_SHAPES = {
+    "tiny": SHAPES["tiny"],
+    "0.6B": dataclasses.replace(
+        SHAPES["0.6B"], audio_d_model=1024, audio_layers=24, audio_heads=16, audio_ffn=4096, tie_word_embeddings=False
+    ),
+}
+TIMESTAMP_TOKEN_ID = 151705  # <timestamp>, the added token after <asr_text>
+CLASSIFY_NUM = 5000  # timestamp classes
+TIMESTAMP_SEGMENT_TIME = 80  # ms per class
+# Every timestamp slot holds the same token; at unit scale its embedding would dominate the slot's hidden state and
+# a random aligner would give (nearly) one class everywhere. Small, the slots' classes follow the audio and the
+# words around them, so they vary and the monotonic repair has work to do.
+TIMESTAMP_EMBED_SCALE = 0.01
+# Random attention at unit scale is nearly uniform: every slot would average the same hundreds of audio tokens and
+# get the same class. Larger decoder query norms sharpen it, so a slot's class depends on the tokens near it.
+ALIGNER_QUERY_GAIN = 4.0
+
+ALIGNER_README = """# Random-weight Qwen3-ForcedAligner test checkpoint
+
+**The weights in this folder are random.** The word times it produces are meaningless. It exists so that qasr's
+aligner and the official `qwen-asr` toolkit can be tested and benchmarked against each other.
+
+- size: {size}, layout: {layout}, dtype: {dtype}, seed: {seed}, shards: {num_shards}
+- {classify_num} timestamp classes of {segment} ms; `<timestamp>` is token {timestamp_id}
+- tokenizer: the test ASR tokenizer plus `<timestamp>` (a small BPE, not the real vocabulary's ids for text)
+
+Made by `qasr-make-test-model --aligner` (qasr.model.testmodel).
+"""
+
+
+def make_test_aligner(
+    out_dir: str | Path,
+    *,
+    layout: str = "original",
+    size: str = "tiny",
+    seed: int = 0,
+    dtype: str = "float32",
+    num_shards: int = 1,
+) -> Path:
+    """Write a complete random-weight forced-aligner checkpoint into `out_dir` and return its path.
+
+    layout "original": what Qwen/Qwen3-ForcedAligner-0.6B ships (thinker.*, thinker_config.classify_num, the
+    classifier saved as thinker.lm_head). layout "hf": what transformers' conversion script writes for
+    Qwen3-ForcedAligner-0.6B-hf (model.audio_tower.* with proj1/proj2 inside, no encoder k_proj biases,
+    model.language_model.*, classifier.weight, a flat config with num_timestamp_bins).
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if size not in ALIGNER_SIZES:
+        raise ValueError(f"aligner size must be one of {ALIGNER_SIZES}, got {size!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
+    specs = aligner_tensor_specs(ALIGNER_SHAPES[size], layout=layout)
+    if not 1 <= num_shards <= len(specs):
+        raise ValueError(f"num_shards must be between 1 and {len(specs)}, got {num_shards}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("model*.safetensors"), *out.glob("model.safetensors.index.json")]:
+        stale.unlink()
+
+    _write_json(out / "config.json", aligner_config(size, layout=layout, dtype=dtype))
+    _write_json(out / "preprocessor_config.json", _preprocessor_config(layout))
+    write_tokenizer_files(out)
+    tokenizer_config = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
+    tokenizer_config["added_tokens_decoder"][str(TIMESTAMP_TOKEN_ID)] = {
+        "content": "<timestamp>", "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+        "special": False,
+    }  # fmt: skip
+    _write_json(out / "tokenizer_config.json", tokenizer_config)
+    name_of = aligner_hf_name if layout == "hf" else (lambda name: name)
+    _write_weights(out, specs, layout=layout, seed=seed, dtype=dtype, num_shards=num_shards,
+                   name_of=name_of)
+    (out / "README.md").write_text(
+        ALIGNER_README.format(size=size, layout=layout, dtype=dtype, seed=seed, num_shards=num_shards,
+                              classify_num=CLASSIFY_NUM, segment=TIMESTAMP_SEGMENT_TIME,
+                              timestamp_id=TIMESTAMP_TOKEN_ID),
+        encoding="utf-8",
+    )
+    return out
+
+
+def aligner_tensor_specs(shapes: Shapes, *, layout: str = "original") -> list[TensorSpec]:
+    """The aligner's tensors in original-layout names: the ASR network without lm_head, plus the timestamp head.
+
+    The "-hf" conversion drops the encoder's k_proj biases (softmax cancels them), so that layout has none.
+    """
+    specs = []
+    for spec in tensor_specs(shapes, tie_word_embeddings=True):
+        if layout == "hf" and spec.name.startswith("thinker.audio_tower.") and spec.name.endswith("k_proj.bias"):
+            continue
+        if spec.kind == "embedding":
+            spec = dataclasses.replace(spec, kind="aligner_embedding")
+        elif spec.name.startswith("thinker.model.") and spec.name.endswith("self_attn.q_norm.weight"):
+            spec = dataclasses.replace(spec, kind="aligner_q_norm")
+        specs.append(spec)
+    specs.append(TensorSpec("thinker.lm_head.weight", (CLASSIFY_NUM, shapes.text_hidden), "classifier",
+                            shapes.text_hidden))
+    return specs
+
+
+def aligner_hf_name(original_name: str) -> str:
+    """The transformers-native ("-hf") name of an original-layout aligner tensor."""
+    for old, new in (
+        ("thinker.audio_tower.", "model.audio_tower."),
+        ("thinker.model.", "model.language_model."),
+        ("thinker.lm_head.", "classifier."),
+    ):
+        if original_name.startswith(old):
+            return new + original_name[len(old) :]
+    raise ValueError(f"no -hf aligner name for {original_name!r}")
+
+
+def aligner_config(size: str = "tiny", *, layout: str = "original", dtype: str = "float32") -> dict:
+    """The config.json make_test_aligner writes.
+
+    The official code tells the aligner from the ASR model by `"forced_aligner" in thinker_config.model_type` (its
+    lm_head then has `classify_num` rows) and reads `timestamp_token_id` and `timestamp_segment_time` from the
+    top level. The text decoder is untied: the head is not the embedding.
+    """
+    shapes = ALIGNER_SHAPES[size]
+    audio, text = _audio_config(shapes), _text_config(shapes, tie=False)
+    if layout == "original":
+        return {
+            "architectures": ["Qwen3ASRForConditionalGeneration"],
+            "model_type": "qwen3_asr",
+            "support_languages": list(ALIGNER_LANGUAGES),
+            "timestamp_token_id": TIMESTAMP_TOKEN_ID,
+            "timestamp_segment_time": TIMESTAMP_SEGMENT_TIME,
+            "thinker_config": {
+                "model_type": "qwen3_forced_aligner",
+                "classify_num": CLASSIFY_NUM,
+                "audio_config": {"model_type": "qwen3_asr_audio_encoder", **audio},
+                "text_config": {"model_type": "qwen3_asr_text", **text},
+                "audio_token_id": AUDIO_TOKEN_ID,
+                "audio_start_token_id": AUDIO_START_TOKEN_ID,
+                "audio_end_token_id": AUDIO_END_TOKEN_ID,
+                "initializer_range": 0.02,
+                "dtype": dtype,
+                "tie_word_embeddings": False,
+            },
+            "dtype": dtype,
+            "tie_word_embeddings": False,
+            "transformers_version": TRANSFORMERS_VERSION,
+        }
+    if layout != "hf":
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    text_hf = {k: v for k, v in text.items() if k not in ("rope_theta", "rope_scaling")}
+    return {
+        "architectures": ["Qwen3ASRForForcedAlignment"],
+        "model_type": "qwen3_forced_aligner",
+        "audio_config": {"model_type": "qwen3_asr_audio_encoder", **audio},
+        "text_config": {
+            "model_type": "qwen3",
+            **text_hf,
+            "rope_parameters": {"rope_type": "default", "rope_theta": text["rope_theta"]},
+        },
+        "audio_token_id": AUDIO_TOKEN_ID,
+        "num_timestamp_bins": CLASSIFY_NUM,
+        "timestamp_token_id": TIMESTAMP_TOKEN_ID,
+        "timestamp_segment_time": TIMESTAMP_SEGMENT_TIME,
+        "pad_token_id": IM_END_ID,
+        "dtype": dtype,
+        "tie_word_embeddings": False,
+        "transformers_version": "5.0.0",
+    }
+
+
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def _write_json(path: Path, obj: dict, indent: int | None = 2) -> None:
     path.write_text(json.dumps(obj, indent=indent, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+ALIGNER_HELP = f"write a Qwen3-ForcedAligner-shaped checkpoint instead (sizes: {', '.join(ALIGNER_SIZES)})"
+
+
+def _aligner_main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """main() for --aligner: the same options, minus --tie-word-embeddings (the timestamp head is never tied)."""
+    if args.tie_word_embeddings is not None:
+        parser.error("--tie-word-embeddings does not apply to --aligner (its timestamp head is never tied)")
+    try:
+        path = make_test_aligner(args.out_dir, layout=args.layout, size=args.size, seed=args.seed, dtype=args.dtype,
+                                 num_shards=args.shards)
+    except ValueError as exc:
+        parser.error(str(exc))
+    except OSError as exc:
+        print(f"qasr-make-test-model: error: cannot write {args.out_dir}: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote a random-weight {args.size} aligner checkpoint ({args.layout} layout) to {path}", file=sys.stderr)
+    return 0
 
 
 def _out_dir_problem(out_dir: Path, *, force: bool) -> str | None:
@@ -690,9 +896,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="share lm_head with the embedding (default: untied for tiny, tied for 0.6B/1.7B)",
     )
+    parser.add_argument("--aligner", action="store_true", help=ALIGNER_HELP)
     args = parser.parse_args(argv)
     if problem := _out_dir_problem(args.out_dir, force=args.force):
         parser.error(problem)
+    if args.aligner:
+        return _aligner_main(parser, args)
     try:
         path = make_test_model(
             args.out_dir,

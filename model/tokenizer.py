@@ -26,6 +26,7 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 ENDOFTEXT = "<|endoftext|>"
 ASR_TEXT = "<asr_text>"  # an added token that is NOT special: it survives skip_special_tokens
+TIMESTAMP = "<timestamp>"  # the forced aligner's timestamp slot: an added token of the aligner's tokenizer only
 # Defaults for the names the official processor reads from `extra_special_tokens`.
 DEFAULT_AUDIO_TOKENS = {
     "audio_token": "<|audio_pad|>",
