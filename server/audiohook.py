@@ -25,8 +25,8 @@ Text frames are JSON messages `{"version": "2", "id", "type", "seq", "parameters
 A `conversationId` of all zeros is Genesys's connection probe: it is opened and closed like a call, but nothing is
 transcribed and no call is published. Protocol violations (a `seq` that is not the last one + 1, a `serverseq`
 ahead of the server's, another session's `id`, a malformed message, audio outside ACTIVE) are answered with
-`disconnect` {reason: "error", info: "Client Error: ..."} and the connection closes. The call id is the `conversationId`; channel 0 is `external` (the
-customer: "caller"), channel 1 `internal` (the agent).
+`disconnect` {reason: "error", info: "Client Error: ..."} and the connection closes. The call id is the
+`conversationId`; channel 0 is `external` (the customer: "caller"), channel 1 `internal` (the agent).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ class State(enum.Enum):
 
 class AudioHookAdapter:
     PLATFORM = "audiohook"
+    finalise_on_disconnect = True  # a socket lost without `close` still finalises the call's open segments
 
     def __init__(self, *, defaults: StreamSettings, limits: StreamLimits, calls: CallRegistry,
                  headers: Mapping[str, str]):

@@ -233,6 +233,7 @@ class MediaStreamAdapter:
     PLATFORM = "?"
     STREAM_ID_FIELD = "streamSid"
     SEQUENCE_FIELD = "sequenceNumber"
+    finalise_on_disconnect = True  # a call dropped without `stop` still gets its open segments' finals
 
     def __init__(self, *, defaults: StreamSettings, limits: StreamLimits, calls: CallRegistry):
         self.defaults = defaults

@@ -9,9 +9,9 @@ The messages implemented (Vonage's documented shapes):
 Vonage streams the conversation's audio mixed into one channel (track "conversation", no speaker label). The
 call id is the `call_id` query parameter of the endpoint URL, else the `call_id`, `conversation_uuid` or `uuid`
 header the NCCO passes, else a generated one (the `call_started` message says which). The call ends when Vonage
-closes the socket; Vonage sends no end message and no pings. A binary frame before `websocket:connected`, a frame
-that is not whole 16-bit samples, or a malformed text frame closes the connection with 1007; a content type other
-than audio/l16 at a supported rate with 1003.
+closes the socket (its open segments are then finalised for the call); Vonage sends no end message and no pings.
+A binary frame before `websocket:connected`, a frame that is not whole 16-bit samples, or a malformed text frame
+closes the connection with 1007; a content type other than audio/l16 at a supported rate with 1003.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ TRACK = "conversation"
 
 class VonageAdapter:
     PLATFORM = "vonage"
+    finalise_on_disconnect = True  # Vonage ends a call by closing the socket: open segments get their finals
 
     def __init__(self, *, defaults: StreamSettings, limits: StreamLimits, calls: CallRegistry,
                  query: dict[str, str] | None = None):
