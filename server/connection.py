@@ -12,6 +12,14 @@ stream's events in order, plus the timeouts and the teardown. Every way a connec
 
 A client's WebSocket pings count as activity for the idle timeout (`PingAwareConnection`): a push-to-talk client
 may stay connected between presses by pinging.
+
+What an adapter may count on: Replies and Notices before its Start go out at once (the start timeout still runs);
+after it, Replies, Notices and the stream's events go out in exactly the order they were made (Replies travel
+through the session's event queue); a multichannel stream (`StreamSettings.multichannel`) runs one session per
+channel (qasr.streaming.multichannel) and `Flush(channel)` finalises one channel's segment; `close()`, when the
+adapter has one, is called at teardown whatever happened; with `finalise_on_disconnect` a client that goes away
+without ending the stream still gets its open segments finalised, their events handed to `encode()` (a call's
+transcripts go to its subscribers, not to the closed socket).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ from qasr.server.limits import ServerLimits
 from qasr.server.metrics import ServerMetrics
 from qasr.server.stream_runner import StreamRunner
 from qasr.streaming import events
+from qasr.streaming.multichannel import MultichannelSession
 from qasr.streaming.session import Session
 from qasr.streaming.settings import StreamSettings
 
@@ -42,8 +51,13 @@ log = logging.getLogger("qasr.server")
 
 
 class WireAdapter(Protocol):
-    """One connection's wire format, sans-I/O. Built per connection from the handshake (see Handshake); raises
-    qasr.server.errors.ProtocolError subclasses for fatal problems (their close codes), never anything else."""
+    """One connection's wire format, sans-I/O. Built per connection from the handshake (qasr.server.app.Handshake):
+    a ProtocolError from the constructor refuses the upgrade (HTTP 400, or the error's `http_status`). `receive`
+    raises ProtocolError subclasses for fatal problems (their close codes), never anything else.
+
+    Optional members: `close()` (called once at teardown, however the connection ended) and
+    `finalise_on_disconnect` (True: a client that disconnects without ending the stream still has its open
+    segments finalised, and their events go to `encode()`, whose frames are dropped)."""
 
     def greeting(self) -> list[str | bytes]:
         """Frames sent as soon as the socket opens ([] for the native protocol)."""
@@ -83,6 +97,7 @@ class StreamConnection:
         self._receiver: asyncio.Task | None = None  # the task reading from the socket, interrupted by stop
         self._sender: asyncio.Task | None = None  # the task sending the stream's events
         self._stop_timer: asyncio.TimerHandle | None = None
+        self._socket_gone = False  # the client disconnected: frames are dropped (finalise_on_disconnect)
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
@@ -93,8 +108,8 @@ class StreamConnection:
             await self._send_frames(self.adapter.greeting())
             settings, commands = await self._receive(self._receive_start())
             await self._open_stream(settings)
-            await self._carry_out(commands)
-            await self._stream()
+            ended = await self._carry_out(commands)  # what came with the Start (an End too, at times)
+            await self._stream(receive=not ended)
             close_code = errors.GOING_AWAY if self.stopping else errors.NORMAL
             await self._close(close_code, "server is shutting down" if self.stopping else "")
         except asyncio.CancelledError:
@@ -131,6 +146,12 @@ class StreamConnection:
         if self.runner is not None:
             await self.runner.abort()
             self.metrics.sessions_active -= 1
+        close = getattr(self.adapter, "close", None)  # an optional hook of the WireAdapter protocol
+        if close is not None:
+            try:
+                close()
+            except Exception:  # the connection is over either way
+                log.warning("session %s: the wire adapter failed to close", self.session_id, exc_info=True)
 
     # -- receiving -------------------------------------------------------------------------------------------
 
@@ -185,16 +206,26 @@ class StreamConnection:
                 runner.feed(command.samples)
                 self.metrics.audio_seconds_total.inc(len(command.samples) / self.settings.sample_rate)
             elif isinstance(command, Flush):
-                runner.flush()
+                runner.flush(self._flushed_channel(command.channel))
             elif isinstance(command, End):
                 return True
             elif isinstance(command, Notice):
                 runner.notify(events.Error(command.code, command.message))
             elif isinstance(command, Reply):
-                await self._send_frames(command.frames)
+                runner.notify(command)  # after the events made before it (the sender sends it as it is)
             else:
                 raise errors.MalformedMessage("the stream has already started")
         return False
+
+    def _flushed_channel(self, channel: int | None) -> int | None:
+        """Which channel a Flush names, for the runner: None (every channel's) unless it picks one channel of a
+        multichannel stream. A channel the stream does not have is the client's mistake (1007)."""
+        channels = self.settings.channels if self.settings.multichannel else 1
+        if channel is not None and (isinstance(channel, bool) or not isinstance(channel, int)
+                                    or not 0 <= channel < channels):
+            raise errors.MalformedMessage(f"flush: channel {channel!r} is not one of the stream's channels "
+                                          f"0..{channels - 1}")
+        return channel if self.settings.multichannel else None
 
     # -- the stream ------------------------------------------------------------------------------------------
 
@@ -205,19 +236,22 @@ class StreamConnection:
         except ValueError as error:
             raise errors.MalformedMessage(str(error)) from None
         self.settings = settings
-        session = Session(self.session_id, settings, max_pending_finals=self.limits.max_pending_finals,
-                          observer=self.metrics)
+        session_type = MultichannelSession if settings.multichannel else Session
+        session = session_type(self.session_id, settings, max_pending_finals=self.limits.max_pending_finals,
+                               observer=self.metrics)
         self.runner = StreamRunner(session, self.engine, observer=self.metrics)
         self.metrics.sessions_active += 1
         self.metrics.sessions_total.inc()
         await self._send(events.Ready(self.session_id, self.engine.model_name, settings.sample_rate, SAMPLE_RATE))
-        log.info("session %s started: %d Hz %s x%d, language %s", self.session_id, settings.sample_rate,
-                 settings.encoding, settings.channels, settings.language or "auto")
+        log.info("session %s started: %d Hz %s x%d%s, language %s", self.session_id, settings.sample_rate,
+                 settings.encoding, settings.channels, " (multichannel)" if settings.multichannel else "",
+                 settings.language or "auto")
 
-    async def _stream(self) -> None:
-        """Receive until `end` while sending events; then send the rest (finals, summary)."""
+    async def _stream(self, *, receive: bool = True) -> None:
+        """Receive until `end` (unless it came already) while sending events; then send the rest (finals,
+        summary)."""
         self._sender = asyncio.get_running_loop().create_task(self._send_events())
-        receiving = asyncio.ensure_future(self._receive(self._receive_stream()))
+        receiving = asyncio.ensure_future(self._receive(self._receive_stream()) if receive else _nothing())
         try:
             await asyncio.wait({receiving, self._sender}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -244,14 +278,28 @@ class StreamConnection:
         if not self._sender.cancelled():
             self._sender.result()
 
-    async def _send(self, event: events.ServerEvent) -> None:
+    async def _send(self, event: events.ServerEvent | Reply) -> None:
+        if isinstance(event, Reply):
+            await self._send_frames(event.frames)
+            return
         await self._send_frames(self.adapter.encode(event))
         if isinstance(event, events.Error):
             self.metrics.error_sent(event.code)
 
     async def _send_frames(self, frames: list[str | bytes]) -> None:
         for frame in frames:
-            await self.websocket.send(frame)
+            if self._socket_gone:
+                return
+            try:
+                await self.websocket.send(frame)
+            except ConnectionClosed:
+                if not self._finalises_on_disconnect:
+                    raise
+                self._socket_gone = True  # keep encoding the stream's events: the adapter hands them on
+
+    @property
+    def _finalises_on_disconnect(self) -> bool:
+        return bool(getattr(self.adapter, "finalise_on_disconnect", False))  # optional (WireAdapter)
 
     # -- the end ---------------------------------------------------------------------------------------------
 
@@ -259,6 +307,8 @@ class StreamConnection:
         decision = errors.decide_close(exc, stopping=self.stopping)
         if decision is None:  # the client went away (or the library closed with 1009): nothing more to send
             self._record_disconnect(exc)
+            if self._finalises_on_disconnect:
+                await self._finalise_after_disconnect()
             return
         fatal = events.Error(decision.error_code, decision.message, fatal=True)
         if decision.finalise and self.runner is not None and self._sender is not None and not self._sender.done():
@@ -277,6 +327,20 @@ class StreamConnection:
             except ConnectionClosed:
                 pass
         await self._close(decision.close_code, decision.error_code)
+
+    async def _finalise_after_disconnect(self) -> None:
+        """The client left without ending the stream (a call hung up): finalise its open segments anyway, their
+        events going to the adapter's encode() only, within the drain timeout."""
+        if self.runner is None:
+            return  # nothing was streamed
+        self._socket_gone = True
+        if self._sender is None or self._sender.done():  # it may have stopped on the closed socket; nothing it
+            self._sender = asyncio.get_running_loop().create_task(self._send_events())  # took is lost
+        self.runner.end()
+        try:
+            await self._drain(timeout=self.limits.drain_timeout_s)
+        except Exception:  # the engine failed or stopped meanwhile: nothing more can be done for this stream
+            log.info("session %s: finals after the disconnect not completed", self.session_id, exc_info=True)
 
     async def _close(self, code: int, reason: str) -> None:
         # Frames the client sent after we stopped reading fill websockets' queue, which then stops reading the
@@ -304,6 +368,10 @@ class StreamConnection:
             received = getattr(exc, "rcvd", None)
             self.metrics.connection_closed(received.code if received is not None else None)
         log.info("session %s: client disconnected (%s)", self.session_id, exc)
+
+
+async def _nothing() -> None:
+    """The receiving step of a stream whose End came with its Start."""
 
 
 class _IdleWatch:

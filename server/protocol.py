@@ -29,12 +29,12 @@ from qasr.streaming import events
 from qasr.streaming.settings import SettingsError, StreamLimits, StreamSettings
 
 FORMATS = ("json", "msgpack")  # how server events are framed: JSON text frames or msgpack binary frames
-START_FIELDS = {"type", "sample_rate", "encoding", "channels", "language", "context", "format", "partials",
-                "partial_interval_ms", "vad"}
+START_FIELDS = {"type", "sample_rate", "encoding", "channels", "multichannel", "language", "context", "format",
+                "partials", "partial_interval_ms", "vad"}
 VAD_FIELDS = {"aggressiveness", "end_silence_ms", "pre_roll_ms", "max_segment_s"}
 # the wire type of each `start` field that maps onto StreamSettings (VadSettings for vad.*)
-FIELD_TYPES = {"sample_rate": int, "encoding": str, "channels": int, "context": str, "partials": bool,
-               "partial_interval_ms": int}
+FIELD_TYPES = {"sample_rate": int, "encoding": str, "channels": int, "multichannel": bool, "context": str,
+               "partials": bool, "partial_interval_ms": int}
 VAD_FIELD_TYPES = {"aggressiveness": int, "end_silence_ms": int, "pre_roll_ms": int, "max_segment_s": float}
 UNSUPPORTED_FIELDS = {"sample_rate", "encoding", "channels"}  # a value we cannot take closes 1003, others 1007
 
@@ -91,14 +91,24 @@ class NativeProtocol:
         if kind in ("flush", "end"):
             if self.state is State.AWAITING_START:
                 raise MalformedMessage(f"`{kind}` before `start`: the first message must be `start`")
-            notices = _unknown_fields(message, {"type"}, kind)
             if kind == "end":
                 self.state = State.ENDED
-                return [*notices, End()]  # the notices first: nothing after End is read
-            return [Flush(), *notices]
+                return [*_unknown_fields(message, {"type"}, kind), End()]  # the notices first: nothing after End
+            return [Flush(self._flushed_channel(message)), *_unknown_fields(message, {"type", "channel"}, kind)]
         if kind is None:
             raise MalformedMessage('text frames need a "type": start, flush or end')
         raise MalformedMessage(f"unknown message type {kind!r}: use start, flush or end (audio goes in binary frames)")
+
+    def _flushed_channel(self, message: dict) -> int | None:
+        """`flush` may name one channel of a multichannel stream (`"channel": c`); without it every channel's open
+        segment is finalised."""
+        channel = message.get("channel")
+        channels = self.settings.channels if self.settings.multichannel else 1
+        if channel is None:
+            return None
+        if isinstance(channel, bool) or not isinstance(channel, int) or not 0 <= channel < channels:
+            raise MalformedMessage(f"flush: channel must be an integer in 0..{channels - 1}, got {channel!r}")
+        return channel
 
     def _receive_audio(self, data: bytes | bytearray | memoryview) -> list[Command]:
         if self.state is State.AWAITING_START:
@@ -149,8 +159,8 @@ class NativeProtocol:
     def config(self) -> dict:
         """The stream's settings as the `start` message spells them, defaults filled in (the `ready` event's config)."""
         settings = self.settings or self.defaults
-        config = {name: getattr(settings, name) for name in ("sample_rate", "encoding", "channels", "language",
-                                                             "context")}
+        config = {name: getattr(settings, name) for name in ("sample_rate", "encoding", "channels", "multichannel",
+                                                             "language", "context")}
         config["format"] = self.format
         config.update(partials=settings.partials, partial_interval_ms=settings.partial_interval_ms,
                       vad=dataclasses.asdict(settings.vad))
@@ -158,8 +168,12 @@ class NativeProtocol:
 
 
 def event_to_dict(event: events.ServerEvent) -> dict:
-    """{"type": ..., fields...}: the wire shape of a server event, the same for JSON and msgpack."""
-    return {"type": event.TYPE, **dataclasses.asdict(event)}
+    """{"type": ..., fields...}: the wire shape of a server event, the same for JSON and msgpack. `channel` only on
+    the events of multichannel streams."""
+    payload = {"type": event.TYPE, **dataclasses.asdict(event)}
+    if payload.get("channel", 0) is None:
+        del payload["channel"]
+    return payload
 
 
 def _unknown_fields(message: dict, known: set[str], where: str) -> list[Command]:

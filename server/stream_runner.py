@@ -1,11 +1,11 @@
 """The asyncio glue between one sans-I/O `Session` and the engine: runs its engine actions, hands results back.
 
-The session decides (when a partial or a final is due, what to cancel, which stream the engine may forget); the
-runner carries it out: one task per Decode on `engine.transcribe`, Cancel cancels that task, Release calls
-`engine.release_stream`. It also gives the connection what needs a loop: `next_event()` waits for the session's
-next event, `wait_for_capacity()` pauses reading while too many finals are pending, and `abort()` leaves no task
-behind. The engine closing (EngineClosed) is fatal to the stream: raised as errors.EngineStopped from `next_event()`
-once the events already made are taken.
+The session (a `Session`, or a `MultichannelSession`: one per channel behind the same face) decides (when a partial
+or a final is due, what to cancel, which stream the engine may forget); the runner carries it out: one task per
+Decode on `engine.transcribe`, Cancel cancels that task, Release calls `engine.release_stream`. It also gives the
+connection what needs a loop: `next_event()` waits for the session's next event, `wait_for_capacity()` pauses
+reading while too many finals are pending, and `abort()` leaves no task behind. The engine closing (EngineClosed)
+is fatal to the stream: raised as errors.EngineStopped from `next_event()` once the events already made are taken.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from qasr.engine.face import SpeechEngine
 from qasr.engine.request import DecodeRequest, EngineClosed, Priority, Superseded
 from qasr.server.errors import EngineStopped
 from qasr.streaming import events
+from qasr.streaming.multichannel import MultichannelSession
 from qasr.streaming.session import Cancel, Decode, EngineAction, Release, Session
 
 log = logging.getLogger("qasr.session")
@@ -37,7 +38,8 @@ class StreamRunner:
     """Runs one session's engine work. Call feed/flush/end/notify from the event loop; take events with
     next_event()."""
 
-    def __init__(self, session: Session, engine: SpeechEngine, *, observer: DecodeObserver | None = None):
+    def __init__(self, session: Session | MultichannelSession, engine: SpeechEngine, *,
+                 observer: DecodeObserver | None = None):
         self.session = session
         self.engine = engine
         self._observer = observer or DecodeObserver()
@@ -54,16 +56,22 @@ class StreamRunner:
         self.session.feed(samples)
         self._run_actions()
 
-    def flush(self) -> None:
-        self.session.flush()
+    def flush(self, channel: int | None = None) -> None:
+        """Finalise the open segment (of one channel of a multichannel stream; None: of every channel)."""
+        if channel is None:
+            self.session.flush()
+        else:
+            self.session.flush(channel)
         self._run_actions()
 
     def end(self) -> None:
         self.session.end()
         self._run_actions()
 
-    def notify(self, error: events.Error) -> None:
-        self.session.notify(error)
+    def notify(self, event) -> None:
+        """Queue an error event, or a wire adapter's Reply, in order with the stream's events (next_event hands
+        both out)."""
+        self.session.notify(event)
         self._run_actions()
 
     def _run_actions(self) -> None:

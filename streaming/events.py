@@ -4,6 +4,10 @@ A `Session` produces `SpeechStarted`, `SpeechEnded`, `Partial`, `Final`, `Error`
 `Ready` and fatal `Error`s. Wire adapters (`qasr.server.protocol` for the native protocol) turn them into frames
 (zero or more each: the native protocol sends nothing for `SpeechEnded`), so nothing here knows about JSON, msgpack
 or sockets. Times are seconds from the start of the stream.
+
+On a multichannel stream (`StreamSettings.multichannel`) each channel is segmented on its own: the events of a
+channel's segments (and its decode failures) carry `channel`, its index; segment ids count per channel. `channel` is
+None on every other stream.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ class SpeechStarted:
     TYPE: ClassVar[str] = "speech_started"
     segment_id: int
     start: float  # seconds: where the segment begins (pre-roll included)
+    channel: int | None = None  # multichannel streams: whose segment
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,7 @@ class SpeechEnded:
     TYPE: ClassVar[str] = "speech_ended"
     segment_id: int
     end: float  # seconds: where the segment ends
+    channel: int | None = None  # multichannel streams: whose segment
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class Partial:
     language: str  # canonical language name, "" when the model heard no speech
     start: float  # seconds
     end: float  # seconds: the end of the audio this hypothesis heard
+    channel: int | None = None  # multichannel streams: whose segment
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class Final:
     end: float  # seconds
     reason: str  # why the segment closed: "silence", "max_length", "flush", "end", ...
     latency_ms: float  # from the decision that the segment ended to this event being handed out
+    channel: int | None = None  # multichannel streams: whose segment
 
 
 @dataclass(frozen=True)
@@ -67,14 +75,15 @@ class Error:
     code: str  # stable, machine-readable: "malformed", "unsupported", "decode_failed", ...
     message: str  # for people; never carries internal details
     fatal: bool = False  # True: the server closes the connection after this event (and any finals due)
+    channel: int | None = None  # multichannel streams: the channel whose segment failed (None: the stream's)
 
 
 @dataclass(frozen=True)
 class Summary:
     TYPE: ClassVar[str] = "summary"
-    segments: int  # segments finalised (one final each)
-    audio_seconds: float  # audio received, at the input rate
-    speech_seconds: float  # total length of the segments
+    segments: int  # segments finalised (one final each; every channel's on a multichannel stream)
+    audio_seconds: float  # audio received, at the input rate (the stream's length, not summed over channels)
+    speech_seconds: float  # total length of the segments (summed over channels)
 
 
 ServerEvent = Union[Ready, SpeechStarted, SpeechEnded, Partial, Final, Error, Summary]

@@ -177,9 +177,10 @@ class Session:
         self._ended = True
         self._emit_ready_finals()
 
-    def notify(self, error: events.Error) -> None:
-        """Queue an error event from outside (e.g. a protocol notice) in order with the stream's own events."""
-        self._emit(error)
+    def notify(self, event) -> None:
+        """Queue an event from outside (an error for a protocol notice; a wire adapter's reply, which the connection
+        sends as it is) in order with the stream's own events."""
+        self._emit(event)
 
     def _check_open(self) -> None:
         if self._ended or self._aborted:

@@ -53,7 +53,8 @@ class StreamSettings:
     sample_rate: int = 16000  # Hz of the audio the client sends
     encoding: str = "s16le"  # qasr.audio.ENCODINGS: "s16le", "f32le", "mulaw", "alaw"
     channels: int = 1  # interleaved
-    multichannel: bool = False  # False: channels averaged to mono; True: one segmenter per channel (issue #12)
+    multichannel: bool = False  # False: channels averaged to mono; True: each channel segmented and transcribed
+    # on its own (qasr.streaming.multichannel), its events carrying `channel`
     language: str | None = None  # canonical language name; None: the model detects it
     context: str = ""  # decoder hints (names, topic, spelling)
     partials: bool = True  # send hypotheses while a segment grows
@@ -111,8 +112,6 @@ class StreamLimits:
         """Raise SettingsError for the first setting over this server's limits."""
         _check_int("sample_rate", settings.sample_rate, self.min_sample_rate, self.max_sample_rate)
         _check_int("channels", settings.channels, 1, self.max_channels)
-        if settings.multichannel:
-            raise SettingsError("multichannel", "multichannel streams are not supported yet: channels are averaged")
         _check_int("partial_interval_ms", settings.partial_interval_ms, self.min_partial_interval_ms,
                    self.max_partial_interval_ms)
         if len(settings.context) > self.max_context_chars:

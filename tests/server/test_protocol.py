@@ -35,12 +35,14 @@ def test_a_bare_start_gets_the_documented_defaults():
 
 
 def test_a_full_start_is_taken_as_given_and_the_language_normalised():
-    message = {"type": "start", "sample_rate": 48000, "encoding": "f32le", "channels": 2, "language": "english",
+    message = {"type": "start", "sample_rate": 48000, "encoding": "f32le", "channels": 2, "multichannel": True,
+               "language": "english",
                "context": "Names: Qasr", "format": "msgpack", "partials": False, "partial_interval_ms": 500,
                "vad": {"aggressiveness": 3, "end_silence_ms": 300, "pre_roll_ms": 0, "max_segment_s": 12}}
     protocol = NativeProtocol()
     [start] = protocol.receive(json.dumps(message))
-    assert start.settings == StreamSettings(48000, "f32le", 2, language="English", context="Names: Qasr",
+    assert start.settings == StreamSettings(48000, "f32le", 2, multichannel=True, language="English",
+                                            context="Names: Qasr",
                                             partials=False, partial_interval_ms=500, vad=VadSettings(3, 300, 0, 12.0))
     assert protocol.format == "msgpack"
     assert protocol.config() == {key: value for key, value in message.items() if key != "type"} | {
@@ -171,6 +173,28 @@ def test_flush_and_end_and_what_comes_after_end():
     assert notice.code == "ignored"
 
 
+def test_flush_may_name_one_channel_of_a_multichannel_stream():
+    protocol = started(channels=2, multichannel=True)
+    assert protocol.receive('{"type": "flush", "channel": 1}') == [Flush(1)]
+    assert protocol.receive('{"type": "flush"}') == [Flush()]
+    for channel in ("2", "-1", "true", '"0"'):
+        with pytest.raises(MalformedMessage, match="channel must be an integer in 0..1"):
+            protocol.receive(f'{{"type": "flush", "channel": {channel}}}')
+    assert started().receive('{"type": "flush", "channel": 0}') == [Flush(0)]  # a mono stream's only channel
+    with pytest.raises(MalformedMessage, match="0..0"):
+        started(channels=2).receive('{"type": "flush", "channel": 1}')  # averaged: one channel of segments
+    with pytest.raises(MalformedMessage, match="multichannel must be true or false"):
+        started(multichannel="yes")
+
+
+def test_channel_is_on_the_wire_only_for_multichannel_events():
+    assert "channel" not in event_to_dict(events.Final(0, "hi", "English", 0.0, 1.0, "silence", 5.0))
+    assert event_to_dict(events.Partial(3, "hi", "English", 0.0, 1.0, channel=1)) == {
+        "type": "partial", "segment_id": 3, "text": "hi", "language": "English", "start": 0.0, "end": 1.0,
+        "channel": 1}
+    assert event_to_dict(events.SpeechStarted(0, 0.5, channel=0))["channel"] == 0
+
+
 def test_messages_over_the_size_limit_close_with_1009():
     protocol = NativeProtocol(limits=ServerLimits(max_message_bytes=1024))
     with pytest.raises(MessageTooBig) as caught:
@@ -225,7 +249,8 @@ def test_ready_carries_the_limits_and_the_streams_config_and_speech_ended_sends_
     assert ready["limits"] == {"max_message_bytes": 4096, "idle_timeout_s": 30.0, "sample_rates": [8000, 192000],
                                "max_channels": 8, "partial_interval_ms": [200, 10000], "max_context_chars": 2000,
                                "max_segment_s": 30.0}
-    assert ready["config"] == {"sample_rate": 48000, "encoding": "s16le", "channels": 1, "language": None,
+    assert ready["config"] == {"sample_rate": 48000, "encoding": "s16le", "channels": 1, "multichannel": False,
+                               "language": None,
                                "context": "", "format": "json", "partials": True, "partial_interval_ms": 1000,
                                "vad": {"aggressiveness": 2, "end_silence_ms": 500, "pre_roll_ms": 0,
                                        "max_segment_s": 30.0}}
