@@ -24,11 +24,15 @@ from websockets.http11 import Request
 
 from qasr.engine.face import SpeechEngine
 from qasr.server import errors
+from qasr.server.call_events import CallSubscriber, WebSocketPaths, call_id_of
+from qasr.server.calls import CallOptions, CallRegistry
 from qasr.server.connection import PingAwareConnection, StreamConnection, WireAdapter
 from qasr.server.http import STREAM_PATH, HttpRoutes
 from qasr.server.limits import ServerLimits
 from qasr.server.metrics import ServerMetrics
 from qasr.server.protocol import NativeProtocol
+from qasr.server.telephony import TELEPHONY_ADAPTERS
+from qasr.server.webhooks import WebhookOptions, WebhookSender
 from qasr.streaming.settings import StreamLimits, StreamSettings
 
 log = logging.getLogger("qasr.server")
@@ -43,8 +47,12 @@ class ServerConfig:
     defaults: StreamSettings = field(default_factory=StreamSettings)  # a stream's settings where it asks nothing
     web_root: Path | None = None  # the static page's folder (http.find_web_root), None: no page
     ping_interval_s: float | None = 20.0  # keepalive pings find clients that vanished without closing
+    calls: CallOptions = field(default_factory=CallOptions)  # telephony calls out: replay, webhook URL (#13)
+    webhooks: WebhookOptions | None = None  # signing and retries of call webhooks; None: no webhooks
 
     def __post_init__(self):
+        if self.webhooks is None and (self.calls.webhook_url or self.calls.webhook_prefixes):
+            raise ValueError("call webhooks need a signing secret (--webhook-secret or $QASR_WEBHOOK_SECRET)")
         try:
             self.stream_limits.check(self.defaults)
         except ValueError as error:
@@ -58,6 +66,7 @@ class Handshake:
     request: Request
     config: ServerConfig
     model_name: str  # what clients are told; "" while no engine is loaded (the connection is then refused)
+    calls: CallRegistry | None = None  # the server's calls, which telephony adapters publish to
 
 
 # WebSocket path -> the wire adapter for its connections. Other wire formats register their paths here.
@@ -65,6 +74,7 @@ WIRE_ADAPTERS: dict[str, Callable[[Handshake], WireAdapter]] = {
     STREAM_PATH: lambda handshake: NativeProtocol(defaults=handshake.config.defaults,
                                                   stream_limits=handshake.config.stream_limits,
                                                   limits=handshake.config.limits),
+    **TELEPHONY_ADAPTERS,  # /v1/twilio, /v1/telnyx, /v1/vonage, /v1/audiohook
 }
 
 
@@ -81,14 +91,19 @@ class QasrServer:
         self.port: int | None = None  # once started
         self._stopped = asyncio.Event()
         self._lag_watch: asyncio.Task | None = None
+        self.webhooks = (WebhookSender(config.webhooks, on_undelivered=self.metrics.webhook_undelivered)
+                         if config.webhooks is not None else None)
+        self.calls = CallRegistry(config.calls, webhooks=self.webhooks)  # telephony calls, their subscribers
+        self.subscribers: set[CallSubscriber] = set()  # GET /v1/calls/{id}/events connections
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
         """Bind and serve. The HTTP endpoints answer at once; streams are admitted once the engine is ready."""
         limits = self.config.limits
+        websocket_paths = WebSocketPaths(WIRE_ADAPTERS.keys())  # the streams' and the call subscribers'
         routes = HttpRoutes(metrics=self.metrics, engine=_EngineView(self), is_ready=self.is_ready,
-                            web_root=self.config.web_root, stream_paths=WIRE_ADAPTERS.keys())
+                            web_root=self.config.web_root, stream_paths=websocket_paths)
         self._websocket_server = await serve(
             self._handle, self.config.host, self.config.port, process_request=routes,
             max_size=limits.max_message_bytes, ping_interval=self.config.ping_interval_s,
@@ -130,7 +145,11 @@ class QasrServer:
             self._websocket_server.close(close_connections=False)  # no new connections; handlers run on
             for connection in list(self.connections):
                 connection.request_stop()
+            for subscriber in list(self.subscribers):
+                subscriber.request_stop()  # after its call's last finals, within the drain timeout
             await self._websocket_server.wait_closed()
+        if self.webhooks is not None:
+            await self.webhooks.close()  # queued call messages get their drain timeout
         if self._lag_watch is not None:
             self._lag_watch.cancel()
         if self.engine is not None:
@@ -153,14 +172,29 @@ class QasrServer:
 
     async def _handle(self, websocket: ServerConnection) -> None:
         self.metrics.connections_total.inc()
-        make_adapter = WIRE_ADAPTERS[urlsplit(websocket.request.path).path]  # http.HttpRoutes let only these in
-        handshake = Handshake(websocket.request, self.config, self.engine.model_name if self.engine else "")
+        path = urlsplit(websocket.request.path).path
+        if path not in WIRE_ADAPTERS:  # http.HttpRoutes let only these and subscriber paths in
+            await self._serve_subscriber(websocket, call_id_of(path))
+            return
+        make_adapter = WIRE_ADAPTERS[path]
+        handshake = Handshake(websocket.request, self.config, self.engine.model_name if self.engine else "",
+                              calls=self.calls)
         connection = StreamConnection(websocket, make_adapter(handshake), engine=self.engine,
                                       limits=self.config.limits, metrics=self.metrics)
         try:
             await connection.run(admit=functools.partial(self._admit, connection))
         finally:
             self.connections.discard(connection)
+
+    async def _serve_subscriber(self, websocket: ServerConnection, call_id: str) -> None:
+        subscriber = CallSubscriber(websocket, self.calls, call_id, drain_timeout_s=self.config.limits.drain_timeout_s)
+        if self.stopping:
+            subscriber.request_stop()
+        self.subscribers.add(subscriber)
+        try:
+            await subscriber.run()
+        finally:
+            self.subscribers.discard(subscriber)
 
     def _admit(self, connection: StreamConnection) -> None:
         if self.stopping:
