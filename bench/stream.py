@@ -1,21 +1,27 @@
 """`qasr-bench stream`: N live clients against a running server, and the latencies each of them sees.
 
-    qasr-bench stream --url ws://127.0.0.1:8765/v1/stream --clients 32 --duration 60 --server-pid $(pgrep -n qasr-server) \\
+    qasr-bench stream --url ws://127.0.0.1:8765 --clients 32 --duration 60 --server-pid $(pgrep -n qasr-server) \\
         --out stream.json --plot stream.png
+    qasr-bench stream --protocol openai ...     # OpenAI Realtime transcription sessions on /v1/realtime
+    qasr-bench stream --protocol twilio ...     # Twilio calls on /v1/twilio (--tracks both: caller and agent)
 
-Every client is a `qasr.client.StreamClient` that streams audio in real time (or --speed times faster) for
---duration seconds: a WAV file (--audio, each client starting at its own offset, looped), or generated speech-like
-utterances with pauses (a seed per client). Then it sends `end` and waits for its last finals. Measured per segment
-and client, with "when speech happened" taken as the moment the audio would have been captured live
-(start + sample / 16000 / speed):
+Every client streams audio in real time (or --speed times faster) for --duration seconds in the --protocol's wire
+format (qasr.bench.protocol_clients: native through qasr.client's StreamClient, OpenAI Realtime and Twilio Media
+Streams with plain websockets): a WAV file (--audio, each client starting at its own offset, looped), or generated
+speech-like utterances with pauses (a seed per client). Then it ends the stream and waits for its last finals.
+Measured per segment and client, with "when speech happened" taken as the moment the audio would have been captured
+live (start + stream time / speed):
 
-- first partial latency: speech start (the segment's `start` plus the VAD pre-roll) to its first partial arriving;
-- partial latency: the end of the audio a partial heard to its arrival; partial cadence: gaps between partials;
-- final latency (server): the final's `latency_ms`, from the endpoint decision to sending;
-- end of speech to final: the segment's `end` to the final arriving (includes the VAD's end silence);
+- first partial latency: speech start (the segment's start plus the VAD pre-roll) to its first partial (delta);
+- partial latency: the end of the audio a partial heard to its arrival (native and twilio: OpenAI deltas say no
+  audio end); partial cadence: gaps between a segment's partials (OpenAI: deltas);
+- final latency (endpoint ->): native, twilio: the final's `latency_ms`, from the endpoint decision to sending;
+  openai: the item's `speech_stopped` to its `completed` arriving;
+- end of speech to final: the segment's end to the final arriving (includes the VAD's end silence);
 - send lag: how far each chunk's send finished behind its real-time schedule (backpressure or an overloaded client);
+- finals per segment: each segment must get exactly one (missing and duplicate finals are counted);
 - server CPU: from /proc/<pid>/stat and its children's (--server-pid, same machine), else `process_cpu_seconds_total`
-  plus the engine process's `qasr_engine_process_cpu_seconds` on /metrics.
+  plus the engine process's `qasr_engine_process_cpu_seconds` on /metrics; also per second of audio and per stream.
 
 Prints p50/p90/p95/p99/max per metric, writes JSON (--out) and a plot (--plot, needs matplotlib). Stops by itself:
 --duration of streaming, then at most --drain-timeout-s of waiting for finals.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import dataclasses
 import json
 import math
@@ -33,22 +40,22 @@ import re
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import numpy as np
 
 from qasr.audio import SAMPLE_RATE
+from qasr.bench.protocol_clients import CLIENTS, ClientRecord, endpoint
 from qasr.bench.synthetic import speech_like
-from qasr.client import ClientError, FileSource, StreamClient, StreamClosed, StreamOptions, Summary
+from qasr.client import FileSource
 
 PERCENTILES = (50, 90, 95, 99)
 METRICS = {  # JSON key -> table label; all in milliseconds
     "first_partial_latency_ms": "first partial (speech start ->)",
     "partial_latency_ms": "partial (heard audio end ->)",
     "partial_gap_ms": "partial cadence (gap)",
-    "final_latency_ms": "final (server, endpoint ->)",
+    "final_latency_ms": "final (endpoint ->)",
     "end_to_final_ms": "final (speech end ->, client)",
     "send_lag_ms": "send lag behind real time",
 }
@@ -88,85 +95,6 @@ def client_audio(source: np.ndarray | None, seconds: float, index: int) -> np.nd
     offset = (index * 7919 * SAMPLE_RATE // 1000) % len(source)  # ~8 s apart, so clients do not speak in unison
     repeats = -(-(offset + n) // len(source))
     return np.tile(source, repeats)[offset : offset + n]
-
-
-# ---- one client --------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ClientRecord:
-    index: int
-    t0: float = 0.0  # perf_counter when the first audio chunk was due
-    speed: float = 1.0
-    pre_roll_s: float = 0.0  # the stream's VAD pre-roll (from `ready`)
-    session_id: str = ""
-    events: list[tuple[float, dict]] = field(default_factory=list)  # (arrival perf_counter, event)
-    send_lag_ms: list[float] = field(default_factory=list)
-    lag_series: list[tuple[float, float]] = field(default_factory=list)  # (seconds since bench start, lag ms)
-    audio_seconds: float = 0.0
-    close_code: int | None = None
-    error: str = ""
-    drained: bool = False  # the summary came before the drain timeout
-
-    def spoken_at(self, stream_seconds: float) -> float:
-        """When this stream time would have been captured live (perf_counter)."""
-        return self.t0 + stream_seconds / self.speed
-
-
-async def run_client(args, index: int, audio: np.ndarray, record: ClientRecord, stop_at: float,
-                     bench_start: float) -> None:
-    """One real-time stream through qasr.client's StreamClient; what it saw goes into `record`."""
-    record.speed = args.speed
-    options = StreamOptions(sample_rate=SAMPLE_RATE, encoding="s16le", language=args.language or None,
-                            partial_interval_ms=args.partial_interval_ms)
-    chunk = int(args.chunk_ms * SAMPLE_RATE / 1000)
-    chunk_s = chunk / SAMPLE_RATE / args.speed
-    client = StreamClient(args.url, options, open_timeout_s=30.0)
-    try:
-        ready = await client.connect()
-    except (ClientError, OSError) as error:  # unreachable, or turned away (full, not ready)
-        record.error = f"{type(error).__name__}: {error}"
-        return
-    try:
-        record.session_id = ready.session_id
-        record.pre_roll_s = ready.config.get("vad", {}).get("pre_roll_ms", 0) / 1000
-
-        async def receive() -> None:
-            try:
-                async for event in client.events():  # until the server closes
-                    record.events.append((time.perf_counter(), {"type": event.TYPE, **dataclasses.asdict(event)}))
-                    if isinstance(event, Summary):
-                        record.drained = True
-            except StreamClosed as closed:  # closed otherwise than after the summary: a failed client
-                record.error = f"{type(closed).__name__}: {closed}"
-
-        receiving = asyncio.ensure_future(receive())
-        record.t0 = time.perf_counter()
-        for k, offset in enumerate(range(0, len(audio), chunk)):
-            due = record.t0 + (k + 1) * chunk_s  # a live source has the chunk once it is full
-            now = time.perf_counter()
-            if now >= stop_at or receiving.done():
-                break
-            if due > now:
-                await asyncio.sleep(due - now)
-            piece = audio[offset : offset + chunk]
-            await client.send_audio(piece)
-            lag_ms = max(0.0, (time.perf_counter() - due) * 1e3)
-            record.send_lag_ms.append(lag_ms)
-            record.lag_series.append((time.perf_counter() - bench_start, lag_ms))
-            record.audio_seconds += len(piece) / SAMPLE_RATE
-        if not receiving.done():
-            await client.end()
-        try:
-            await asyncio.wait_for(asyncio.shield(receiving), args.drain_timeout_s)
-        except asyncio.TimeoutError:
-            receiving.cancel()
-            record.error = f"no summary within --drain-timeout-s {args.drain_timeout_s:g}"
-    except (ClientError, OSError) as error:
-        record.error = record.error or f"{type(error).__name__}: {error}"
-    finally:
-        await client.close()
-        record.close_code = client.close_code
 
 
 # ---- server CPU --------------------------------------------------------------------------------------------------
@@ -240,27 +168,43 @@ class CpuSampler:
 # ---- analysis ----------------------------------------------------------------------------------------------------
 
 
+def segment_key(event: dict) -> tuple:
+    """A segment's identity: its id within its channel (a two-track call numbers each track's segments)."""
+    return event.get("channel"), event.get("segment_id")
+
+
 def client_metrics(record: ClientRecord) -> dict[str, list[float]]:
-    """Per-client samples of every metric, in ms."""
+    """Per-client samples of every metric, in ms (a protocol that does not say what a metric needs adds none)."""
     out: dict[str, list[float]] = {key: [] for key in METRICS}
     out["send_lag_ms"] = list(record.send_lag_ms)
-    partials: dict[int, list[tuple[float, dict]]] = {}
+    partials: dict[tuple, list[float]] = {}
     for arrived, event in record.events:
         kind = event.get("type")
         if kind == "partial":
-            partials.setdefault(event["segment_id"], []).append((arrived, event))
-            out["partial_latency_ms"].append((arrived - record.spoken_at(event["end"])) * 1e3)
+            partials.setdefault(segment_key(event), []).append(arrived)
+            if event.get("end") is not None:
+                out["partial_latency_ms"].append((arrived - record.spoken_at(event["end"])) * 1e3)
         elif kind == "final":
-            out["final_latency_ms"].append(float(event["latency_ms"]))
-            out["end_to_final_ms"].append((arrived - record.spoken_at(event["end"])) * 1e3)
-    starts = {event["segment_id"]: event for _, event in record.events if event.get("type") == "speech_started"}
-    for segment_id, arrivals in partials.items():
-        if segment_id in starts:
-            speech_start = starts[segment_id]["start"] + record.pre_roll_s  # the first voiced frame, near enough
-            out["first_partial_latency_ms"].append((arrivals[0][0] - record.spoken_at(speech_start)) * 1e3)
-        times = [arrived for arrived, _ in arrivals]
+            if event.get("latency_ms") is not None:
+                out["final_latency_ms"].append(float(event["latency_ms"]))
+            if event.get("end") is not None:
+                out["end_to_final_ms"].append((arrived - record.spoken_at(event["end"])) * 1e3)
+    starts = {segment_key(event): event for _, event in record.events if event.get("type") == "speech_started"}
+    for key, times in partials.items():
+        if key in starts:
+            speech_start = starts[key]["start"] + record.pre_roll_s  # the first voiced frame, near enough
+            out["first_partial_latency_ms"].append((times[0] - record.spoken_at(speech_start)) * 1e3)
         out["partial_gap_ms"] += [(b - a) * 1e3 for a, b in zip(times, times[1:])]
     return out
+
+
+def finals_per_segment(record: ClientRecord) -> tuple[int, int]:
+    """(segments that started and got no final, finals beyond the first of a segment or of none that started)."""
+    started = {segment_key(event) for _, event in record.events if event.get("type") == "speech_started"}
+    finals = collections.Counter(segment_key(event) for _, event in record.events if event.get("type") == "final")
+    missing = sum(1 for key in started if finals[key] == 0)
+    extra = sum(count - (1 if key in started else 0) for key, count in finals.items())
+    return missing, extra
 
 
 def distribution(values: list[float]) -> dict:
@@ -281,22 +225,35 @@ def analyse(records: list[ClientRecord]) -> tuple[dict, list[dict]]:
         for key, values in metrics.items():
             pooled[key] += values
         kinds = [event.get("type") for _, event in record.events]
+        missing, extra = finals_per_segment(record)
         sessions.append({
             "client": record.index, "session_id": record.session_id, "close_code": record.close_code,
             "error": record.error, "drained": record.drained, "audio_seconds": record.audio_seconds,
             "segments": kinds.count("speech_started"), "partials": kinds.count("partial"),
             "finals": kinds.count("final"), "errors": kinds.count("error"),
+            "missing_finals": missing, "extra_finals": extra,
             "metrics": {key: distribution(values) for key, values in metrics.items()},
         })
     return {key: distribution(values) for key, values in pooled.items()}, sessions
 
 
+def cpu_costs(cpu: dict | None, audio_seconds: float, clients: int) -> dict | None:
+    """The server's CPU with what it costs per second of audio (ms) and per stream (% of one core)."""
+    if cpu is None:
+        return None
+    return {**cpu, "cpu_ms_per_audio_second": 1e3 * cpu["cpu_seconds"] / audio_seconds if audio_seconds else None,
+            "percent_of_one_core_per_stream": cpu["mean_percent_of_one_core"] / clients}
+
+
 def print_table(summary: dict, out: dict) -> None:
     config, totals = out["config"], out["totals"]
-    print(f"# {config['clients']} clients x {config['duration_s']:g} s at {config['speed']:g}x real time, "
-          f"partials every {config['partial_interval_ms']} ms, audio: {config['audio']}")
-    print(f"# {totals['segments']} segments, {totals['finals']} finals, {totals['partials']} partials, "
-          f"{totals['audio_seconds']:.0f} s of audio sent, {totals['failed_clients']} clients failed")
+    interval = (f"partials every {config['partial_interval_ms']} ms" if config["protocol"] == "native"
+                else "partials at the server's default interval")
+    print(f"# {config['protocol']}: {config['clients']} clients x {config['duration_s']:g} s at {config['speed']:g}x "
+          f"real time, {interval}, audio: {config['audio']}")
+    print(f"# {totals['segments']} segments, {totals['finals']} finals ({totals['missing_finals']} missing, "
+          f"{totals['extra_finals']} extra), {totals['partials']} partials, {totals['audio_seconds']:.0f} s of audio "
+          f"sent, {totals['failed_clients']} clients failed")
     header = f"{'metric (ms)':<32} {'n':>6} " + " ".join(f"{f'p{p}':>8}" for p in PERCENTILES) + f" {'max':>8}"
     print(header)
     print("-" * len(header))
@@ -312,6 +269,9 @@ def print_table(summary: dict, out: dict) -> None:
         print(f"server CPU: {cpu['mean_percent_of_one_core']:.0f}% of one core on average"
               + (f", {cpu['max_percent_of_one_core']:.0f}% at most" if cpu["max_percent_of_one_core"] is not None
                  else "") + f" ({cpu['cpu_seconds']:.1f} CPU s over {cpu['wall_seconds']:.1f} s; {cpu['source']})")
+        if cpu.get("cpu_ms_per_audio_second") is not None:
+            print(f"server CPU per second of audio: {cpu['cpu_ms_per_audio_second']:.1f} ms; per stream: "
+                  f"{cpu['percent_of_one_core_per_stream']:.2f}% of one core")
     else:
         print("server CPU: not measured (give --server-pid for a local server)")
 
@@ -362,18 +322,24 @@ def plot(path: str, records: list[ClientRecord], summary_series: dict, out: dict
 # ---- the run -----------------------------------------------------------------------------------------------------
 
 
+def num_tracks(args) -> int:
+    return 2 if args.protocol == "twilio" and args.tracks == "both" else 1
+
+
 async def run_clients(args, indices: list[int], bench_start: float, stop_at: float) -> list[ClientRecord]:
     """Run the clients `indices` (of args.clients), each starting at its place in the stagger."""
     source = load_source(args.audio) if args.audio else None
-    records = [ClientRecord(i) for i in indices]
+    records = [ClientRecord(i, speed=args.speed) for i in indices]
+    run_client = CLIENTS[args.protocol]
 
     async def staggered(record: ClientRecord) -> None:
-        audio = client_audio(source, args.duration * args.speed, record.index)
+        # a second track (a call's agent) is another client's audio: different speech, its own pauses
+        tracks = [client_audio(source, args.duration * args.speed, record.index + k * args.clients)
+                  for k in range(num_tracks(args))]
         due = bench_start + args.stagger_s * record.index / max(1, args.clients)
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         # a client that starts late (a --processes child still importing) still streams its whole --duration
-        await run_client(args, record.index, audio, record, max(stop_at, time.perf_counter() + args.duration),
-                         bench_start)
+        await run_client(args, record, tracks, max(stop_at, time.perf_counter() + args.duration), bench_start)
 
     await asyncio.gather(*(staggered(r) for r in records))
     return records
@@ -440,17 +406,19 @@ async def bench(args) -> dict:
     tmp.cleanup()
     summary, sessions = analyse(records)
     totals = {key: sum(session[key] for session in sessions)
-              for key in ("segments", "partials", "finals", "errors", "audio_seconds")}
+              for key in ("segments", "partials", "finals", "errors", "missing_finals", "extra_finals",
+                          "audio_seconds")}
     totals["failed_clients"] = sum(1 for session in sessions if session["error"] or not session["drained"])
     out = {
-        "config": {"url": args.url, "clients": args.clients, "duration_s": args.duration, "speed": args.speed,
+        "config": {"protocol": args.protocol, "url": endpoint(args.url, args.protocol), "clients": args.clients,
+                   "tracks": num_tracks(args), "duration_s": args.duration, "speed": args.speed,
                    "chunk_ms": args.chunk_ms, "partial_interval_ms": args.partial_interval_ms,
                    "language": args.language, "audio": args.audio or "generated utterances with pauses",
                    "stagger_s": args.stagger_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "wall_seconds": time.perf_counter() - bench_start,
         "totals": totals,
         "summary": summary,
-        "server_cpu": cpu.summary(),
+        "server_cpu": cpu_costs(cpu.summary(), totals["audio_seconds"], args.clients),
         "server_cpu_series": cpu.series,
         "sessions": sessions,
     }
@@ -464,8 +432,15 @@ async def bench(args) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qasr-bench stream", description=__doc__.split("\n\n")[0].replace("`", ""))
-    p.add_argument("--url", default="ws://127.0.0.1:8765/v1/stream",
-                   help="the server's stream endpoint (default: %(default)s)")
+    p.add_argument("--protocol", choices=sorted(CLIENTS), default="native",
+                   help="the clients' wire format: native (/v1/stream), openai (Realtime transcription on "
+                        "/v1/realtime), twilio (Media Streams calls on /v1/twilio, transcripts from "
+                        "/v1/calls/{callSid}/events) (default: %(default)s)")
+    p.add_argument("--tracks", choices=("inbound", "both"), default="inbound",
+                   help="twilio: the caller's track alone, or the agent's too (different speech) "
+                        "(default: %(default)s)")
+    p.add_argument("--url", default="ws://127.0.0.1:8765",
+                   help="the server; without a path, the --protocol's path is added (default: %(default)s)")
     p.add_argument("--clients", type=int, default=8, help="concurrent streams (default: %(default)s)")
     p.add_argument("--duration", type=float, default=30.0,
                    help="seconds each client streams, wall time (default: %(default)s)")
@@ -473,10 +448,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="audio seconds sent per second; 1 is real time (default: %(default)s)")
     p.add_argument("--audio", help="a WAV/FLAC file to stream (looped; each client from its own offset); "
                                    "default: generated speech-like utterances with pauses")
-    p.add_argument("--chunk-ms", type=int, default=100, help="audio per message (default: %(default)s)")
+    p.add_argument("--chunk-ms", type=int, default=100,
+                   help="audio per message; twilio always sends 20 ms frames and sends those due every --chunk-ms "
+                        "together (default: %(default)s)")
     p.add_argument("--partial-interval-ms", type=int, default=1000,
-                   help="asked of the server in `start` (default: %(default)s)")
-    p.add_argument("--language", default=None, help="force a language (default: the model detects it)")
+                   help="native: asked of the server in `start` (openai and twilio cannot ask: the server's "
+                        "default applies) (default: %(default)s)")
+    p.add_argument("--language", default=None,
+                   help="force a language: a name or code (openai sends it as given, e.g. en; twilio as the "
+                        "qasr_language custom parameter) "
+                        "(default: the model detects it)")
     p.add_argument("--stagger-s", type=float, default=1.0,
                    help="client starts are spread over this long (default: %(default)s)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
@@ -504,6 +485,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.clients < 1 or args.duration <= 0 or args.speed <= 0 or args.chunk_ms < 10 or args.processes < 1:
         parser.error("need --clients >= 1, --duration > 0, --speed > 0, --chunk-ms >= 10 and --processes >= 1")
+    if args.tracks != "inbound" and args.protocol != "twilio":
+        parser.error(f"--tracks {args.tracks} is for --protocol twilio")
+    try:
+        endpoint(args.url, args.protocol)
+    except ValueError as error:
+        parser.error(f"--url: {error}")
     args.argv = [a for a in (argv if argv is not None else sys.argv[1:])]
     if args.server_pid is not None and not Path(f"/proc/{args.server_pid}/stat").exists():
         parser.error(f"--server-pid {args.server_pid}: no such local process (/proc/{args.server_pid}/stat)")
