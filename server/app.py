@@ -26,11 +26,14 @@ from qasr.engine.face import SpeechEngine
 from qasr.server import errors
 from qasr.server.call_events import CallSubscriber, WebSocketPaths, call_id_of
 from qasr.server.calls import CallOptions, CallRegistry
-from qasr.server.connection import PingAwareConnection, StreamConnection, WireAdapter
+from qasr.server.connection import StreamConnection, WireAdapter
+from qasr.server.gate import HandshakeGate
 from qasr.server.http import STREAM_PATH, HttpRoutes
 from qasr.server.limits import ServerLimits
 from qasr.server.metrics import ServerMetrics
 from qasr.server.protocol import NativeProtocol
+from qasr.server.quotas import GuardedAdapter, KeyUsage
+from qasr.server.security import SecuritySettings
 from qasr.server.telephony import TELEPHONY_ADAPTERS
 from qasr.server.webhooks import WebhookOptions, WebhookSender
 from qasr.streaming.settings import StreamLimits, StreamSettings
@@ -47,6 +50,7 @@ class ServerConfig:
     defaults: StreamSettings = field(default_factory=StreamSettings)  # a stream's settings where it asks nothing
     web_root: Path | None = None  # the static page's folder (http.find_web_root), None: no page
     ping_interval_s: float | None = 20.0  # keepalive pings find clients that vanished without closing
+    security: SecuritySettings = field(default_factory=SecuritySettings)  # auth, TLS, origins, client limits
     calls: CallOptions = field(default_factory=CallOptions)  # telephony calls out: replay, webhook URL (#13)
     webhooks: WebhookOptions | None = None  # signing and retries of call webhooks; None: no webhooks
 
@@ -91,6 +95,8 @@ class QasrServer:
         self.port: int | None = None  # once started
         self._stopped = asyncio.Event()
         self._lag_watch: asyncio.Task | None = None
+        self.key_usage = KeyUsage()  # per-key streams and audio (qasr.server.quotas)
+        self.gate: HandshakeGate | None = None  # once started
         self.webhooks = (WebhookSender(config.webhooks, on_undelivered=self.metrics.webhook_undelivered)
                          if config.webhooks is not None else None)
         self.calls = CallRegistry(config.calls, webhooks=self.webhooks)  # telephony calls, their subscribers
@@ -104,13 +110,17 @@ class QasrServer:
         websocket_paths = WebSocketPaths(WIRE_ADAPTERS.keys())  # the streams' and the call subscribers'
         routes = HttpRoutes(metrics=self.metrics, engine=_EngineView(self), is_ready=self.is_ready,
                             web_root=self.config.web_root, stream_paths=websocket_paths)
+        security = self.config.security
+        self.gate = HandshakeGate(security, routes, websocket_paths)  # origin, address limits, auth first
         self._websocket_server = await serve(
-            self._handle, self.config.host, self.config.port, process_request=routes,
+            self._handle, self.config.host, self.config.port, process_request=self.gate,
             max_size=limits.max_message_bytes, ping_interval=self.config.ping_interval_s,
-            ping_timeout=self.config.ping_interval_s, create_connection=PingAwareConnection,
+            ping_timeout=self.config.ping_interval_s, create_connection=self.gate.connection_factory(),
+            select_subprotocol=self.gate.select_subprotocol, ssl=security.ssl,
             compression=None)  # PCM barely compresses; inflating every frame was ~6% of the event loop at 500 streams
         self.port = self._websocket_server.sockets[0].getsockname()[1]  # the bound port (useful with port 0)
-        log.info("listening on ws://%s:%d/v1/stream", self.config.host, self.port)
+        log.info("listening on %s://%s:%d/v1/stream%s", "wss" if security.ssl else "ws", self.config.host, self.port,
+                 "" if security.auth.required else " (no authentication)")
         self._lag_watch = asyncio.create_task(self._watch_loop_lag())
 
     async def load_engine(self, factory: Callable[[], SpeechEngine]) -> None:
@@ -173,17 +183,22 @@ class QasrServer:
     async def _handle(self, websocket: ServerConnection) -> None:
         self.metrics.connections_total.inc()
         path = urlsplit(websocket.request.path).path
-        if path not in WIRE_ADAPTERS:  # http.HttpRoutes let only these and subscriber paths in
+        if path not in WIRE_ADAPTERS:  # the gate let only these and subscriber paths in
             await self._serve_subscriber(websocket, call_id_of(path))
             return
         make_adapter = WIRE_ADAPTERS[path]
         handshake = Handshake(websocket.request, self.config, self.engine.model_name if self.engine else "",
                               calls=self.calls)
-        connection = StreamConnection(websocket, make_adapter(handshake), engine=self.engine,
-                                      limits=self.config.limits, metrics=self.metrics)
+        principal = self.gate.principal(websocket)
+        adapter = GuardedAdapter(make_adapter(handshake), principal=principal, usage=self.key_usage,
+                                 limits=self.config.security.client_limits)
+        connection = StreamConnection(websocket, adapter, engine=self.engine, limits=self.config.limits,
+                                      metrics=self.metrics)
         try:
-            await connection.run(admit=functools.partial(self._admit, connection))
+            await connection.run(admit=functools.partial(self._admit, connection, principal))
         finally:
+            if connection in self.connections:
+                self.key_usage.close_stream(principal)
             self.connections.discard(connection)
 
     async def _serve_subscriber(self, websocket: ServerConnection, call_id: str) -> None:
@@ -196,7 +211,7 @@ class QasrServer:
         finally:
             self.subscribers.discard(subscriber)
 
-    def _admit(self, connection: StreamConnection) -> None:
+    def _admit(self, connection: StreamConnection, principal) -> None:
         if self.stopping:
             raise errors.ShuttingDown("server is shutting down")
         if not self.is_ready():
@@ -204,6 +219,7 @@ class QasrServer:
         if len(self.connections) >= self.config.limits.max_sessions:
             raise errors.ServerFull(f"the server is full ({self.config.limits.max_sessions} streams): "
                                     "try again later")
+        self.key_usage.open_stream(principal)  # LimitExceeded (1008) past the key's concurrent streams
         connection.engine = self.engine
         self.connections.add(connection)
 

@@ -18,7 +18,7 @@ import signal
 import sys
 
 from qasr.server.app import QasrServer, ServerConfig
-from qasr.server import logs, telephony
+from qasr.server import logs, security, telephony
 from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits
 from qasr.streaming.settings import StreamLimits, StreamSettings, VadSettings
@@ -100,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-format", default="text", choices=logs.FORMATS,
                         help="text lines for people, or one JSON object per line (time, level, logger, message, "
                              "session where known) for log pipelines")
+    security.add_arguments(parser)  # --auth, --api-keys-file, --ssl-*, --allowed-origins, client limits
     telephony.add_arguments(parser)  # --webhook-url, --webhook-secret, --webhook-allow, --webhook-partials
     return parser
 
@@ -120,7 +121,8 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     calls, webhooks = telephony.from_args(args)
     return ServerConfig(host=args.host, port=args.port, limits=limits, stream_limits=stream_limits,
-                        defaults=defaults, web_root=find_web_root(args.web_root), calls=calls, webhooks=webhooks)
+                        defaults=defaults, web_root=find_web_root(args.web_root),
+                        security=security.from_args(args), calls=calls, webhooks=webhooks)
 
 
 async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
