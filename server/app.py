@@ -1,4 +1,5 @@
-"""The qasr server: one WebSocket port for streams (`/v1/stream`), health, readiness, metrics and the web page.
+"""The qasr server: one WebSocket port for streams (`/v1/stream`; OpenAI Realtime `/v1/realtime`, Deepgram
+`/v1/listen` and the telephony paths: WIRE_ADAPTERS), health, readiness, metrics and the web page.
 
     server = QasrServer(engine, ServerConfig(port=0))
     await server.start()          # listening; server.port is the bound port
@@ -13,24 +14,28 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import http
 import logging
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
 from websockets.asyncio.server import Server, ServerConnection, serve
-from websockets.http11 import Request
+from websockets.http11 import Request, Response
 
 from qasr.engine.face import SpeechEngine
 from qasr.server import errors
 from qasr.server.call_events import CallSubscriber, WebSocketPaths, call_id_of
 from qasr.server.calls import CallOptions, CallRegistry
 from qasr.server.connection import StreamConnection, WireAdapter
+from qasr.server.deepgram import DeepgramAdapter
 from qasr.server.gate import HandshakeGate
 from qasr.server.http import STREAM_PATH, HttpRoutes
 from qasr.server.limits import ServerLimits
 from qasr.server.metrics import ServerMetrics
+from qasr.server.openai_realtime import OpenAIRealtimeAdapter
 from qasr.server.protocol import NativeProtocol
 from qasr.server.quotas import GuardedAdapter, KeyUsage
 from qasr.server.security import SecuritySettings
@@ -73,11 +78,18 @@ class Handshake:
     calls: CallRegistry | None = None  # the server's calls, which telephony adapters publish to
 
 
-# WebSocket path -> the wire adapter for its connections. Other wire formats register their paths here.
+# WebSocket path -> the wire adapter for its connections. Other wire formats register their paths here. An adapter
+# is built when the handshake is checked: a ProtocolError from it refuses the upgrade (HTTP 400).
 WIRE_ADAPTERS: dict[str, Callable[[Handshake], WireAdapter]] = {
     STREAM_PATH: lambda handshake: NativeProtocol(defaults=handshake.config.defaults,
                                                   stream_limits=handshake.config.stream_limits,
                                                   limits=handshake.config.limits),
+    "/v1/realtime": lambda handshake: OpenAIRealtimeAdapter.for_query(  # ?intent=transcription
+        urlsplit(handshake.request.path).query, defaults=handshake.config.defaults,
+        limits=handshake.config.stream_limits, model_name=handshake.model_name),
+    "/v1/listen": lambda handshake: DeepgramAdapter(urlsplit(handshake.request.path).query,
+                                                    defaults=handshake.config.defaults,
+                                                    limits=handshake.config.stream_limits),
     **TELEPHONY_ADAPTERS,  # /v1/twilio, /v1/telnyx, /v1/vonage, /v1/audiohook
 }
 
@@ -95,6 +107,8 @@ class QasrServer:
         self.port: int | None = None  # once started
         self._stopped = asyncio.Event()
         self._lag_watch: asyncio.Task | None = None
+        self._adapters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # connection -> its adapter, from
+        # the handshake until the connection's handler takes it
         self.key_usage = KeyUsage()  # per-key streams and audio (qasr.server.quotas)
         self.gate: HandshakeGate | None = None  # once started
         self.webhooks = (WebhookSender(config.webhooks, on_undelivered=self.metrics.webhook_undelivered)
@@ -110,6 +124,7 @@ class QasrServer:
         websocket_paths = WebSocketPaths(WIRE_ADAPTERS.keys())  # the streams' and the call subscribers'
         routes = HttpRoutes(metrics=self.metrics, engine=_EngineView(self), is_ready=self.is_ready,
                             web_root=self.config.web_root, stream_paths=websocket_paths)
+        routes = functools.partial(self._build_adapter, routes)  # the last step of every handshake
         security = self.config.security
         self.gate = HandshakeGate(security, routes, websocket_paths)  # origin, address limits, auth first
         self._websocket_server = await serve(
@@ -180,18 +195,32 @@ class QasrServer:
 
     # -- connections -----------------------------------------------------------------------------------------
 
+    def _build_adapter(self, routes: Callable, connection: ServerConnection, request: Request) -> Response | None:
+        """The HTTP routes answer what is not a WebSocket; a stream path's wire adapter is built from the handshake
+        now, so that one that cannot serve it (a ProtocolError: a Deepgram query it cannot take, an OpenAI session
+        that is not for transcription) refuses the upgrade with HTTP 400 (or the error's `http_status`)."""
+        response = routes(connection, request)
+        make_adapter = WIRE_ADAPTERS.get(urlsplit(request.path).path)
+        if response is not None or make_adapter is None:
+            return response
+        handshake = Handshake(request, self.config, self.engine.model_name if self.engine else "", calls=self.calls)
+        try:
+            self._adapters[connection] = make_adapter(handshake)
+        except errors.ProtocolError as error:
+            status = http.HTTPStatus(getattr(error, "http_status", http.HTTPStatus.BAD_REQUEST))
+            log.info("handshake for %s refused: %d %s", urlsplit(request.path).path, status.value, error)
+            return connection.respond(status, f"{error}\n")
+        return None
+
     async def _handle(self, websocket: ServerConnection) -> None:
         self.metrics.connections_total.inc()
         path = urlsplit(websocket.request.path).path
         if path not in WIRE_ADAPTERS:  # the gate let only these and subscriber paths in
             await self._serve_subscriber(websocket, call_id_of(path))
             return
-        make_adapter = WIRE_ADAPTERS[path]
-        handshake = Handshake(websocket.request, self.config, self.engine.model_name if self.engine else "",
-                              calls=self.calls)
         principal = self.gate.principal(websocket)
-        adapter = GuardedAdapter(make_adapter(handshake), principal=principal, usage=self.key_usage,
-                                 limits=self.config.security.client_limits)
+        adapter = GuardedAdapter(self._adapters.pop(websocket), principal=principal, usage=self.key_usage,
+                                 limits=self.config.security.client_limits)  # the adapter _build_adapter made
         connection = StreamConnection(websocket, adapter, engine=self.engine, limits=self.config.limits,
                                       metrics=self.metrics)
         try:

@@ -26,11 +26,13 @@ import binascii
 import json
 import re
 import time
+import urllib.parse
 import uuid
 from dataclasses import dataclass
 
 from qasr.audio import ENCODINGS, AudioError, decode_pcm
 from qasr.server.commands import Audio, Command, Flush, Reply, Start
+from qasr.server.errors import UnsupportedFormat
 from qasr.server.openai_session import ConfigError, RealtimeConfig
 from qasr.streaming import events
 from qasr.streaming.settings import SettingsError, StreamLimits, StreamSettings
@@ -77,6 +79,16 @@ class _Clear:
 class OpenAIRealtimeAdapter:
     """One `/v1/realtime` connection. `greeting()` once, then `receive()` per client message and `encode()` per
     session event; each returns the frames to send."""
+
+    @classmethod
+    def for_query(cls, query: str, **options) -> "OpenAIRealtimeAdapter":
+        """The adapter for a connection to `/v1/realtime?{query}`. Raises UnsupportedFormat (the handshake is
+        refused with HTTP 400) unless the query asks for a transcription session: qasr has no conversations."""
+        intent = urllib.parse.parse_qs(query).get("intent", [None])[-1]
+        if intent != "transcription":
+            raise UnsupportedFormat(f"qasr serves transcription sessions only: connect to "
+                                    f"/v1/realtime?intent=transcription (intent was {intent!r})")
+        return cls(**options)
 
     def __init__(self, *, defaults: StreamSettings, limits: StreamLimits, model_name: str, clock=time.time):
         self.defaults = defaults

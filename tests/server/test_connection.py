@@ -14,14 +14,16 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+from urllib.parse import parse_qs, urlsplit
 
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from qasr.server import app
 from qasr.server.commands import Audio, End, Flush, Notice, Reply, Start
+from qasr.server.errors import ProtocolError, UnsupportedFormat
 from qasr.server.protocol import event_to_dict
 from qasr.streaming import events
 from qasr.streaming.settings import StreamSettings, VadSettings
@@ -33,6 +35,10 @@ from live_server import serving
 SCRIPTED_PATH = "/v1/scripted"
 SETTINGS = StreamSettings(partials=False, vad=VadSettings(pre_roll_ms=0))
 TOLERANCE_S = 0.1
+
+
+class Unauthorized(ProtocolError):
+    http_status = 401
 
 
 class ScriptedAdapter:
@@ -80,6 +86,11 @@ def adapters(monkeypatch) -> list[ScriptedAdapter]:
     built = Built()
 
     def make(handshake) -> ScriptedAdapter:
+        refusal = parse_qs(urlsplit(handshake.request.path).query).get("refuse")
+        if refusal == ["unauthorized"]:
+            raise Unauthorized("the platform's own credential is wrong")
+        if refusal:
+            raise UnsupportedFormat(f"cannot serve {refusal[0]}")
         built.append(ScriptedAdapter(finalise_on_disconnect=built.finalising))
         return built[-1]
 
@@ -116,6 +127,24 @@ async def read_all(websocket) -> list[str]:
         async for frame in websocket:
             frames.append(frame)
     return frames
+
+
+def test_an_adapter_that_cannot_serve_the_handshake_refuses_the_upgrade(adapters):
+    async def main():
+        async with serving(FakeEngine()) as server:
+            statuses = []
+            for refusal in ("flac", "unauthorized"):
+                with pytest.raises(InvalidStatus) as caught:
+                    async with connect(url(server) + f"?refuse={refusal}"):
+                        pass
+                response = caught.value.response
+                statuses.append((response.status_code, response.body.decode().strip()))
+            async with connect(url(server)) as websocket:  # the server goes on
+                assert await websocket.recv() == "hello"
+            return statuses
+
+    assert run(main()) == [(400, "cannot serve flac"), (401, "the platform's own credential is wrong")]
+    assert len(adapters) == 1  # only the accepted connection has an adapter
 
 
 def test_replies_and_notices_before_the_start_go_out_at_once_and_the_start_timeout_still_applies(adapters):

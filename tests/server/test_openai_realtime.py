@@ -23,6 +23,7 @@ from openai.types.realtime import (
 )
 
 from qasr.server.commands import Audio, Flush, Reply, Start
+from qasr.server.errors import UnsupportedFormat
 from qasr.server.openai_realtime import OpenAIRealtimeAdapter
 from qasr.streaming import events
 from qasr.streaming.settings import StreamLimits, StreamSettings
@@ -284,3 +285,12 @@ def test_clear_with_manual_turns_drops_everything_since_the_last_commit():
         events.SpeechStarted(3, 9.5), events.Final(3, "after the clear", "English", 9.5, 10.0, "flush", 1.0)])
     assert [p["transcript"] for p in sent if p["type"].endswith("completed")] == ["committed turn",
                                                                                   "after the clear"]
+
+
+def test_only_transcription_sessions_are_served():
+    options = {"defaults": StreamSettings(), "limits": StreamLimits(), "model_name": "qwen3-asr"}
+    adapter = OpenAIRealtimeAdapter.for_query("model=gpt-4o-transcribe&intent=transcription", **options)
+    assert decoded(adapter.greeting())[0]["session"]["type"] == "transcription"
+    for query in ("", "model=gpt-realtime", "intent=conversation"):
+        with pytest.raises(UnsupportedFormat, match="intent=transcription"):  # the handshake is refused (400)
+            OpenAIRealtimeAdapter.for_query(query, **options)
