@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from qasr.bench import stream as stream_bench
+from qasr.bench.protocol_clients import ClientRecord
 from qasr.server.app import QasrServer, ServerConfig
 from qasr.engine.engine import AsyncEngine, EngineOptions
 
@@ -116,3 +117,37 @@ def test_generated_audio_has_pauses_that_end_segments_and_each_client_its_own_au
     np.testing.assert_array_equal(first[: 3 * SR], source)
     np.testing.assert_array_equal(first[3 * SR :], source[: 2 * SR])
     assert second[0] == source[(7919 * SR // 1000) % len(source)]
+
+
+def test_finals_are_counted_per_segment_of_each_channel():
+    record = ClientRecord(0)
+    record.events = [(0.0, {"type": "speech_started", "segment_id": 0, "start": 0.0, "channel": 0}),
+                     (0.0, {"type": "speech_started", "segment_id": 0, "start": 0.0, "channel": 1}),
+                     (0.0, {"type": "speech_started", "segment_id": 1, "start": 2.0, "channel": 0}),
+                     (1.0, {"type": "final", "segment_id": 0, "end": 1.0, "latency_ms": 5.0, "channel": 0}),
+                     (1.0, {"type": "final", "segment_id": 0, "end": 1.0, "latency_ms": 5.0, "channel": 1}),
+                     (1.1, {"type": "final", "segment_id": 0, "end": 1.0, "latency_ms": 5.0, "channel": 1})]
+    assert stream_bench.finals_per_segment(record) == (1, 1)  # channel 0's segment 1 has none; channel 1's two
+    record.events.append((9.0, {"type": "final", "segment_id": 7, "end": 8.0, "latency_ms": 5.0, "channel": 0}))
+    assert stream_bench.finals_per_segment(record) == (1, 2)  # a final of a segment that never started is extra
+
+
+def test_metrics_a_protocol_does_not_report_are_left_out_not_guessed():
+    record = ClientRecord(0, t0=100.0)
+    record.events = [(100.5, {"type": "speech_started", "segment_id": 0, "start": 0.2}),
+                     (101.0, {"type": "partial", "segment_id": 0, "text": "the "}),  # an OpenAI delta: no audio end
+                     (101.5, {"type": "partial", "segment_id": 0, "text": "quick "}),
+                     (102.0, {"type": "final", "segment_id": 0, "end": 1.5, "latency_ms": None})]
+    metrics = stream_bench.client_metrics(record)
+    assert metrics["partial_latency_ms"] == [] and metrics["final_latency_ms"] == []
+    assert metrics["partial_gap_ms"] == pytest.approx([500.0])
+    assert metrics["first_partial_latency_ms"] == pytest.approx([800.0])  # speech began at 0.2 s of the stream
+    assert metrics["end_to_final_ms"] == pytest.approx([500.0])
+
+
+def test_cpu_costs_per_second_of_audio_and_per_stream():
+    cpu = {"cpu_seconds": 2.0, "mean_percent_of_one_core": 10.0}
+    costs = stream_bench.cpu_costs(cpu, audio_seconds=400.0, clients=20)
+    assert costs["cpu_ms_per_audio_second"] == 5.0 and costs["percent_of_one_core_per_stream"] == 0.5
+    assert stream_bench.cpu_costs(None, 400.0, 20) is None
+    assert stream_bench.cpu_costs(cpu, 0.0, 20)["cpu_ms_per_audio_second"] is None
