@@ -1,0 +1,304 @@
+"""Soak: N concurrent streams for M minutes against one server; what must not drift while it runs.
+
+    python -m qasr.bench.soak --streams 50 --minutes 2                 # starts its own CPU server, tiny model
+    python -m qasr.bench.soak --streams 600 --minutes 10 --url ws://gpu-host:8765/v1/stream --server-pid PID
+
+Each stream sends speech-like utterances with pauses at real time (100 ms frames), ends after --stream-seconds,
+checks what it got, and reconnects until the time is up (so connections churn too). A stream fails when it does
+not close with 1000 after its summary, or when its finals are not exactly one per segment (every speech_started
+id has one final, no id has two, and the summary counts as many). The server's resident memory, threads and open
+file descriptors (its own and its engine process's, from /proc; or process_* from /metrics for a remote server)
+are sampled every few seconds; growth is measured from the end of the warm-up to the end. A benchmark script,
+not a test: it prints and writes a JSON report (docs/reliability.md has the runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from qasr.audio import SAMPLE_RATE
+from qasr.bench.synthetic import speech_like
+
+FRAME_S = 0.1
+
+
+@dataclass
+class StreamResult:
+    ok: bool
+    segments: int = 0  # speech_started events
+    finals: int = 0
+    missing_finals: int = 0  # segments without a final
+    duplicate_finals: int = 0  # finals beyond the first of a segment
+    close_code: int | None = None
+    problem: str = ""
+
+
+@dataclass
+class Sample:
+    at_s: float
+    rss_mb: float  # server (+ engine process) resident memory
+    threads: int
+    fds: int
+    sessions_active: float | None = None
+
+
+@dataclass
+class Report:
+    streams: int
+    minutes: float
+    stream_seconds: float
+    completed: int = 0
+    failed: int = 0
+    segments: int = 0
+    finals: int = 0
+    missing_finals: int = 0
+    duplicate_finals: int = 0
+    problems: dict = field(default_factory=dict)  # problem -> count
+    samples: list = field(default_factory=list)
+    rss_growth_pct: float | None = None  # from the end of the warm-up to the end
+    threads_growth: int | None = None
+    fds_growth: int | None = None
+    sessions_active_after: float | None = None
+
+
+def utterances(seconds: float, seed: int) -> np.ndarray:
+    """Speech-like utterances of 1.5-4 s with 0.8-1.5 s pauses (a quiet noise floor), `seconds` long."""
+    rng = np.random.default_rng(seed)
+    pieces, total = [], 0
+    while total < seconds * SAMPLE_RATE:
+        speech = speech_like(rng.uniform(1.5, 4.0), seed=int(rng.integers(1 << 30)))
+        pause = (0.002 * rng.standard_normal(int(rng.uniform(0.8, 1.5) * SAMPLE_RATE))).astype(np.float32)
+        pieces += [speech, pause]
+        total += len(speech) + len(pause)
+    audio = np.concatenate(pieces)[:int(seconds * SAMPLE_RATE)]
+    return (np.clip(audio, -1, 1) * 32767).astype("<i2")
+
+
+async def one_stream(url: str, audio: np.ndarray, *, partials: bool = True, final_timeout_s: float = 120.0
+                     ) -> StreamResult:
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    started, finals, summary = set(), {}, None
+    try:
+        async with connect(url, open_timeout=30, max_size=None) as websocket:
+            await websocket.send(json.dumps({"type": "start", "sample_rate": SAMPLE_RATE, "partials": partials}))
+
+            async def read():
+                nonlocal summary
+                with contextlib.suppress(ConnectionClosed):
+                    async for message in websocket:
+                        event = json.loads(message)
+                        if event["type"] == "speech_started":
+                            started.add(event["segment_id"])
+                        elif event["type"] == "final":
+                            finals[event["segment_id"]] = finals.get(event["segment_id"], 0) + 1
+                        elif event["type"] == "summary":
+                            summary = event
+
+            reading = asyncio.ensure_future(read())
+            frame = int(FRAME_S * SAMPLE_RATE)
+            loop = asyncio.get_running_loop()
+            begin = loop.time()
+            for index, offset in enumerate(range(0, len(audio), frame)):  # real time, without drift
+                await websocket.send(audio[offset:offset + frame].tobytes())
+                await asyncio.sleep(max(0.0, begin + (index + 1) * FRAME_S - loop.time()))
+            await websocket.send('{"type": "end"}')
+            await asyncio.wait_for(reading, final_timeout_s)  # the finals still due, the summary, the close
+            code = websocket.close_code
+    except Exception as error:  # noqa: BLE001 - every failure is counted by its kind
+        return StreamResult(False, len(started), sum(finals.values()), problem=type(error).__name__)
+    result = StreamResult(True, len(started), sum(finals.values()), close_code=code,
+                          missing_finals=len(started - finals.keys()),
+                          duplicate_finals=sum(count - 1 for count in finals.values()))
+    if code != 1000:
+        result.ok, result.problem = False, f"close {code}"
+    elif summary is None:
+        result.ok, result.problem = False, "no summary"
+    elif result.missing_finals or result.duplicate_finals or summary["segments"] != len(finals):
+        result.ok, result.problem = False, "finals != segments"
+    return result
+
+
+def proc_usage(pid: int) -> tuple[float, int, int]:
+    """(RSS MB, threads, fds) of `pid` and its child processes (the engine process), from /proc."""
+    rss, threads, fds = 0.0, 0, 0
+    for process in [pid, *children(pid)]:
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{process}/status").read_text()
+            rss += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+            threads += int(re.search(r"Threads:\s+(\d+)", status).group(1))
+            fds += len(os.listdir(f"/proc/{process}/fd"))
+    return rss, threads, fds
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir(f"/proc/{pid}/task"):
+            found += [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    return found + [grandchild for child in found for grandchild in children(child)]
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "{" not in line:
+            name, _, value = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                values[name] = float(value)
+    return values
+
+
+async def monitor(report: Report, metrics_url: str, pid: int | None, begin: float, stop: asyncio.Event,
+                  period_s: float) -> None:
+    while True:
+        metrics = {}
+        with contextlib.suppress(OSError, ValueError):
+            metrics = await asyncio.to_thread(scrape, metrics_url)
+        if pid is not None:
+            rss, threads, fds = proc_usage(pid)
+        else:
+            rss = metrics.get("process_resident_memory_bytes", 0.0) / 2**20
+            threads, fds = 0, int(metrics.get("process_open_fds", 0))
+        report.samples.append(Sample(round(time.monotonic() - begin, 1), round(rss, 1), threads, fds,
+                                     metrics.get("qasr_sessions_active")))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), period_s)
+            return
+
+
+async def soak(args, url: str, pid: int | None) -> Report:
+    report = Report(args.streams, args.minutes, args.stream_seconds)
+    metrics_url = re.sub(r"^ws", "http", url.split("/v1/")[0]) + "/metrics"
+    begin = time.monotonic()
+    deadline = begin + args.minutes * 60
+    stop = asyncio.Event()
+    watching = asyncio.ensure_future(monitor(report, metrics_url, pid, begin, stop, args.sample_s))
+
+    async def worker(index: int) -> None:
+        await asyncio.sleep(args.ramp_s * index / args.streams)  # no handshake storm
+        round_ = 0
+        while time.monotonic() < deadline:
+            audio = utterances(args.stream_seconds, seed=index * 1000 + round_)
+            result = await one_stream(url, audio, partials=not args.no_partials,
+                                      final_timeout_s=args.final_timeout_s)
+            report.completed += 1
+            report.segments += result.segments
+            report.finals += result.finals
+            report.missing_finals += result.missing_finals
+            report.duplicate_finals += result.duplicate_finals
+            if not result.ok:
+                report.failed += 1
+                report.problems[result.problem] = report.problems.get(result.problem, 0) + 1
+            round_ += 1
+
+    await asyncio.gather(*(worker(index) for index in range(args.streams)))
+    for _ in range(60):  # the server tears the last connections down
+        await asyncio.sleep(1)
+        if report.samples and not report.samples[-1].sessions_active:
+            break
+    stop.set()
+    await watching
+    warm = [sample for sample in report.samples if sample.at_s >= args.warmup_s]
+    if len(warm) >= 2:
+        first, last = warm[0], warm[-1]
+        report.rss_growth_pct = round(100 * (last.rss_mb - first.rss_mb) / max(first.rss_mb, 1e-9), 2)
+        report.threads_growth = last.threads - first.threads
+        report.fds_growth = last.fds - first.fds
+    report.sessions_active_after = report.samples[-1].sessions_active if report.samples else None
+    return report
+
+
+@contextlib.contextmanager
+def local_server(args):
+    """A qasr-server on the CPU (a tiny random model unless --model): yields (url, pid)."""
+    workdir = Path(tempfile.mkdtemp(prefix="qasr-soak-"))
+    model = args.model
+    try:
+        if model is None:
+            model = str(workdir / "tiny")
+            subprocess.run([sys.executable, "-m", "qasr.model.testmodel", model, "--size", "tiny"], check=True,
+                           capture_output=True)
+        log = open(workdir / "server.log", "w+")
+        server = subprocess.Popen([sys.executable, "-m", "qasr.server.cli", "--model", model, "--port", "0",
+                                   "--device", "cpu", "--max-sessions", str(args.streams + 8),
+                                   *args.server_args], stderr=log, stdout=log)
+        try:
+            url = None
+            for _ in range(600):
+                log.seek(0)
+                text = log.read()
+                listening = re.search(r"listening on (ws://\S+)", text)
+                if listening and "engine ready" in text:
+                    url = listening.group(1)
+                    break
+                if server.poll() is not None:
+                    raise RuntimeError(f"qasr-server exited:\n{text[-2000:]}")
+                time.sleep(0.5)
+            if url is None:
+                raise RuntimeError("qasr-server did not get ready within 300 s")
+            yield url, server.pid
+        finally:
+            server.terminate()
+            server.wait(60)
+            log.close()
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="qasr-soak", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--streams", type=int, default=50, help="concurrent streams")
+    parser.add_argument("--minutes", type=float, default=2.0, help="how long to keep them going")
+    parser.add_argument("--stream-seconds", type=float, default=30.0, help="audio per connection before it ends "
+                                                                            "and reconnects")
+    parser.add_argument("--ramp-s", type=float, default=10.0, help="spread the streams' starts over this long")
+    parser.add_argument("--warmup-s", type=float, default=30.0, help="growth is measured from here to the end")
+    parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between resource samples")
+    parser.add_argument("--no-partials", action="store_true", help="ask for finals only (a CPU that cannot keep "
+                                                                   "up with every stream's partials)")
+    parser.add_argument("--final-timeout-s", type=float, default=120.0,
+                        help="after `end`, how long a stream waits for its remaining finals before it counts as failed")
+    parser.add_argument("--url", default=None, help="an existing server's stream URL (default: start a CPU server)")
+    parser.add_argument("--server-pid", type=int, default=None, help="that server's pid, for /proc (same host)")
+    parser.add_argument("--model", default=None, help="checkpoint for the local server (default: a tiny random one)")
+    parser.add_argument("--server-arg", dest="server_args", action="append", default=[],
+                        help="extra qasr-server argument for the local server (repeatable)")
+    parser.add_argument("--out", default=None, help="write the JSON report here")
+    args = parser.parse_args(argv)
+    if args.streams < 1 or args.minutes <= 0 or args.stream_seconds <= 0:
+        parser.error("--streams, --minutes and --stream-seconds must be positive")
+    with contextlib.ExitStack() as stack:
+        url, pid = (args.url, args.server_pid) if args.url else stack.enter_context(local_server(args))
+        report = asyncio.run(soak(args, url, pid))
+    summary = {key: value for key, value in asdict(report).items() if key != "samples"}
+    print(json.dumps(summary, indent=1))
+    if report.samples:
+        print("samples (s, RSS MB, threads, fds, sessions):",
+              " ".join(f"{s.at_s:g}/{s.rss_mb:g}/{s.threads}/{s.fds}/{s.sessions_active}"
+                       for s in report.samples[::max(1, len(report.samples) // 12)]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(asdict(report), indent=1))
+    return 0 if report.failed == 0 and not report.missing_finals and not report.duplicate_finals else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
