@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -336,11 +335,15 @@ def test_bad_messages_get_each_protocols_errors_while_a_good_session_streams_on(
                                       '{"input": {"format": {"type": "audio/flac"}}}}, "event_id": "evt-3"}')
             await connection.send_raw('{"type": "input_audio_buffer.append", "audio": "***", "event_id": "evt-4"}')
             await connection.send_raw('{"type": "session.update", "session": {"type": "realtime"}}')
+            silence = base64.b64encode(bytes(4800)).decode()  # 100 ms: the stream starts
+            await connection.send({"type": "input_audio_buffer.append", "audio": silence})
+            await connection.send({"type": "session.update", "event_id": "evt-5", "session": {  # too late now
+                "type": "transcription", "audio": {"input": {"format": {"type": "audio/pcmu"}}}}})
             errors = []
             async for event in connection:
                 if event.type == "error":
                     errors.append(event.error)
-                if len(errors) == 6:
+                if len(errors) == 7:
                     return errors
             raise AssertionError("the connection closed")
 
@@ -368,7 +371,8 @@ def test_bad_messages_get_each_protocols_errors_while_a_good_session_streams_on(
         ("invalid_request_error", "input_audio_buffer_commit_empty", None, "evt-2"),
         ("invalid_request_error", "invalid_value", "session.audio.input.format.type", "evt-3"),
         ("invalid_request_error", "invalid_value", "audio", "evt-4"),
-        ("invalid_request_error", "invalid_value", "session.type", None)]
+        ("invalid_request_error", "invalid_value", "session.type", None),
+        ("invalid_request_error", "session_already_started", "session", "evt-5")]
     assert [message.type for message in deepgram_messages] == ["Error", "Error", "Error", "ConfigureFailure",
                                                                "Metadata"]
     assert {message.variant for message in deepgram_messages[:3]} == {"SchemaError"}
