@@ -6,22 +6,26 @@
         if isinstance(event, Final):
             print(f"[{event.start:.2f}-{event.end:.2f}] {event.text}")
 
+A server that requires API keys: `stream_audio(url, source, api_key=os.environ["QASR_API_KEY"])`.
+
 Events are the server's (`Ready`, `SpeechStarted`, `Partial`, `Final`, `Error`, `Summary`, from
 `qasr.streaming.events`) plus the client's own `Reconnecting` and `AudioDropped` (a microphone that fell too far behind). The wire format lives in `qasr.client.protocol`,
 errors in `qasr.client.errors`. `qasr-mic` (qasr.client.mic) is the terminal client built on this.
 """
 
-from qasr.client.errors import (AudioSourceError, ClientError, ConnectionLost, ProtocolMismatch, ServerUnreachable,
-                                StreamClosed)
-from qasr.client.protocol import StreamOptions
+from qasr.client.errors import (AccessDenied, AudioSourceError, AuthenticationFailed, ClientError, ConnectionLost,
+                                HandshakeRefused, ProtocolMismatch, ServerUnreachable, StreamClosed,
+                                TooManyConnections)
+from qasr.client.protocol import Credentials, StreamOptions
 from qasr.client.sources import (FileSource, InputDevice, MicrophoneSource, file_source, list_input_devices,
                                  microphone_source)
 from qasr.client.stream import AudioDropped, AudioStream, Reconnecting, StreamClient, StreamEvent, stream_audio
 from qasr.streaming.events import Error, Final, Partial, Ready, SpeechStarted, Summary
 
 __all__ = [
-    "stream_audio", "AudioStream", "StreamClient", "StreamOptions", "StreamEvent",
+    "stream_audio", "AudioStream", "StreamClient", "StreamOptions", "Credentials", "StreamEvent",
     "file_source", "microphone_source", "list_input_devices", "FileSource", "MicrophoneSource", "InputDevice",
     "Ready", "SpeechStarted", "Partial", "Final", "Error", "Summary", "Reconnecting", "AudioDropped",
     "ClientError", "ServerUnreachable", "StreamClosed", "ConnectionLost", "ProtocolMismatch", "AudioSourceError",
+    "HandshakeRefused", "AuthenticationFailed", "AccessDenied", "TooManyConnections",
 ]

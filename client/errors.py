@@ -4,12 +4,16 @@ Hierarchy::
 
     ClientError                 base of everything qasr.client raises on purpose
     ├── ServerUnreachable       no stream could be opened: refused, unknown host, timeout, not a qasr endpoint
+    ├── HandshakeRefused        the server answered the handshake with an HTTP error: .status, .message
+    │   ├── AuthenticationFailed    401: no API key or token, or one the server does not accept
+    │   ├── AccessDenied            403: not allowed from here (a browser Origin, a proxy's rule)
+    │   └── TooManyConnections      429: too many connections from this address (retryable)
     ├── StreamClosed            the server ended the stream before it was complete: .code, .reason, .error
     │   └── ConnectionLost      the connection dropped without a close frame (1006): server killed, network gone
     ├── ProtocolMismatch        the server sent something this client cannot read
     └── AudioSourceError        the audio input failed: no microphone, PortAudio missing, unreadable file
 
-`StreamClosed.retryable` says whether opening a new stream later may work (the server restarted, was full or is
+`.retryable` (StreamClosed, ServerUnreachable, HandshakeRefused) says whether opening a new stream later may work (the server restarted, was full or is
 still loading); `stream_audio(..., reconnect=N)` retries those.
 """
 
@@ -32,6 +36,37 @@ class ServerUnreachable(ClientError):
     """No stream could be opened at the URL (the server is not running, not listening there, or not qasr)."""
 
     retryable = True  # a server that is restarting becomes reachable again
+
+
+class HandshakeRefused(ClientError):
+    """The server (or a proxy in front of it) turned the connection away with an HTTP status before the WebSocket
+    opened. status: the HTTP status; message: the server's reason (it never echoes the credential)."""
+
+    retryable = False
+
+    def __init__(self, description: str, status: int, message: str = ""):
+        super().__init__(description)
+        self.status = status
+        self.message = message
+
+
+class AuthenticationFailed(HandshakeRefused):
+    """HTTP 401: the server requires an API key (or token) and got none, or one it does not accept. Retrying with
+    the same credential cannot help. credential: what was sent ("api_key", "token" or None)."""
+
+    def __init__(self, description: str, status: int, message: str = "", credential: str | None = None):
+        super().__init__(description, status, message)
+        self.credential = credential
+
+
+class AccessDenied(HandshakeRefused):
+    """HTTP 403: connections from here are not allowed (qasr: a browser Origin not in --allowed-origins)."""
+
+
+class TooManyConnections(HandshakeRefused):
+    """HTTP 429: too many connections from this address are open or still connecting; later may work."""
+
+    retryable = True
 
 
 class StreamClosed(ClientError):

@@ -1,6 +1,7 @@
 """The native protocol as the client speaks it (docs/protocol.md), sans-I/O: the one place that knows the wire.
 
-`StreamOptions` becomes the `start` message; `encode_audio` turns numpy chunks into binary PCM frames;
+`StreamOptions` becomes the `start` message; `Credentials` the handshake's API key header or token subprotocol;
+`encode_audio` turns numpy chunks into binary PCM frames;
 `END`/`FLUSH` are the control messages; `parse_event` turns a server frame (JSON text or msgpack binary) into the
 typed events of `qasr.streaming.events`. Nothing here touches a socket.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import msgpack
@@ -22,6 +24,10 @@ from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, Spe
 SENT_ENCODINGS = ("s16le", "f32le")  # the ENCODINGS this client encodes numpy audio into (the server takes more)
 FORMATS = ("json", "msgpack")
 EVENT_TYPES = {cls.TYPE: cls for cls in (Ready, SpeechStarted, Partial, Final, Error, Summary)}
+
+TOKEN_SUBPROTOCOL = "qasr.token."  # + a token from POST /v1/tokens (qasr.server.auth reads it)
+_HEADER_VALUE = re.compile(r"[!-~]+")  # visible ASCII: what an Authorization header can carry unchanged
+_SUBPROTOCOL = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # an HTTP token, as Sec-WebSocket-Protocol needs
 
 END = json.dumps({"type": "end"})
 FLUSH = json.dumps({"type": "flush"})
@@ -50,6 +56,46 @@ class StreamOptions:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if isinstance(self.channels, bool) or not isinstance(self.channels, int) or self.channels < 1:
             raise ValueError(f"channels must be a positive integer, got {self.channels!r}")
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What the client shows at the handshake (docs/security.md): an API key, sent as `Authorization: Bearer KEY`,
+    or a short-lived token minted by POST /v1/tokens, sent as the `qasr.token.TOKEN` subprotocol; neither for a
+    server without authentication. The secrets stay out of repr (and so out of logs and tracebacks)."""
+
+    api_key: str | None = field(default=None, repr=False)
+    token: str | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.api_key is not None and self.token is not None:
+            raise ValueError("give api_key or token, not both (a token is minted with a key)")
+        for name, secret, pattern, what in (("api_key", self.api_key, _HEADER_VALUE, "an HTTP header"),
+                                            ("token", self.token, _SUBPROTOCOL, "a WebSocket subprotocol")):
+            if secret is None:
+                continue
+            if not isinstance(secret, str) or not secret.strip():
+                raise ValueError(f"{name} must be a non-empty string (or None for a server without keys)")
+            if not pattern.fullmatch(secret.strip()):  # the error never shows the secret itself
+                raise ValueError(f"{name} has characters {what} cannot carry (spaces, line breaks, non-ASCII): "
+                                 "is it the whole key, copied without anything around it?")
+            object.__setattr__(self, name, secret.strip())
+
+    @property
+    def kind(self) -> str | None:
+        """What is sent: "api_key", "token" or None."""
+        return "api_key" if self.api_key is not None else "token" if self.token is not None else None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key is not None else {}
+
+    def subprotocols(self) -> list[str]:
+        return [TOKEN_SUBPROTOCOL + self.token] if self.token is not None else []
+
+    def redact(self, text: str) -> str:
+        """`text` with the secret blanked out, for messages built from what a server or proxy answered."""
+        secret = self.api_key or self.token
+        return text.replace(secret, "***") if secret else text
 
 
 def bytes_per_frame(options: StreamOptions) -> int:

@@ -14,11 +14,15 @@ Two levels:
 `StreamClient` is one connection driven by hand (connect, send_audio, flush, end, events), for code that already
 has its own audio loop.
 
+Authentication (a server with API keys, docs/security.md): `api_key=KEY` is sent as `Authorization: Bearer KEY`,
+`token=TOKEN` (from POST /v1/tokens) as the `qasr.token.TOKEN` subprotocol. A handshake the server refuses raises
+`AuthenticationFailed` (401), `AccessDenied` (403) or `TooManyConnections` (429), never retried on 401 or 403.
+
 Ending: after the source runs out (or `stop()`), the client sends `end`, receives the remaining finals and the
 summary, and the server closes with 1000; the iteration then simply finishes. Any other ending raises a
 `StreamClosed` (`ConnectionLost` when the connection just dropped) after every event that did arrive was yielded.
 With `reconnect=N`, a stream the server dropped mid-way (restart, 1001/1006/1013) is reopened up to N times in a
-row; the source carries on, and times and segment ids continue from where the last connection stopped (the
+row, with the same credential; the source carries on, and times and segment ids continue from where the last connection stopped (the
 segment open when a connection was lost without finals is lost with it).
 """
 
@@ -35,9 +39,10 @@ import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
-from qasr.client.errors import NORMAL_CLOSURE, ClientError, ConnectionLost, ServerUnreachable, StreamClosed
-from qasr.client.protocol import (END, FLUSH, StreamOptions, bytes_per_frame, encode_audio, parse_event,
-                                  start_message)
+from qasr.client.errors import (NORMAL_CLOSURE, AccessDenied, AuthenticationFailed, ClientError, ConnectionLost,
+                                HandshakeRefused, ServerUnreachable, StreamClosed, TooManyConnections)
+from qasr.client.protocol import (END, FLUSH, Credentials, StreamOptions, bytes_per_frame, encode_audio,
+                                  parse_event, start_message)
 from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary
 
 
@@ -71,15 +76,19 @@ class StreamClient:
         async with StreamClient(url, StreamOptions(sample_rate=16000)) as client:   # connects, sends start
             ... await client.send_audio(chunk) ...; await client.end()
             async for event in client.events(): ...                                   # until the server closes
+
+    api_key: for a server that requires one (sent as `Authorization: Bearer`); token: a token from the server's
+    POST /v1/tokens instead (sent as the `qasr.token.` subprotocol). At most one of them.
     """
 
-    def __init__(self, url: str, options: StreamOptions = StreamOptions(), *, open_timeout_s: float = 10.0,
-                 close_timeout_s: float = 10.0):
+    def __init__(self, url: str, options: StreamOptions = StreamOptions(), *, api_key: str | None = None,
+                 token: str | None = None, open_timeout_s: float = 10.0, close_timeout_s: float = 10.0):
         if not url.startswith(("ws://", "wss://")):
             raise ValueError(f"the server URL must start with ws:// or wss://, got {url!r} "
                              "(e.g. ws://127.0.0.1:8765/v1/stream)")
         self.url = url
         self.options = options
+        self.credentials = Credentials(api_key, token)
         self.open_timeout_s = open_timeout_s
         self.close_timeout_s = close_timeout_s
         self.ready: Ready | None = None  # once connected
@@ -98,14 +107,20 @@ class StreamClient:
         await self.close()
 
     async def connect(self) -> Ready:
-        """Open the connection, send `start`, wait for `ready`. Raises ServerUnreachable, or StreamClosed when the
-        server turns the stream away (full, loading, an option it cannot take)."""
+        """Open the connection, send `start`, wait for `ready`. Raises ServerUnreachable, HandshakeRefused (401
+        AuthenticationFailed, 403, 429) when the handshake is refused, or StreamClosed when the server turns the
+        stream away (full, loading, an option it cannot take)."""
         try:
             self._websocket = await connect(self.url, open_timeout=self.open_timeout_s, max_size=None,
-                                            close_timeout=self.close_timeout_s)
+                                            close_timeout=self.close_timeout_s,
+                                            additional_headers=self.credentials.headers() or None,
+                                            subprotocols=self.credentials.subprotocols() or None)
         except InvalidURI as error:
             raise ValueError(f"not a valid WebSocket URL: {self.url!r} ({error})") from None
         except InvalidStatus as error:
+            refused = self._refused(error.response.status_code, error.response.body)
+            if refused is not None:
+                raise refused from None
             status = error.response.status_code
             raise ServerUnreachable(f"{self.url} answered HTTP {status} instead of a WebSocket: is this a qasr "
                                     "server's stream path (/v1/stream)?") from None
@@ -188,6 +203,27 @@ class StreamClient:
 
     # -- internals -------------------------------------------------------------------------------------------
 
+    def _refused(self, status: int, body: bytes | None) -> HandshakeRefused | None:
+        """The error for a handshake refused with 401, 403 or 429, saying what to do; None for other statuses."""
+        message = self.credentials.redact(_first_line(body))
+        answered = f"{self.url} answered HTTP {status}" + (f" ({message})" if message else "")
+        if status == 401:
+            what_to_do = {
+                None: "the server requires an API key: pass api_key=KEY, or token= with a token from its "
+                      "POST /v1/tokens",
+                "api_key": "the server does not accept this API key: check it (retrying will not help)",
+                "token": "the server does not accept this token (an expired or foreign one): mint a new one with "
+                         "POST /v1/tokens, or pass api_key=",
+            }[self.credentials.kind]
+            return AuthenticationFailed(f"{answered}: {what_to_do}", status, message, self.credentials.kind)
+        if status == 403:
+            return AccessDenied(f"{answered}: connections from here are not allowed; ask the server's operator",
+                                status, message)
+        if status == 429:
+            return TooManyConnections(f"{answered}: too many connections from this address are open; close some "
+                                      "or try again later", status, message)
+        return None
+
     def _connected(self) -> ClientConnection:
         if self._websocket is None:
             raise RuntimeError("StreamClient is not connected: call connect() (or use `async with`) first")
@@ -212,12 +248,14 @@ class AudioStream:
     """An audio source streamed to the server; iterate it for the events. See the module docstring."""
 
     def __init__(self, url: str, source: AsyncIterable[np.ndarray], options: StreamOptions, *, reconnect: int = 0,
-                 reconnect_delay_s: float = 1.0, open_timeout_s: float = 10.0):
+                 reconnect_delay_s: float = 1.0, open_timeout_s: float = 10.0, api_key: str | None = None,
+                 token: str | None = None):
         if reconnect < 0:
             raise ValueError(f"reconnect must be >= 0 (attempts in a row), got {reconnect}")
         self.url = url
         self.source = source
         self.options = options
+        self.credentials = Credentials(api_key, token)  # checked now; every connection, reconnects too, sends it
         self.reconnect = reconnect
         self.reconnect_delay_s = reconnect_delay_s
         self.open_timeout_s = open_timeout_s
@@ -253,7 +291,8 @@ class AudioStream:
         attempts = 0
         try:
             while True:
-                self.client = StreamClient(self.url, self.options, open_timeout_s=self.open_timeout_s)
+                self.client = StreamClient(self.url, self.options, api_key=self.credentials.api_key,
+                                           token=self.credentials.token, open_timeout_s=self.open_timeout_s)
                 pump = None
                 try:
                     yield await self.client.connect()
@@ -266,7 +305,7 @@ class AudioStream:
                     if self._source_error is not None:
                         raise self._source_error
                     return
-                except (ServerUnreachable, StreamClosed) as error:
+                except (ServerUnreachable, StreamClosed, HandshakeRefused) as error:
                     if not self._may_retry(error, attempts):
                         raise
                     attempts += 1
@@ -362,19 +401,20 @@ def stream_audio(url: str, source: AsyncIterable[np.ndarray], *, language: str |
                  sample_rate: int | None = None, encoding: str = "s16le", channels: int | None = None,
                  format: str = "json", partials: bool = True, partial_interval_ms: int | None = None,
                  vad: Mapping[str, float] | None = None, reconnect: int = 0, reconnect_delay_s: float = 1.0,
-                 open_timeout_s: float = 10.0) -> AudioStream:
+                 open_timeout_s: float = 10.0, api_key: str | None = None, token: str | None = None) -> AudioStream:
     """Stream `source` to the server at `url`; iterate the result for events (see the module docstring).
 
     sample_rate/channels: of the source's chunks; None takes the source's own `sample_rate`/`channels`
     attributes (file_source and microphone_source have them), else 16000 Hz mono. reconnect: how many times in a
-    row to reopen a stream the server dropped (0: raise at once). The other options are the `start` message's.
+    row to reopen a stream the server dropped (0: raise at once). api_key / token: for a server that requires
+    one (see StreamClient). The other options are the `start` message's.
     """
     options = StreamOptions(sample_rate=sample_rate or getattr(source, "sample_rate", 16000),
                             channels=channels or getattr(source, "channels", 1), encoding=encoding,
                             language=language, context=context, format=format, partials=partials,
                             partial_interval_ms=partial_interval_ms, vad=vad)
     return AudioStream(url, source, options, reconnect=reconnect, reconnect_delay_s=reconnect_delay_s,
-                       open_timeout_s=open_timeout_s)
+                       open_timeout_s=open_timeout_s, api_key=api_key, token=token)
 
 
 class _Timeline:
@@ -414,6 +454,12 @@ class _Timeline:
                            audio_seconds=event.audio_seconds + self.offset_s,
                            speech_seconds=event.speech_seconds + self.speech_s)
         return event
+
+
+def _first_line(body: bytes | None, limit: int = 300) -> str:
+    """The first line of an HTTP error body: the server's reason, short."""
+    lines = (body or b"").decode("utf-8", "replace").strip().splitlines()
+    return lines[0][:limit] if lines else ""
 
 
 def _why_unreachable(error: BaseException, client: StreamClient) -> str:

@@ -20,7 +20,9 @@ import numpy as np
 import pytest
 
 from qasr.server.app import QasrServer, ServerConfig
+from qasr.server.auth import Authenticator, KeyStore
 from qasr.server.limits import ServerLimits
+from qasr.server.security import SecuritySettings
 from qasr.streaming.settings import StreamSettings
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,15 +36,23 @@ def real_engine(model_dir: Path):
     return AsyncEngine.from_pretrained(str(model_dir), device="cpu", dtype="float32")
 
 
+def requiring_key(key: str) -> SecuritySettings:
+    """Security for a server whose streams need `key` (as $QASR_API_KEYS would give it); tokens from its
+    POST /v1/tokens are signed with a secret of its own."""
+    return SecuritySettings(auth=Authenticator(KeyStore.load(None, key), required=True))
+
+
 def stream_url(port: int) -> str:
     return f"ws://127.0.0.1:{port}/v1/stream"
 
 
 @contextlib.asynccontextmanager
-async def serving(engine, *, port: int = 0, web_root: Path | None = None, start_engine: bool = True, **limits):
+async def serving(engine, *, port: int = 0, web_root: Path | None = None, start_engine: bool = True,
+                  security: SecuritySettings = SecuritySettings(), **limits):
     """A started server in the running loop (and its engine, unless the test decides when it is ready); stopped
-    (the SIGTERM path) on exit."""
-    config = ServerConfig(port=port, limits=ServerLimits(**limits), web_root=web_root, ping_interval_s=None)
+    (the SIGTERM path) on exit. `security`: e.g. `requiring_key(KEY)` for a server that needs an API key."""
+    config = ServerConfig(port=port, limits=ServerLimits(**limits), web_root=web_root, ping_interval_s=None,
+                          security=security)
     server = QasrServer(engine, config)
     await server.start()
     if start_engine:
@@ -63,11 +73,13 @@ class ThreadedServer:
     """A QasrServer on its own thread and event loop. `engine_factory` runs on that loop."""
 
     def __init__(self, engine_factory: Callable[[], object], *, port: int = 0, web_root: Path | None = None,
-                 defaults: StreamSettings = StreamSettings(), **limits):
+                 defaults: StreamSettings = StreamSettings(), security: SecuritySettings = SecuritySettings(),
+                 **limits):
         self.engine_factory = engine_factory
         self.port = port
         self.web_root = web_root
         self.defaults = defaults
+        self.security = security
         self.limits = limits
         self.server: QasrServer | None = None
         self.loop = asyncio.new_event_loop()
@@ -84,7 +96,7 @@ class ThreadedServer:
     async def _start(self) -> None:
         engine = self.engine_factory()
         config = ServerConfig(port=self.port, limits=ServerLimits(**self.limits), defaults=self.defaults,
-                              web_root=self.web_root, ping_interval_s=None)
+                              web_root=self.web_root, ping_interval_s=None, security=self.security)
         self.server = QasrServer(engine, config)
         await self.server.start()
         await engine.start()
