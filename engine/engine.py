@@ -1,101 +1,51 @@
 """The engine: continuous batching of many streams' requests on one model.
 
-`Engine.step()` is three calls, as in nano-vllm: admit (schedule + encode + prefill new sequences into free slots),
-decode (one step for every running slot), postprocess (finish sequences, free slots). `AsyncEngine` runs that loop
-on its own thread and hands results to asyncio futures; the event loop never waits on the GPU and the GPU never
-waits on the event loop.
+`Engine.step()` is schedule -> run -> postprocess, as in nano-vllm: the `Scheduler` picks what runs (waiting and
+running sequences, slots), the `ModelRunner` is the only caller of the model (mel, encoder, prefill, decode), and
+`postprocess` decides which sequences stop and what they said. What stays here is the orchestration: the stream cache
+(encoder windows and KV prefixes a stream's next partial reuses, its last answer), the admission interval and the
+metrics. `AsyncEngine` runs the loop on its own thread and hands results to asyncio futures; the event loop never
+waits on the GPU and the GPU never waits on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import heapq
 import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
-import numpy as np
 import torch
 
 from qasr.model import audio as qaudio
 from qasr.model.checkpoint import load_model, resolve_model_dir
 from qasr.model.modeling import Qwen3ASR
-from qasr.model.prompt import build_prompt, parse_output
 from qasr.model.quantize import quantize_decoder_int8
 from qasr.model.tokenizer import Tokenizer
 
+from . import postprocess, prompting
+from .options import EngineOptions, display_name
 from .request import DecodeRequest, DecodeResult, EngineClosed, Priority
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .stream_cache import StreamCache
+from .stream_cache import StreamCache, StreamState
+
+__all__ = ["AsyncEngine", "Engine", "EngineOptions", "display_name", "settle"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class EngineOptions:
-    num_slots: int = 64  # sequences decoded together at most (the largest CUDA graph bucket)
-    max_len: int = 1024  # prompt + generated tokens per sequence (a 30 s segment is ~410 prompt tokens)
-    num_retained: int = 64  # extra KV slots keeping streams' reusable prefixes for their next partial
-    max_prefill_tokens: int = 16384  # prompt tokens prefilled in one admission round
-    admission_interval_ms: float = 20.0  # while sequences decode, they decode this long between two admissions: an
-    # admission has a fixed cost (~8 ms at 0.6B on an H200) that, paid between every decode step under a steady
-    # stream of partials, would leave decoding a fraction of the GPU; and under load one admission takes longer than
-    # the interval, so counting it from the admission's start left finals one decode step per admission
-    # (docs/benchmarks.md)
-    max_audio_seconds: float = 60.0  # longest audio one request may carry
-    base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
-    tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)
-    cuda_graphs: bool | None = None  # None: on a CUDA device
-    fused_kernels: bool | None = None  # Triton kernels for the decoder (None: on CUDA when Triton is installed)
-    repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
-    ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
-    quantize: str | None = None  # "int8": weight-only int8 decoder projections (opt-in; see model/quantize.py)
-    rollback_tokens: int = 5  # a partial continues its stream's previous partial minus this many last tokens (the
-    # least settled ones, re-decoded); 0: partials decode from the audio alone
-
-    def __post_init__(self):
-        if (self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1
-                or self.admission_interval_ms < 0 or self.rollback_tokens < 0):
-            raise ValueError(f"invalid engine options: {self}")
-        if self.quantize not in (None, "int8"):
-            raise ValueError(f"quantize must be None or 'int8', got {self.quantize!r}")
-
-
-def check_context(tokenizer: Tokenizer, options: EngineOptions, context: str, *, language: str | None = None,
-                  max_audio_seconds: float) -> None:
-    """ValueError unless a request with this context and up to `max_audio_seconds` of audio fits a slot with its full
-    default token budget (the server checks a stream's context once, at `start`)."""
-    tokens = int(qaudio.num_audio_tokens(qaudio.num_frames(int(max_audio_seconds * qaudio.SAMPLE_RATE))))
-    prompt = build_prompt(tokenizer, context=context, language=language, num_audio_tokens=tokens)
-    budget = options.base_tokens + math.ceil(options.tokens_per_second * max_audio_seconds)
-    if prompt.num_tokens + budget > options.max_len:
-        bare = build_prompt(tokenizer, language=language, num_audio_tokens=tokens).num_tokens
-        room = max(0, options.max_len - bare - budget)
-        raise ValueError(
-            f"context too long: {prompt.num_tokens - bare} tokens, but with segments up to "
-            f"{max_audio_seconds:g} s this server has room for {room} (shorten the context or the maximum "
-            f"segment, or start the server with a larger --max-len)")
-
-
-def display_name(model: str) -> str:
-    """What clients see: a local checkpoint's folder name (not its path on the server), or the hub id."""
-    return Path(model).name if Path(model).is_dir() else str(model)
-
-
 class Engine:
-    """Synchronous core. `add()` is thread-safe; `step()` must be called from one thread only."""
+    """Synchronous core. `add()` and `release_stream()` are thread-safe; `step()` must be called from one thread."""
 
     def __init__(self, model: Qwen3ASR, tokenizer: Tokenizer, options: EngineOptions = EngineOptions(), name: str = ""):
-        self.model, self.tokenizer, self.options = model, tokenizer, options
+        self.model = model  # for building other engines on the same weights: only the runner calls it
+        self.tokenizer, self.options = tokenizer, options
         self.model_name = name
         self.eos_ids = () if options.ignore_eos else tokenizer.eos_ids
-        self.device = model.device
         self.runner = ModelRunner(
             model,
             num_slots=options.num_slots,
@@ -105,14 +55,11 @@ class Engine:
             cuda_graphs=options.cuda_graphs,
             fused_kernels=options.fused_kernels,
         )
-        self.scheduler = Scheduler()
+        self.scheduler = Scheduler(options.num_slots)
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
-        self.running: dict[int, Sequence] = {}  # slot -> sequence
-        self._free_slots = list(range(options.num_slots))  # min-heap: low slots first keeps the bucket small
         self._lock = threading.Lock()  # guards the stream cache's release from other threads
         self._released: list[str] = []
         self.recent_batch_sizes: collections.deque[int] = collections.deque(maxlen=64)  # for metrics
-        self.max_batch_size = 0
         self.steps = 0
         self._last_admission = -math.inf
         # cumulative work, to measure what partials reuse: prompt positions prefilled vs copied from a retained
@@ -142,54 +89,43 @@ class Engine:
         """Queue a request; `on_done(result or exception)` is called once, on the engine thread (or here on error)."""
         seq = Sequence(request, on_done)
         try:
-            self._validate(request)
+            prompting.validate(request, self.options)
         except ValueError as e:
             seq.finish(e)
             return seq
         self.scheduler.add(seq)
         return seq
 
-    def _validate(self, req: DecodeRequest) -> None:
-        audio = req.audio
-        if not isinstance(audio, np.ndarray) or audio.ndim != 1:
-            raise ValueError("request audio must be a 1-D float32 numpy array of 16 kHz samples")
-        if audio.size < qaudio.HOP_LENGTH:
-            raise ValueError(f"audio too short: {audio.size} samples (at least {qaudio.HOP_LENGTH}, 10 ms)")
-        if audio.size > self.options.max_audio_seconds * qaudio.SAMPLE_RATE:
-            raise ValueError(f"audio too long: {audio.size / qaudio.SAMPLE_RATE:.1f} s "
-                             f"(the engine takes at most {self.options.max_audio_seconds:g} s per request)")
-        if not np.isfinite(audio).all():
-            raise ValueError("audio contains NaN or infinite samples")
-
     def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
-        check_context(self.tokenizer, self.options, context, language=language, max_audio_seconds=max_audio_seconds)
+        prompting.check_context(self.tokenizer, self.options, context, language=language,
+                                max_audio_seconds=max_audio_seconds)
 
     def release_stream(self, stream_id: str) -> None:
-        """Forget a stream's cached windows and retained KV (thread-safe; applied before the next step)."""
+        """Forget a stream's cached windows, retained KV and last answer (thread-safe; applied before the next step)."""
         with self._lock:
             self._released.append(stream_id)
 
     # -- the loop --------------------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.running) or len(self.scheduler) > 0
+        return bool(self.scheduler.running) or len(self.scheduler) > 0
 
     @torch.inference_mode()
     def step(self) -> None:
         self._apply_releases()
         self._drop_cancelled()
-        if self._free_slots and len(self.scheduler) and self._admission_due():
+        if self.scheduler.can_admit() and self._admission_due():
             start = time.perf_counter()
             self._admit()
             self._last_admission = time.perf_counter()  # the interval counts from the end: decoding gets it whole
             self.seconds["admit"] += self._last_admission - start
-        if self.running:
+        if self.scheduler.running:
             self._decode()
 
     def _admission_due(self) -> bool:
         """Admit at once when nothing decodes; otherwise batch arrivals into one admission per interval of decoding."""
         interval = self.options.admission_interval_ms / 1e3
-        return not self.running or time.perf_counter() - self._last_admission >= interval
+        return not self.scheduler.running or time.perf_counter() - self._last_admission >= interval
 
     def run_until_done(self) -> None:
         while self.has_work():
@@ -209,8 +145,8 @@ class Engine:
     def stats(self) -> dict:
         return {
             "queue": self.scheduler.depths(),
-            "running": len(self.running),
-            "free_slots": len(self._free_slots),
+            "running": len(self.scheduler.running),
+            "free_slots": self.scheduler.num_free_slots,
             "streams_cached": len(self.streams),
             "steps": self.steps,
             "batch_sizes": list(self.recent_batch_sizes),
@@ -219,11 +155,11 @@ class Engine:
             "thread_cpu_seconds": self.thread_cpu_seconds,
         }
 
-    # -- admit: prompt, encoder, prefill -----------------------------------------------------------------------------
+    # -- admit: schedule, encode, prefill, postprocess the first tokens ---------------------------------------------
 
     def _admit(self) -> None:
         t0 = time.perf_counter()
-        seqs = self.scheduler.take(len(self._free_slots), self.options.max_prefill_tokens, self._prefill_cost)
+        seqs = self.scheduler.schedule(self.options.max_prefill_tokens, lambda s: prompting.prefill_cost(s.request))
         if not seqs:
             return
         try:
@@ -236,10 +172,8 @@ class Engine:
         if not seqs:
             return
         t1 = time.perf_counter()
-        slots = [heapq.heappop(self._free_slots) for _ in seqs]
+        slots = [self.scheduler.place(seq) for seq in seqs]
         for seq, slot, start in zip(seqs, slots, starts):
-            seq.slot = slot
-            self.running[slot] = seq
             if start:  # copy the stream's retained prompt + audio KV instead of prefilling it again
                 self.runner.copy_prefix(self.streams.peek(seq.stream_id).retained_slot, slot, start)
         first = self.runner.prefill([e[s:] for e, s in zip(embeds, starts)], slots, starts)
@@ -252,7 +186,10 @@ class Engine:
             seq.timings.update(queue_ms=(t0 - seq.t_submit) * 1e3, encode_ms=(t1 - t0) * 1e3,
                                prefill_ms=(t2 - t1) * 1e3)
             seq.t_decode = t2
-            if self._accept(seq, tok):
+            reason = postprocess.stop_reason(seq, tok, self.eos_ids)
+            if reason:
+                self._complete(seq, reason)
+            else:
                 live_slots.append(seq.slot)
                 live_first.append(tok)
                 live_pos.append(seq.prompt.num_tokens)
@@ -260,86 +197,61 @@ class Engine:
         if live_slots:
             self.runner.start_rows(live_slots, live_first, live_pos, live_budget)
 
-    def _prefill_cost(self, seq: Sequence) -> int:
-        frames = qaudio.num_frames(seq.request.audio.size)
-        return int(qaudio.num_audio_tokens(frames)) + 32
-
-    def _prepare_prompt(self, seq: Sequence, num_audio_tokens: int) -> None:
-        """The sequence's prompt and token budget; ValueError if it cannot fit a slot.
-
-        A partial's given prefix is the previous hypothesis: when a model runs on (a hallucination loop) it can
-        outgrow what the audio could hold, so a prefix longer than the audio's token budget, or one that would not
-        fit the slot, is dropped and the partial decodes from the audio alone.
-        """
-        req = seq.request
-        seconds = req.audio.size / qaudio.SAMPLE_RATE
-        default_budget = self.options.base_tokens + math.ceil(self.options.tokens_per_second * seconds)
-        prompt = lambda answer_ids: build_prompt(self.tokenizer, context=req.context,  # noqa: E731
-                                                 language=req.language, num_audio_tokens=num_audio_tokens,
-                                                 answer_ids=answer_ids)
-        answer_ids = self._rolled_back_answer(seq)
-        seq.prompt = prompt(answer_ids)
-        if answer_ids and (seq.prompt.num_tokens >= self.options.max_len or len(answer_ids) > default_budget):
-            seq.prompt = prompt(())
-        room = self.options.max_len - seq.prompt.num_tokens
-        if room < 1:
-            raise ValueError(f"the prompt ({seq.prompt.num_tokens} tokens for {req.audio.size / qaudio.SAMPLE_RATE:.1f}"
-                             f" s of audio and the context) does not fit the engine's max_len {self.options.max_len}")
-        seq.budget = max(1, min(room, req.max_new_tokens or default_budget))
-
     def _encode(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
         """Mel + encoder for the admitted sequences (windows of all of them in one call) -> prompt embeddings.
 
         Returns the sequences that fit (the others are finished with their error), each one's full prompt
         embeddings [T, D], and how many leading positions can be copied from a retained KV prefix.
         """
-        enc = self.model.encoder
-        # every clip crosses to the device in one copy (one per clip cost ~0.3 ms of CPU each in a large admission)
-        sizes = [s.request.audio.size for s in seqs]
-        flat = torch.from_numpy(np.concatenate([s.request.audio for s in seqs]).astype(np.float32, copy=False))
-        clips = list(torch.split(flat.to(self.device), sizes))
-        feats, frames = qaudio.log_mel_batch(clips, device=self.device)
+        feats, frames = self.runner.log_mel([s.request.audio for s in seqs])
         fitting = []
         for seq, f, mel in zip(seqs, frames.tolist(), feats):
             try:
-                self._prepare_prompt(seq, int(qaudio.num_audio_tokens(f)))
+                seq.prompt, seq.budget = prompting.prepare_prompt(
+                    self.tokenizer, self.options, seq.request, int(qaudio.num_audio_tokens(f)),
+                    self._rolled_back_answer(seq))
             except ValueError as e:  # this request only
                 seq.finish(e)
                 continue
             fitting.append((seq, f, mel))
         if not fitting:
             return [], [], []
-        tails, tail_flags, reused = [], [], []
+        tails, continued, reused = [], [], []
         for seq, f, mel in fitting:
             state = self._stream_state(seq)
             # windows wholly inside the audio (plus 2 frames of margin for the STFT's edge) never change
             keep = min(len(state.windows), self._whole_windows(f)) if state else 0
             reused.append(keep)
             tails.append(mel[:, keep * qaudio.WINDOW_FRAMES : f])
-            tail_flags.append(keep > 0)
-        windows, lengths, owners = enc.pack_windows(enc.embed_clips(tails, tail_flags))
-        out = self.runner.encode_windows(windows, lengths)
-        self.counters["encoded_windows"] += len(owners)
+            continued.append(keep > 0)
+        per_seq = self.runner.encode(tails, continued)
+        self.counters["encoded_windows"] += sum(len(windows) for windows in per_seq)
         self.counters["reused_windows"] += sum(reused)
-        per_seq: list[list[torch.Tensor]] = [[] for _ in fitting]
-        for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
-            per_seq[owner].append(out[w, :n])
-        ids = np.concatenate([seq.prompt.input_ids for seq, _, _ in fitting])  # one copy and one lookup for all
-        token_embeds = self.model.decoder.embed_tokens(torch.from_numpy(ids).to(self.device))
-        token_embeds = token_embeds.split([seq.prompt.num_tokens for seq, _, _ in fitting])
-        embeds, starts = [], []
-        for (seq, f, _mel), keep, new, tokens in zip(fitting, reused, per_seq, token_embeds):
+        audio, starts = [], []
+        for (seq, f, _mel), keep, new in zip(fitting, reused, per_seq):
             state = self._stream_state(seq)
             if state is not None:
                 kept = state.windows[:keep]
-                fresh = [w for w in new[: self._whole_windows(f) - keep] if w.shape[0] == enc.cfg.window_tokens]
+                fresh = [w for w in new[: self._whole_windows(f) - keep] if w.shape[0] == self.runner.window_tokens]
                 state.windows = kept + fresh
-                audio = torch.cat(kept + new)
+                audio.append(torch.cat(kept + new))
             else:
-                audio = torch.cat(new)
-            embeds.append(self.model.splice_audio(tokens, audio, seq.prompt.audio_offset))
+                audio.append(torch.cat(new))
             starts.append(self._reusable_positions(seq, keep))
+        embeds = self.runner.embed_prompts([seq.prompt for seq, _, _ in fitting], audio)
         return [seq for seq, _, _ in fitting], embeds, starts
+
+    # -- what a stream keeps between its partials ------------------------------------------------------------------
+
+    @staticmethod
+    def _whole_windows(frames: int) -> int:
+        return max(0, frames - 2) // qaudio.WINDOW_FRAMES
+
+    def _stream_state(self, seq: Sequence) -> StreamState | None:
+        """Partials of a stream share cached state; finals never read it (they must equal offline decoding)."""
+        if seq.request.priority is Priority.PARTIAL and seq.stream_id is not None:
+            return self.streams.get(seq.stream_id)
+        return None
 
     def _rolled_back_answer(self, seq: Sequence) -> tuple[int, ...]:
         """A partial's given prefix: its stream's previous partial's answer minus the last `rollback_tokens`."""
@@ -347,16 +259,6 @@ class Engine:
         if state is None or not self.options.rollback_tokens:
             return ()
         return state.answer_ids[: max(0, len(state.answer_ids) - self.options.rollback_tokens)]
-
-    @staticmethod
-    def _whole_windows(frames: int) -> int:
-        return max(0, frames - 2) // qaudio.WINDOW_FRAMES
-
-    def _stream_state(self, seq: Sequence):
-        """Partials of a stream share cached state; finals never read it (they must equal offline decoding)."""
-        if seq.request.priority is Priority.PARTIAL and seq.stream_id is not None:
-            return self.streams.get(seq.stream_id)
-        return None
 
     def _reusable_positions(self, seq: Sequence, windows: int) -> int:
         state = self._stream_state(seq)
@@ -367,7 +269,7 @@ class Engine:
 
     def _retain_prefixes(self, seqs: list[Sequence]) -> None:
         """After prefill: keep each partial's prompt prefix + whole-window audio KV for the stream's next partial."""
-        busy = {s.stream_id for s in self.running.values() if s.stream_id}
+        busy = self.scheduler.running_streams()
         for seq in seqs:
             state = self._stream_state(seq)
             if state is None or not state.windows:
@@ -382,71 +284,46 @@ class Engine:
     # -- decode and postprocess ------------------------------------------------------------------------------------
 
     def _decode(self) -> None:
-        rows = max(self.running) + 1
-        self.recent_batch_sizes.append(len(self.running))
-        self.max_batch_size = max(self.max_batch_size, len(self.running))
-        self.counters["decode_rows"] += len(self.running)
+        running = self.scheduler.running
+        self.recent_batch_sizes.append(len(running))
+        self.counters["decode_rows"] += len(running)
         t0 = time.perf_counter()
-        out = self.runner.decode(rows).numpy()
+        out = self.runner.decode(max(running) + 1).numpy()
         t1 = time.perf_counter()
         self.seconds["decode_gpu"] += t1 - t0
         self.steps += 1
+        self._postprocess(out)
+        self.seconds["decode_host"] += time.perf_counter() - t1
+
+    def _postprocess(self, out) -> None:
+        """out: [2, rows] (token or -1 for an idle row, finished on the device) -> finish what stopped."""
         stopped = []
-        for slot, seq in list(self.running.items()):
+        for slot, seq in list(self.scheduler.running.items()):
             tok, finished = int(out[0, slot]), bool(out[1, slot])
             if tok < 0:
                 continue
-            if not self._accept(seq, tok, finished):
-                continue
-            if self._repeating(seq.generated):
-                stopped.append(slot)
-                self._complete(seq, "repetition")
+            reason = postprocess.stop_reason(seq, tok, self.eos_ids, finished)
+            if reason is None and postprocess.is_repeating(seq.generated, self.options.repetition_window):
+                stopped.append(slot)  # the device does not know: idle its row
+                reason = "repetition"
+            if reason:
+                self._complete(seq, reason)
         self.runner.stop_rows(stopped)
-        self.seconds["decode_host"] += time.perf_counter() - t1
-
-    def _accept(self, seq: Sequence, tok: int, device_finished: bool | None = None) -> bool:
-        """Record one generated token; returns whether the sequence keeps running."""
-        if tok in self.eos_ids:
-            self._complete(seq, "eos")
-            return False
-        seq.generated.append(tok)
-        if device_finished or len(seq.generated) >= seq.budget:
-            self._complete(seq, "length")
-            return False
-        return True
-
-    def _repeating(self, tokens: list[int]) -> bool:
-        """Token-level runaway guard: the last `repetition_window` tokens are one pattern of <= 8 tokens repeated."""
-        w = self.options.repetition_window
-        if not w or len(tokens) < w:
-            return False
-        tail = tokens[-w:]
-        # compare from the newest token back: a sequence that is not looping fails at once (this runs per row per step)
-        return any(all(tail[i] == tail[i - p] for i in range(w - 1, p - 1, -1)) for p in range(1, 9))
 
     def _complete(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
-        self.running.pop(seq.slot, None)
-        heapq.heappush(self._free_slots, seq.slot)
-        answer = (*seq.prompt.answer_ids, *seq.generated)
+        self.scheduler.release(seq)
         if seq.request.priority is Priority.PARTIAL and seq.stream_id is not None:
             state = self.streams.peek(seq.stream_id)  # None once released: a late partial does not bring it back
             if state is not None:
-                state.answer_ids = answer
-        raw = self.tokenizer.decode(answer)
-        language, text = parse_output(raw, seq.prompt.language)
-        seq.timings["decode_ms"] = (time.perf_counter() - seq.t_decode) * 1e3
-        seq.finish(DecodeResult(text=text, language=language, raw_text=raw, token_ids=tuple(seq.generated),
-                                finish_reason=reason, num_audio_tokens=seq.prompt.num_audio_tokens,
-                                timings=dict(seq.timings)))
+                state.answer_ids = postprocess.answer_ids(seq)
+        seq.finish(postprocess.result_of(seq, self.tokenizer, reason))
 
     def _drop_cancelled(self) -> None:
-        dropped = [slot for slot, seq in self.running.items() if seq.cancelled]
-        for slot in dropped:
-            seq = self.running.pop(slot)
-            heapq.heappush(self._free_slots, slot)
+        dropped = self.scheduler.drop_cancelled()
+        for seq in dropped:
             seq.finish(asyncio.CancelledError())
-        self.runner.stop_rows(dropped)
+        self.runner.stop_rows([seq.slot for seq in dropped])
 
     def _apply_releases(self) -> None:
         with self._lock:
@@ -455,11 +332,10 @@ class Engine:
             self.streams.release(stream_id)
 
     def fail_all(self, error: BaseException) -> None:
-        for seq in self.scheduler.drain() + list(self.running.values()):
+        running = list(self.scheduler.running)
+        for seq in self.scheduler.drain():
             seq.finish(error)
-        self.runner.stop_rows(list(self.running))
-        self._free_slots = list(range(self.options.num_slots))
-        self.running.clear()
+        self.runner.stop_rows(running)
 
 
 class AsyncEngine:

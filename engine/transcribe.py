@@ -25,6 +25,10 @@ import numpy as np
 
 from qasr.model import audio as qaudio
 from qasr.model.audio import AudioError
+from qasr.model.prompt import normalize_language
+
+from .engine import Engine, EngineOptions
+from .request import DecodeRequest
 
 AudioInput = Union[str, os.PathLike, np.ndarray, tuple]  # a path, 16 kHz float samples, or (samples, sample_rate)
 
@@ -178,8 +182,6 @@ class Transcriber:
         options: a full `EngineOptions` instead of the defaults derived from max_batch (max_batch is then ignored).
         Raises CheckpointError (a ValueError) when the model cannot be found or does not load.
         """
-        from qasr.engine.engine import Engine, EngineOptions
-
         if options is None:
             if max_batch < 1:
                 raise ValueError(f"max_batch must be >= 1, got {max_batch}")
@@ -212,10 +214,6 @@ class Transcriber:
         progress: a bool, or a tqdm-like object whose `update(seconds)` is called as pieces finish (the CLI's one
         bar over many calls).
         """
-        from qasr.engine.request import DecodeRequest
-
-        from qasr.model.prompt import normalize_language
-
         language = normalize_language(language) if language is not None and str(language).strip() else None
         pieces = [piece for i, clip in enumerate(clips) for piece in self._pieces(i, clip)]
         results: list = [None] * len(pieces)
@@ -316,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    from qasr.model.prompt import UnsupportedLanguageError, normalize_language
+    from qasr.model.prompt import UnsupportedLanguageError
 
     try:
         if args.language is not None and args.language.strip():

@@ -227,9 +227,8 @@ def prefill_keys(max_end: int, cache: KVCache) -> int:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: TextDecoderConfig, layer: int):
+    def __init__(self, cfg: TextDecoderConfig):
         super().__init__()
-        self.layer = layer
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
@@ -281,9 +280,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: TextDecoderConfig, layer: int):
+    def __init__(self, cfg: TextDecoderConfig):
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, layer)
+        self.self_attn = DecoderAttention(cfg)
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -294,7 +293,7 @@ class TextDecoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)

@@ -22,7 +22,7 @@ from qasr.server import logs, security, telephony
 from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits
 from qasr.streaming.settings import StreamLimits, StreamSettings, VadSettings
-from qasr.engine.engine import EngineOptions
+from qasr.engine.options import EngineOptions
 
 log = logging.getLogger("qasr.server")
 
@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admission-interval-ms", type=float, default=engine.admission_interval_ms,
                         help="while sequences decode, decode this long between two admissions of new requests "
                              "(batches arrivals into one encode + prefill; 0: admit between every decode step)")
+    parser.add_argument("--rollback-tokens", type=int, default=engine.rollback_tokens,
+                        help="a partial continues its segment's previous partial minus this many last tokens, "
+                             "which it decodes again (0: every partial decodes from the audio alone)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--quantize", choices=["int8"], default=None,
@@ -136,7 +139,7 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     options = EngineOptions(num_slots=slots, max_len=args.max_len, num_retained=retained,
                             quantize=args.quantize, base_tokens=args.base_tokens,
                             tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
-                            admission_interval_ms=args.admission_interval_ms,
+                            admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
                             max_audio_seconds=max(60.0, args.max_segment_s + 5))
     server = QasrServer(None, config)
     try:

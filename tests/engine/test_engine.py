@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from qasr.engine.engine import AsyncEngine, Engine, EngineOptions
+from qasr.engine.postprocess import is_repeating
 from qasr.engine.request import DecodeRequest, EngineClosed, Priority, Superseded
 
 SR = 16000
@@ -45,8 +46,8 @@ def alone(engine):
 
 
 def assert_idle(engine: Engine):
-    assert not engine.running
-    assert sorted(engine._free_slots) == list(range(engine.options.num_slots))
+    assert not engine.scheduler.running
+    assert sorted(engine.scheduler.free_slots) == list(range(engine.options.num_slots))
     assert (engine.runner.positions == -1).all()
 
 
@@ -87,7 +88,7 @@ def test_arrivals_while_decoding_wait_for_the_admission_interval(tiny_model_dir,
         engine.add(DecodeRequest(audio=clips[i], max_new_tokens=budgets[i]), lambda r, i=i: results.__setitem__(i, r))
     for _ in range(3):
         engine.step()
-    assert list(engine.running) == [0] and len(engine.scheduler) == 2  # batched for later, not admitted per step
+    assert list(engine.scheduler.running) == [0] and len(engine.scheduler) == 2  # batched for later
     engine.run_until_done()  # admitted together once clip 3 is done
     assert {i: results[i].token_ids for i in (0, 1, 3)} == {i: out[i].token_ids for i in (0, 1, 3)}
     assert_idle(engine)
@@ -103,7 +104,7 @@ def test_decoding_gets_the_whole_interval_between_admissions_that_take_longer_th
         start = time.perf_counter()
         time.sleep(0.06)
         admit()
-        admissions.append((start, time.perf_counter(), len(engine.running)))
+        admissions.append((start, time.perf_counter(), len(engine.scheduler.running)))
 
     engine._admit = slow_admission
     engine.add(DecodeRequest(audio=clips[3], max_new_tokens=150), lambda r: None)  # decodes throughout
@@ -122,7 +123,7 @@ def test_requests_joining_mid_flight_get_the_same_tokens(engine, alone):
     engine.add(DecodeRequest(audio=clips[3], max_new_tokens=budgets[3]), lambda r: results.__setitem__(3, r))
     for _ in range(4):  # clip 3 is decoding when the others arrive
         engine.step()
-    assert engine.running
+    assert engine.scheduler.running
     for i in (0, 1, 2):
         engine.add(DecodeRequest(audio=clips[i], max_new_tokens=budgets[i]), lambda r, i=i: results.__setitem__(i, r))
         engine.step()
@@ -161,7 +162,7 @@ def test_padding_rows_write_no_kv(tiny_model_dir):
     for i in range(3):
         eng.add(DecodeRequest(audio=speech(1.0, seed=i), max_new_tokens=6), results.append)
     eng.step()  # admits 3 sequences into slots 0-2
-    assert sorted(eng.running) == [0, 1, 2]
+    assert sorted(eng.scheduler.running) == [0, 1, 2]
     assert runner.bucket_for(3) == 4  # the step runs slot 3 as a padding row
     eng.run_until_done()
     assert len(results) == 3
@@ -179,7 +180,7 @@ def test_cancelled_running_sequence_frees_its_slot(engine):
     got = []
     seq = engine.add(DecodeRequest(audio=speech(2.0, seed=5), max_new_tokens=40), got.append)
     engine.step()
-    assert seq.slot in engine.running
+    assert seq.slot in engine.scheduler.running
     seq.cancelled = True
     engine.step()
     assert len(got) == 1 and isinstance(got[0], asyncio.CancelledError)
@@ -236,10 +237,11 @@ def test_prompt_longer_than_max_len_fails_cleanly(tiny_model_dir):
 
 def test_token_repetition_guard(engine):
     w = engine.options.repetition_window
-    assert engine._repeating([5, 6] * (w // 2))
-    assert engine._repeating(list(range(3)) + [9] * w)
-    assert not engine._repeating(list(range(w)))
-    assert not engine._repeating([1, 2] * 4)  # too short to judge
+    assert is_repeating([5, 6] * (w // 2), w)
+    assert is_repeating(list(range(3)) + [9] * w, w)
+    assert not is_repeating(list(range(w)), w)
+    assert not is_repeating([1, 2] * 4, w)  # too short to judge
+    assert not is_repeating([9] * w, 0)  # off
 
 
 def test_async_engine_results_cancel_and_close(tiny_model_dir):
@@ -258,10 +260,10 @@ def test_async_engine_results_cancel_and_close(tiny_model_dir):
         with pytest.raises(asyncio.CancelledError):
             await task
         for _ in range(100):  # the engine thread frees the slot at its next step
-            if not eng.engine.running:
+            if not eng.engine.scheduler.running:
                 break
             await asyncio.sleep(0.02)
-        assert not eng.engine.running
+        assert not eng.engine.scheduler.running
         await eng.close()
         with pytest.raises(EngineClosed):
             await eng.transcribe(DecodeRequest(audio=speech(1.0, seed=1)))

@@ -1,0 +1,41 @@
+"""The engine's options, one frozen object validated once (torch-free: the server's command line builds it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    num_slots: int = 64  # sequences decoded together at most (the largest CUDA graph bucket)
+    max_len: int = 1024  # prompt + generated tokens per sequence (a 30 s segment is ~410 prompt tokens)
+    num_retained: int = 64  # extra KV slots keeping streams' reusable prefixes for their next partial
+    max_prefill_tokens: int = 16384  # prompt tokens prefilled in one admission round
+    admission_interval_ms: float = 20.0  # while sequences decode, they decode this long between two admissions: an
+    # admission has a fixed cost (~8 ms at 0.6B on an H200) that, paid between every decode step under a steady
+    # stream of partials, would leave decoding a fraction of the GPU; and under load one admission takes longer than
+    # the interval, so counting it from the admission's start left finals one decode step per admission
+    # (docs/benchmarks.md)
+    max_audio_seconds: float = 60.0  # longest audio one request may carry
+    base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
+    tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)
+    cuda_graphs: bool | None = None  # None: on a CUDA device
+    fused_kernels: bool | None = None  # Triton kernels for the decoder (None: on CUDA when Triton is installed)
+    repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
+    ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
+    quantize: str | None = None  # "int8": weight-only int8 decoder projections (opt-in; see model/quantize.py)
+    rollback_tokens: int = 5  # a partial continues its stream's previous partial minus this many last tokens (the
+    # least settled ones, re-decoded); 0: partials decode from the audio alone
+
+    def __post_init__(self):
+        if (self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1
+                or self.admission_interval_ms < 0 or self.rollback_tokens < 0):
+            raise ValueError(f"invalid engine options: {self}")
+        if self.quantize not in (None, "int8"):
+            raise ValueError(f"quantize must be None or 'int8', got {self.quantize!r}")
+
+
+def display_name(model: str) -> str:
+    """What clients see: a local checkpoint's folder name (not its path on the server), or the hub id."""
+    return Path(model).name if Path(model).is_dir() else str(model)
