@@ -3,13 +3,18 @@
     qasr-mic                                  # default microphone, ws://127.0.0.1:8765/v1/stream
     qasr-mic --device 2 --language English --output talk.txt
     qasr-mic --file talk.wav --speed 4 --jsonl
+    QASR_API_KEY=... qasr-mic --url wss://asr.example.com/v1/stream     # a server that requires an API key
 
 On a terminal the growing partial is rewritten in place on one line; each final is committed on its own line as
 `[12.34-15.67] text`. --jsonl prints (or, with --output, writes) one JSON object per final instead. Ctrl-C ends
 the stream cleanly: the last segment's final still arrives before qasr-mic exits 0 (a second Ctrl-C quits at once).
 
+The API key (for a server that requires one) comes from --api-key or, better, $QASR_API_KEY, which a process
+listing does not show; the flag wins. It is sent as `Authorization: Bearer` and never printed.
+
 Exit codes: 0 done; 1 the server closed or lost the stream (after --reconnect attempts, if any); 2 usage;
-3 no server reachable; 4 no usable audio input (no microphone, no PortAudio, unreadable file); 130 interrupted twice.
+3 no server reachable; 4 no usable audio input (no microphone, no PortAudio, unreadable file); 5 the server refused
+the connection (no or a wrong API key, forbidden, too many connections); 130 interrupted twice.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import shutil
 import signal
 import sys
@@ -25,21 +31,29 @@ import unicodedata
 from pathlib import Path
 from typing import TextIO
 
-from qasr.client.errors import AudioSourceError, ServerUnreachable, StreamClosed
+from qasr.client.errors import (AudioSourceError, AuthenticationFailed, HandshakeRefused, ServerUnreachable,
+                                StreamClosed)
+from qasr.client.protocol import Credentials
 from qasr.client.sources import file_source, list_input_devices, microphone_source
 from qasr.client.stream import AudioDropped, Reconnecting, StreamEvent, stream_audio
 from qasr.streaming.events import Error, Final, Partial, Ready, Summary
 
 DEFAULT_URL = "ws://127.0.0.1:8765/v1/stream"
-EXIT_OK, EXIT_STREAM_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_AUDIO, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+API_KEY_ENV = "QASR_API_KEY"
+EXIT_OK, EXIT_STREAM_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_AUDIO, EXIT_REFUSED, EXIT_INTERRUPTED = \
+    0, 1, 2, 3, 4, 5, 130
 CLEAR_LINE = "\r\x1b[K"  # carriage return + erase to the end of the line
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qasr-mic", description=__doc__.split("\n\n")[0],
                                      epilog="Exit codes: 0 done, 1 stream closed or lost, 2 usage, 3 no server, "
-                                            "4 no audio input, 130 interrupted twice.")
+                                            "4 no audio input, 5 refused (API key, forbidden, too many "
+                                            "connections), 130 interrupted twice.")
     parser.add_argument("--url", default=DEFAULT_URL, help=f"the server's stream URL (default {DEFAULT_URL})")
+    parser.add_argument("--api-key", default=None, metavar="KEY",
+                        help=f"API key for a server that requires one (default ${API_KEY_ENV}, which a process "
+                             "listing does not show; this flag wins)")
     parser.add_argument("--device", default=None, help="input device: a number or part of a name (--list-devices)")
     parser.add_argument("--list-devices", action="store_true", help="list the input devices and exit")
     parser.add_argument("--language", default=None, help="force a language (e.g. English); default: detect")
@@ -140,7 +154,7 @@ async def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         note(str(error))
         return EXIT_NO_AUDIO
     stream = stream_audio(args.url, source, language=args.language, context=args.context,
-                          partials=not args.no_partials, reconnect=args.reconnect)
+                          partials=not args.no_partials, reconnect=args.reconnect, api_key=_api_key(args))
     output = open(args.output, "a", encoding="utf-8") if args.output else None
     printer = TranscriptPrinter(out, live=out.isatty() and not args.no_partials and not args.jsonl,
                                 jsonl=args.jsonl, output=output)
@@ -161,6 +175,10 @@ async def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         printer.clear_line()
         note(str(error))
         return EXIT_UNREACHABLE
+    except HandshakeRefused as error:
+        printer.clear_line()
+        note(_refusal(error, args))
+        return EXIT_REFUSED
     except StreamClosed as error:
         printer.clear_line()
         note(f"{error}; {printer.finals} final(s) received" + ("" if args.reconnect == 0 else
@@ -222,6 +240,23 @@ class _on_interrupt:
             self.loop.remove_signal_handler(signum)
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $QASR_API_KEY (an empty variable counts as unset)."""
+    return args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+
+
+def _refusal(error: HandshakeRefused, args: argparse.Namespace) -> str:
+    """A refused handshake in qasr-mic's words: which option to fix (never the key itself)."""
+    if not isinstance(error, AuthenticationFailed):
+        return str(error)
+    reason = f": {error.message}" if error.message else ""
+    if error.credential is None:
+        return (f"{args.url} requires an API key (HTTP 401{reason}); give it with --api-key KEY or "
+                f"${API_KEY_ENV}")
+    source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+    return f"{args.url} did not accept the API key from {source} (HTTP 401{reason}); check it"
+
+
 def _file_problem(path: str) -> str | None:
     """Why `path` cannot be streamed, in qasr-transcribe's words, before a decoder library words it (None: a file)."""
     if Path(path).is_file():
@@ -256,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
         build_parser().error(f"--reconnect must be >= 0, got {args.reconnect}")
     if not args.url.startswith(("ws://", "wss://")):
         build_parser().error(f"--url must start with ws:// or wss://, got {args.url!r}")
+    try:
+        Credentials(api_key=_api_key(args))
+    except ValueError as error:  # says what is wrong without showing the key
+        build_parser().error(f"{'--api-key' if args.api_key is not None else '$' + API_KEY_ENV}: {error}")
     if args.list_devices:
         return _list_devices()
     try:

@@ -30,7 +30,7 @@ from qasr.engine.request import Priority
 
 # tests/ is on sys.path (tests/conftest.py)
 from fakes import FakeEngine, speech_like, stand_in_sounddevice
-from live_server import ThreadedServer, abort_connections, real_engine, spoken_wav, wait_until
+from live_server import ThreadedServer, abort_connections, real_engine, requiring_key, spoken_wav, wait_until
 
 TWO_BURSTS = [("silence", 0.4), ("speech", 1.2), ("silence", 0.8), ("speech", 1.0), ("silence", 0.8)]
 QASR_MIC = Path(sys.executable).with_name("qasr-mic")
@@ -128,6 +128,66 @@ def test_no_server_is_one_line_and_exit_3(tmp_path, capsys):
     assert mic.main(["--url", url, "--file", str(tmp_path / "talk.wav")]) == mic.EXIT_UNREACHABLE
     stderr = capsys.readouterr().err
     assert stderr.count("\n") == 1 and "connection refused; is qasr-server running there?" in stderr
+
+
+KEY = "mic-test-key-0123456789abcdef"
+WRONG_KEY = "not-the-mic-key-0123456789"
+
+
+@pytest.fixture
+def keyed_server(monkeypatch):
+    monkeypatch.delenv(mic.API_KEY_ENV, raising=False)
+    with ThreadedServer(lambda: FakeEngine(delay_s=0.005), security=requiring_key(KEY)) as running:
+        yield running
+
+
+def with_environment_key(monkeypatch, key: str | None) -> None:
+    if key is not None:
+        monkeypatch.setenv(mic.API_KEY_ENV, key)
+
+
+@pytest.mark.parametrize("flag, environment", [(["--api-key", KEY], None), ([], KEY), (["--api-key", KEY], WRONG_KEY)])
+def test_the_api_key_from_the_flag_or_the_environment_opens_the_stream(keyed_server, tmp_path, capsys, monkeypatch,
+                                                                       flag, environment):
+    write_wav(tmp_path / "talk.wav", TWO_BURSTS)
+    with_environment_key(monkeypatch, environment)
+    code = mic.main(["--url", keyed_server.url, "--file", str(tmp_path / "talk.wav"), "--speed", "8", *flag])
+    stdout, stderr = capsys.readouterr()
+    assert code == mic.EXIT_OK, stderr
+    assert len(final_lines(stdout)) == 2 and KEY not in stdout + stderr
+
+
+@pytest.mark.parametrize("flag, environment, says", [
+    ([], None, "requires an API key (HTTP 401: an API key is required"),
+    ([], "", "requires an API key"),  # an empty variable is no key, not a usage error
+    (["--api-key", WRONG_KEY], None, "did not accept the API key from --api-key (HTTP 401: the API key is not valid)"),
+    ([], WRONG_KEY, "did not accept the API key from $QASR_API_KEY"),
+    (["--api-key", WRONG_KEY], KEY, "did not accept the API key from --api-key"),  # the flag wins
+])
+def test_a_missing_or_wrong_key_is_one_line_and_exit_5_never_retried_and_never_printed(keyed_server, tmp_path,
+                                                                                        capsys, monkeypatch, flag,
+                                                                                        environment, says):
+    write_wav(tmp_path / "talk.wav", TWO_BURSTS)
+    with_environment_key(monkeypatch, environment)
+    code = mic.main(["--url", keyed_server.url, "--file", str(tmp_path / "talk.wav"), "--reconnect", "3", *flag])
+    stdout, stderr = capsys.readouterr()
+    assert code == mic.EXIT_REFUSED
+    assert stdout == "" and stderr.count("\n") == 1 and says in stderr, stderr  # no reconnecting, no traceback
+    assert KEY not in stderr and WRONG_KEY not in stderr
+    if not flag and not environment:
+        assert "give it with --api-key KEY or $QASR_API_KEY" in stderr
+
+
+@pytest.mark.parametrize("flag, environment, names", [(["--api-key", ""], None, "--api-key"),
+                                                      (["--api-key", "my secret key"], None, "--api-key"),
+                                                      ([], "my secret\nkey", "$QASR_API_KEY")])
+def test_an_unusable_key_is_a_usage_error_that_does_not_show_it(capsys, monkeypatch, flag, environment, names):
+    monkeypatch.delenv(mic.API_KEY_ENV, raising=False)
+    with_environment_key(monkeypatch, environment)
+    with pytest.raises(SystemExit) as caught:
+        mic.main(["--file", "x.wav", *flag])
+    stderr = capsys.readouterr().err
+    assert caught.value.code == mic.EXIT_USAGE and f"error: {names}:" in stderr and "secret" not in stderr
 
 
 def test_a_server_that_vanishes_mid_stream_is_one_line_and_exit_1(server, tmp_path, capsys):
