@@ -13,8 +13,9 @@ Hierarchy::
     ├── ProtocolMismatch        the server sent something this client cannot read
     └── AudioSourceError        the audio input failed: no microphone, PortAudio missing, unreadable file
 
-`.retryable` (StreamClosed, ServerUnreachable, HandshakeRefused) says whether opening a new stream later may work (the server restarted, was full or is
-still loading); `stream_audio(..., reconnect=N)` retries those.
+`.retryable` (StreamClosed, ServerUnreachable, HandshakeRefused) says whether opening a new stream later may work
+(the server restarted, was full or is still loading, had too many connections); `stream_audio(..., reconnect=N)`
+retries those. A refused API key (AuthenticationFailed) never is.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ Ending: after the source runs out (or `stop()`), the client sends `end`, receive
 summary, and the server closes with 1000; the iteration then simply finishes. Any other ending raises a
 `StreamClosed` (`ConnectionLost` when the connection just dropped) after every event that did arrive was yielded.
 With `reconnect=N`, a stream the server dropped mid-way (restart, 1001/1006/1013) is reopened up to N times in a
-row, with the same credential; the source carries on, and times and segment ids continue from where the last connection stopped (the
-segment open when a connection was lost without finals is lost with it).
+row, with the same credential; the source carries on, and times and segment ids continue from where the last
+connection stopped (the segment open when a connection was lost without finals is lost with it).
 """
 
 from __future__ import annotations
