@@ -1,9 +1,16 @@
 // The qasr demo page: microphone -> AudioWorklet (16 kHz s16le) -> WebSocket /v1/stream -> transcript.
 // The protocol is docs/protocol.md: a `start` text frame, binary PCM frames, `end`; events come back as JSON.
+// A server that requires API keys (docs/security.md): a browser cannot set headers, so the key or token the
+// person pastes goes as the `qasr.key.KEY` / `qasr.token.TOKEN` subprotocol; it is kept in sessionStorage only.
 
 const SAMPLE_RATE = 16000;
 const CHUNK_MS = 100;
 const FLUSH_TIMEOUT_MS = 1000; // for the worklet's last samples at Stop
+const KEY_PREFIX = "qasr.key.";
+const TOKEN_PREFIX = "qasr.token.";
+const TOKEN_START = "v1."; // what tokens from POST /v1/tokens look like
+const CREDENTIAL_STORE = "qasr.credential"; // sessionStorage: gone when the tab closes, never sent elsewhere
+const SUBPROTOCOL_CHARS = /^[!#$%&'*+.^_`|~0-9A-Za-z-]+$/; // what a Sec-WebSocket-Protocol value can carry
 const LANGUAGES = ["Chinese", "English", "Cantonese", "Arabic", "German", "French", "Spanish", "Portuguese",
   "Indonesian", "Italian", "Korean", "Russian", "Thai", "Vietnamese", "Japanese", "Turkish", "Hindi", "Malay",
   "Dutch", "Swedish", "Danish", "Finnish", "Polish", "Czech", "Filipino", "Persian", "Greek", "Romanian",
@@ -13,6 +20,7 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   toggle: $("toggle"), reconnect: $("reconnect"), language: $("language"), context: $("context"),
   level: $("level"), status: $("status"), transcript: $("transcript"), empty: $("empty"),
+  credential: $("credential"), credentialField: $("credential-field"),
 };
 
 // Same host as the page, ws: for http and wss: for https (so it works behind a TLS reverse proxy).
@@ -32,24 +40,87 @@ const STATES = {
   denied: "Microphone access was denied. Allow it in the browser's site settings, then press Start.",
   nomic: "No microphone was found. Connect one, then press Start.",
   dropped: "The connection to the server was lost.",
+  unauthorized: "", // one of REFUSED
   error: "Something went wrong.",
+};
+
+// Why the server refused the page (HTTP 401), by what the page sent.
+const REFUSED = {
+  none: "This server requires an API key: paste a key or a token into the API key field, then press Start.",
+  key: "The server did not accept this API key (401): check it, or paste a token instead, then press Start.",
+  token: "The server did not accept this token (401): it may have expired. Paste a new token or a key, then " +
+    "press Start.",
+  unsendable: "A browser cannot send this key (it has spaces, commas or other characters a WebSocket " +
+    "subprotocol cannot carry): paste a token from POST /v1/tokens instead.",
 };
 
 function setState(state, detail = "") {
   document.body.dataset.state = state;
-  ui.status.textContent = detail ? `${STATES[state]} ${detail}` : STATES[state];
+  ui.status.textContent = [STATES[state], detail].filter(Boolean).join(" ");
   const busy = state === "connecting" || state === "listening" || state === "stopping";
   ui.toggle.textContent = busy ? "Stop" : "Start microphone";
   ui.toggle.setAttribute("aria-pressed", String(busy));
   ui.toggle.disabled = state === "connecting" || state === "stopping";
   ui.reconnect.hidden = state !== "dropped";
-  ui.language.disabled = ui.context.disabled = busy;
+  ui.language.disabled = ui.context.disabled = ui.credential.disabled = busy;
+  ui.credentialField.hidden = state !== "unauthorized" && !ui.credential.value;
+  if (state === "unauthorized") ui.credential.focus();
   if (!busy) ui.level.value = 0;
+}
+
+// -- the API key or token ------------------------------------------------------------------------------------
+
+// What the field holds: {kind: "key" | "token", secret} or null. A pasted `qasr.key.`/`qasr.token.` subprotocol
+// (POST /v1/tokens answers one) is taken as it is.
+function readCredential() {
+  const text = ui.credential.value.trim();
+  if (!text) return null;
+  if (text.startsWith(TOKEN_PREFIX)) return { kind: "token", secret: text.slice(TOKEN_PREFIX.length) };
+  if (text.startsWith(KEY_PREFIX)) return { kind: "key", secret: text.slice(KEY_PREFIX.length) };
+  return { kind: text.startsWith(TOKEN_START) ? "token" : "key", secret: text };
+}
+
+function subprotocolsFor(credential) {
+  if (!credential) return [];
+  return [(credential.kind === "token" ? TOKEN_PREFIX : KEY_PREFIX) + credential.secret];
+}
+
+function storeCredential() {
+  try {
+    if (ui.credential.value.trim()) sessionStorage.setItem(CREDENTIAL_STORE, ui.credential.value.trim());
+    else sessionStorage.removeItem(CREDENTIAL_STORE);
+  } catch { /* storage disabled: the field still works for this page */ }
+}
+
+function restoreCredential() {
+  try {
+    ui.credential.value = sessionStorage.getItem(CREDENTIAL_STORE) || "";
+  } catch { /* storage disabled */ }
+}
+
+// A browser never tells a page why its handshake failed: the socket just closes (1006). POST /v1/tokens answers
+// 401 exactly when the server requires a key and has none that works from the page (a token cannot mint tokens,
+// so with a token it is asked without one: 401 then means the server requires a key and refused the token).
+async function refusedForAuth(credential) {
+  const headers = credential?.kind === "key" ? { Authorization: `Bearer ${credential.secret}` } : {};
+  try {
+    const answer = await fetch("/v1/tokens?ttl_s=1", {
+      method: "POST", headers, cache: "no-store", signal: AbortSignal.timeout(5000),
+    });
+    return answer.status === 401;
+  } catch {
+    return false; // the server is not there at all
+  }
 }
 
 // -- starting and stopping -----------------------------------------------------------------------------------
 
 async function start() {
+  const credential = readCredential();
+  if (credential && !SUBPROTOCOL_CHARS.test(credential.secret)) {
+    setState("unauthorized", REFUSED.unsendable);
+    return;
+  }
   setState("connecting");
   let capture;
   try {
@@ -60,17 +131,23 @@ async function start() {
     else setState("error", error.message);
     return;
   }
-  const socket = new WebSocket(streamUrl());
+  const socket = new WebSocket(streamUrl(), subprotocolsFor(credential));
   socket.binaryType = "arraybuffer";
   // The worklet downsamples to 16 kHz but cannot upsample: a slower context (8 kHz Bluetooth headsets) streams at
   // its own rate, which the server resamples.
   const rate = Math.min(SAMPLE_RATE, capture.context.sampleRate);
-  const session = { socket, capture, rate, ready: false, ending: false, samplesSent: 0, sentLog: [], fatal: null };
+  const session = {
+    socket, capture, rate, credential, opened: false, ready: false, ending: false, samplesSent: 0, sentLog: [],
+    fatal: null,
+  };
   stream = session;
-  socket.onopen = () => socket.send(JSON.stringify({
-    type: "start", sample_rate: rate, encoding: "s16le",
-    language: ui.language.value || null, context: ui.context.value,
-  }));
+  socket.onopen = () => {
+    session.opened = true; // past the handshake: a later close is not a refusal
+    socket.send(JSON.stringify({
+      type: "start", sample_rate: rate, encoding: "s16le",
+      language: ui.language.value || null, context: ui.context.value,
+    }));
+  };
   socket.onmessage = (message) => onEvent(session, JSON.parse(message.data));
   socket.onclose = (close) => onClose(session, close);
   capture.node.port.onmessage = ({ data }) => onChunk(session, data);
@@ -116,12 +193,19 @@ function onClose(session, close) {
   for (const item of ui.transcript.querySelectorAll("li.partial")) item.remove(); // no final will replace them
   if (session.ending && close.code === 1000) {
     setState("idle");
+  } else if (!session.opened && !session.ending) {
+    whyRefused(session.credential, close); // stays "connecting" until the server says
   } else if (close.code === 1000 || close.code === 1001 || close.code === 1006 || !session.ready) {
     const why = session.fatal ? session.fatal.message : close.code === 1006 ? "" : close.reason;
     setState("dropped", why ? `(${close.code}: ${why})` : `(code ${close.code})`);
   } else {
     setState("error", `The server closed the stream (${close.code}: ${session.fatal?.message || close.reason}).`);
   }
+}
+
+async function whyRefused(credential, close) {
+  if (await refusedForAuth(credential)) setState("unauthorized", REFUSED[credential?.kind || "none"]);
+  else setState("dropped", `(code ${close.code})`);
 }
 
 // -- the microphone ------------------------------------------------------------------------------------------
@@ -229,6 +313,11 @@ function sinceSent(session, endSeconds) {
 for (const language of LANGUAGES) ui.language.append(new Option(language, language));
 ui.toggle.addEventListener("click", () => (stream ? stop() : start()));
 ui.reconnect.addEventListener("click", () => start());
+ui.credential.addEventListener("input", storeCredential);
+ui.credential.addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !stream && !ui.toggle.disabled) start();
+});
+restoreCredential();
 if (!window.isSecureContext || !navigator.mediaDevices) {
   setState("error", "The microphone needs a secure page: open it as http://localhost or over https.");
   ui.toggle.disabled = true;

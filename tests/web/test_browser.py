@@ -1,7 +1,9 @@
 """The demo page in Debian's headless Chromium, driven through Playwright (tests/web/chromium.py), against
 a running qasr server: the fake microphone plays espeak-ng speech into the page, which streams it through its
 AudioWorklet and shows partials, then finals with times, language and latency. Also: a denied microphone shows the
-denied state, a server that goes away shows the dropped state, and Reconnect resumes against a restarted server.
+denied state, a server that goes away shows the dropped state, and Reconnect resumes against a restarted server;
+a server that requires an API key: the page asks for one, says when it is missing or wrong, and streams with a key
+or a minted token sent as a subprotocol.
 
 Skips (saying why) without Chromium (Debian: apt-get install chromium) or espeak-ng.
 `QASR_UPDATE_SCREENSHOT=1 pytest tests/web/test_browser.py -k transcribes` rewrites docs/demo-page.png.
@@ -10,8 +12,10 @@ Skips (saying why) without Chromium (Debian: apt-get install chromium) or espeak
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import urllib.request
 
 import pytest
 import soundfile
@@ -21,7 +25,7 @@ from qasr.streaming.settings import StreamSettings
 # tests/ is on sys.path (tests/conftest.py); tests/web is put there by pytest for this file's folder
 from chromium import console_of, find_chromium, launch, wait_for
 from fakes import FakeEngine, speech_like
-from live_server import REPO, WEB_ROOT, ThreadedServer, real_engine, spoken_wav
+from live_server import REPO, WEB_ROOT, ThreadedServer, real_engine, requiring_key, spoken_wav
 
 pytestmark = pytest.mark.skipif(find_chromium() is None,
                                 reason="no Chromium: apt-get install chromium (headless browser tests)")
@@ -282,3 +286,90 @@ def test_stop_sends_every_captured_sample_before_end(tmp_path):
     captured_s = captured["frames"] / captured["rate"]
     assert captured_s > 1.0
     assert summary["audio_seconds"] == pytest.approx(captured_s, abs=0.01), (summary, captured, console)
+
+
+KEY = "browser-test-key-0123456789"
+STATUS = "document.getElementById('status').textContent"
+FINALS = "document.querySelectorAll('#transcript li.final').length"
+# Before the page's own script: the subprotocol each socket the page opens was answered with, once open.
+RECORD_PROTOCOLS = """window.qasrProtocols = [];
+const RecordingSocket = window.WebSocket;
+window.WebSocket = class extends RecordingSocket {
+  constructor(...args) {
+    super(...args);
+    this.addEventListener('open', () => window.qasrProtocols.push(this.protocol));
+  }
+};"""
+
+
+def mint_token(server: ThreadedServer) -> str:
+    request = urllib.request.Request(server.http_url + "/v1/tokens?ttl_s=60", method="POST",
+                                     headers={"Authorization": f"Bearer {KEY}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.load(response)["token"]
+
+
+async def refused(page, says: str) -> str:
+    """Start, then wait until the page says why the server refused it."""
+    await page.click("#toggle")
+    await wait_for(page, f"{STATE} === 'unauthorized' && {STATUS}.includes({json.dumps(says)})")
+    return await page.evaluate(STATUS)
+
+
+async def streams(page, at_least_finals: int) -> None:
+    await page.click("#toggle")
+    await wait_for(page, f"{STATE} === 'listening'")
+    await wait_for(page, f"{FINALS} >= {at_least_finals}", timeout=20)
+    await page.click("#toggle")
+    await wait_for(page, f"{STATE} === 'idle'")
+
+
+def test_a_server_that_requires_a_key_asks_for_one_and_streams_with_a_key_or_a_token(tmp_path):
+    audio, _ = speech_like([("silence", 0.5), ("speech", 1.0), ("silence", 1.0)])
+    soundfile.write(str(tmp_path / "burst.wav"), audio, 16000, subtype="PCM_16")
+
+    async def main(server: ThreadedServer):
+        async with launch(fake_audio=tmp_path / "burst.wav") as browser:
+            await browser.add_init_script(RECORD_PROTOCOLS)
+            page = await browser.new_page()
+            await page.goto(server.http_url + "/")
+            seen = {"field hidden at first": await page.evaluate("document.getElementById('credential-field').hidden")}
+            seen["no key"] = await refused(page, "requires an API key")
+            seen["field shown"] = not await page.evaluate("document.getElementById('credential-field').hidden")
+            seen["connections"] = server.num_connections()
+            await page.fill("#credential", "wrong-key-0123456789abc")
+            seen["wrong key"] = await refused(page, "did not accept this API key")
+            await page.fill("#credential", "a key, with spaces")
+            seen["unsendable"] = await refused(page, "cannot send this key")
+
+            await page.fill("#credential", KEY)
+            await streams(page, 1)
+            seen["stored"] = await page.evaluate(
+                "[sessionStorage.getItem('qasr.credential'), localStorage.length, document.cookie]")
+            seen["key protocols"] = await page.evaluate("window.qasrProtocols")
+            await page.reload()  # the same tab keeps the key (sessionStorage), and shows the field with it
+            seen["after reload"] = await page.evaluate(
+                "[document.getElementById('credential').value, document.getElementById('credential-field').hidden]")
+
+            token = await asyncio.to_thread(mint_token, server)
+            await page.fill("#credential", token)
+            await streams(page, 1)
+            await page.fill("#credential", "v1.eyJrIjoiYSIsImUiOjF9.forged")
+            seen["bad token"] = await refused(page, "did not accept this token")
+            seen["protocols"] = await page.evaluate("window.qasrProtocols")
+            seen["token"] = token
+            seen["console"] = console_of(page)
+            return seen
+
+    with ThreadedServer(lambda: FakeEngine(delay_s=0.005), web_root=WEB_ROOT, security=requiring_key(KEY)) as server:
+        seen = run(main(server))
+    assert seen["field hidden at first"] and seen["field shown"] and seen["connections"] == 0
+    assert seen["no key"].startswith("This server requires an API key: paste a key or a token")
+    assert "(401)" in seen["wrong key"] and "wrong-key" not in seen["wrong key"]
+    assert "token from POST /v1/tokens" in seen["unsendable"]
+    assert seen["stored"] == [KEY, 0, ""]  # this tab only: no localStorage, no cookie
+    assert seen["after reload"] == [KEY, False]
+    assert seen["key protocols"] == [f"qasr.key.{KEY}"]  # the server echoed the subprotocol that carried the key
+    assert seen["protocols"] == [f"qasr.token.{seen['token']}"]  # since the reload: the token's stream
+    assert "expired" in seen["bad token"]
+    assert not [line for line in seen["console"] if line.startswith("exception")], seen["console"]
