@@ -249,10 +249,9 @@ def _refusal(error: HandshakeRefused, args: argparse.Namespace) -> str:
     """A refused handshake in qasr-mic's words: which option to fix (never the key itself)."""
     if not isinstance(error, AuthenticationFailed):
         return str(error)
+    if error.credential is None:  # the server's reason lists every way to send one: say qasr-mic's
+        return f"{args.url} requires an API key (HTTP 401); give it with --api-key KEY or ${API_KEY_ENV}"
     reason = f": {error.message}" if error.message else ""
-    if error.credential is None:
-        return (f"{args.url} requires an API key (HTTP 401{reason}); give it with --api-key KEY or "
-                f"${API_KEY_ENV}")
     source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
     return f"{args.url} did not accept the API key from {source} (HTTP 401{reason}); check it"
 
