@@ -14,8 +14,9 @@ Pickled messages over one pipe:
     engine -> server   ("ready", model_name) | ("failed", message) | ("done", id, answer or exception)
                        | ("stats", dict)
 
-The process is spawned (CUDA cannot be forked), ignores SIGINT/SIGTERM (the server decides when it stops), and
-exits when the server's end of the pipe closes, so it never outlives the server.
+The process is spawned (CUDA cannot be forked), ignores SIGINT, and SIGTERM once it has loaded (the server decides
+when it stops; while it loads, a stopped server's exit terminates it), and exits when the server's end of the pipe
+closes, so it never outlives the server.
 """
 
 from __future__ import annotations
@@ -204,7 +205,6 @@ def receive(conn):
 
 def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_level: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         core = Engine.from_pretrained(model, device=device, dtype=dtype, options=options)
@@ -213,6 +213,9 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_le
         log.exception("cannot load %s", model)
         send(conn, ("failed", f"{type(e).__name__}: {e}"))
         return
+    # Only now: a server stopped while this process loads exits at once, and Python's exit terminates its daemon
+    # processes (SIGTERM) and waits for them; once serving, only the server's "close" ends it (after the drain).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sending = threading.Lock()
 
     def reply(message) -> None:

@@ -4,7 +4,8 @@
     server = QasrServer(engine, ServerConfig(port=0))
     await server.start()          # listening; server.port is the bound port
     ...
-    await server.stop()           # SIGTERM path: stop accepting, finalise open streams, close 1001, close engine
+    await server.stop()           # SIGTERM path: refuse new streams (503), finalise open ones, close 1001, close
+                                  # the engine, then the port (/healthz and /readyz answer until then)
 
 The server owns the engine it is given (or loads with `load_engine`): `stop()` closes it after the last stream.
 Each connection is a `StreamConnection`; one failing never reaches another or the server.
@@ -17,6 +18,8 @@ import functools
 import http
 import logging
 import weakref
+
+import numpy as np
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -26,11 +29,13 @@ from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.http11 import Request, Response
 
 from qasr.engine.face import SpeechEngine
+from qasr.engine.request import DecodeRequest
 from qasr.server import errors
 from qasr.server.call_events import CallSubscriber, WebSocketPaths, call_id_of
 from qasr.server.calls import CallOptions, CallRegistry
 from qasr.server.connection import StreamConnection, WireAdapter
 from qasr.server.deepgram import DeepgramAdapter
+from qasr.server.engine_load import EngineLoad
 from qasr.server.gate import HandshakeGate
 from qasr.server.http import STREAM_PATH, HttpRoutes
 from qasr.server.limits import ServerLimits
@@ -44,6 +49,8 @@ from qasr.server.webhooks import WebhookOptions, WebhookSender
 from qasr.streaming.settings import StreamLimits, StreamSettings
 
 log = logging.getLogger("qasr.server")
+
+WARM_UP_STREAM = "qasr-warm-up"  # the stream id of the decode served before /readyz says ready
 
 
 @dataclass(frozen=True)
@@ -106,6 +113,9 @@ class QasrServer:
         self._websocket_server: Server | None = None
         self.port: int | None = None  # once started
         self._stopped = asyncio.Event()
+        self._handlers: set[asyncio.Task] = set()  # every WebSocket connection's handler: stop() waits for them
+        self._loading: EngineLoad | None = None  # while load_engine() builds the engine
+        self._warmed_up = engine is not None  # a given engine is the caller's to warm up; a loaded one, ours
         self._lag_watch: asyncio.Task | None = None
         self._adapters: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # connection -> its adapter, from
         # the handshake until the connection's handler takes it
@@ -139,8 +149,18 @@ class QasrServer:
         self._lag_watch = asyncio.create_task(self._watch_loop_lag())
 
     async def load_engine(self, factory: Callable[[], SpeechEngine]) -> None:
-        """Build the engine in a worker thread (loading weights takes a while), then start it."""
-        engine = await asyncio.to_thread(factory)
+        """Build the engine in a daemon thread (loading weights takes a while; a stop() meanwhile abandons it and
+        the process may exit at once), start it, then serve one warm-up decode: /readyz says ready only after it,
+        so the first client never pays the lazy imports and first-call costs of the decode path."""
+        if self.stopping:
+            return
+        self._loading = EngineLoad(factory)
+        try:
+            engine = await self._loading.result()
+        finally:
+            self._loading = None
+        if engine is None:  # abandoned by stop()
+            return
         if self.stopping:
             await engine.close()
             return
@@ -150,35 +170,50 @@ class QasrServer:
             await engine.close()
             raise ValueError(f"the engine's max_len cannot hold a {self.config.stream_limits.max_segment_s:g} s "
                              f"segment (raise --max-len or lower --max-segment-s): {error}") from None
-        self.engine = engine
+        self.engine = engine  # from here stop() closes it (and /healthz sees its errors)
         await engine.start()
+        try:
+            await _warm_up(engine)
+        except Exception as error:
+            if self.stopping:  # stop() closed it under the warm-up
+                return
+            raise RuntimeError(f"the engine failed its warm-up decode: {type(error).__name__}: {error}") from error
+        self._warmed_up = True
         log.info("engine ready: %s", engine.model_name)
 
 
     def is_ready(self) -> bool:
-        return self.engine is not None and bool(self.engine.ready) and not self.stopping
+        return self.engine is not None and bool(self.engine.ready) and self._warmed_up and not self.stopping
 
     async def stop(self) -> None:
-        """Stop accepting, let every open stream receive its finals (within limits.drain_timeout_s), close them
-        with 1001, then close the engine. Idempotent; returns once everything is closed."""
+        """Refuse new streams, let every open stream receive its finals (within limits.drain_timeout_s), close
+        them with 1001, close the engine, then the port. Meanwhile the port still answers HTTP (/healthz 200,
+        /readyz 503) and refuses stream upgrades with 503, which a load balancer retries on another replica. An
+        engine still loading is abandoned, not waited for. Idempotent; returns once everything is closed."""
         if self.stopping:
             await self._stopped.wait()
             return
         self.stopping = True
+        if self._loading is not None:
+            loaded = self._loading.abandon()
+            if loaded is not None:
+                await loaded.close()
         log.info("stopping: finalising %d open streams", len(self.connections))
-        if self._websocket_server is not None:
-            self._websocket_server.close(close_connections=False)  # no new connections; handlers run on
-            for connection in list(self.connections):
-                connection.request_stop()
-            for subscriber in list(self.subscribers):
-                subscriber.request_stop()  # after its call's last finals, within the drain timeout
-            await self._websocket_server.wait_closed()
+        for connection in list(self.connections):
+            connection.request_stop()
+        for subscriber in list(self.subscribers):
+            subscriber.request_stop()  # after its call's last finals, within the drain timeout
+        while self._handlers:  # each ends within the drain timeout; one that began meanwhile is turned away
+            await asyncio.wait(set(self._handlers))
         if self.webhooks is not None:
             await self.webhooks.close()  # queued call messages get their drain timeout
         if self._lag_watch is not None:
             self._lag_watch.cancel()
         if self.engine is not None:
             await self.engine.close()
+        if self._websocket_server is not None:
+            self._websocket_server.close()  # and 1001 for a handshake still under way
+            await self._websocket_server.wait_closed()
         self._stopped.set()
         log.info("stopped")
 
@@ -203,6 +238,9 @@ class QasrServer:
         make_adapter = WIRE_ADAPTERS.get(urlsplit(request.path).path)
         if response is not None or make_adapter is None:
             return response
+        if self.stopping or not self.is_ready():  # before the upgrade, so a load balancer can retry elsewhere
+            return _unavailable(connection, "the server is shutting down: connect again (another replica)"
+                                if self.stopping else "the model is still loading: try again shortly")
         handshake = Handshake(request, self.config, self.engine.model_name if self.engine else "", calls=self.calls)
         try:
             self._adapters[connection] = make_adapter(handshake)
@@ -213,6 +251,14 @@ class QasrServer:
         return None
 
     async def _handle(self, websocket: ServerConnection) -> None:
+        handler = asyncio.current_task()
+        self._handlers.add(handler)
+        try:
+            await self._serve(websocket)
+        finally:
+            self._handlers.discard(handler)
+
+    async def _serve(self, websocket: ServerConnection) -> None:
         self.metrics.connections_total.inc()
         path = urlsplit(websocket.request.path).path
         if path not in WIRE_ADAPTERS:  # the gate let only these and subscriber paths in
@@ -252,6 +298,26 @@ class QasrServer:
         connection.engine = self.engine
         self.connections.add(connection)
 
+
+
+RETRY_AFTER_S = 1  # what a 503'd handshake tells the client to wait
+
+
+def _unavailable(connection: ServerConnection, reason: str) -> Response:
+    """HTTP 503 for a stream upgrade the server cannot take now (loading, shutting down)."""
+    log.info("handshake refused: 503 %s", reason)
+    response = connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, f"{reason}\n")
+    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
+
+
+async def _warm_up(engine: SpeechEngine) -> None:
+    """One short decode through the whole path (mel, encoder, prefill, decode) before the first client's."""
+    audio = np.random.default_rng(0).normal(0.0, 0.05, 16000).astype(np.float32)  # 1 s of quiet noise
+    try:
+        await engine.transcribe(DecodeRequest(audio=audio, stream_id=WARM_UP_STREAM, max_new_tokens=4))
+    finally:
+        engine.release_stream(WARM_UP_STREAM)
 
 
 class _EngineView:

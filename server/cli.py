@@ -2,9 +2,14 @@
 
     qasr-server --model Qwen/Qwen3-ASR-0.6B --host 0.0.0.0 --port 8765
 
-The port answers HTTP at once (/healthz; /readyz says 503 until the model is loaded and warmed up); streams are
-admitted once the engine is ready. SIGTERM or SIGINT: stop accepting, send open streams their finals, close them
-with 1001, stop the engine, exit 0.
+The port answers HTTP at once (/healthz; /readyz says 503 until the model is loaded and has served a warm-up
+decode); streams are admitted once the engine is ready (before that their upgrades get HTTP 503). SIGTERM or
+SIGINT: refuse new streams (503) while /healthz and /readyz still answer, send open streams their finals, close
+them with 1001, stop the engine, exit 0. While the model is still loading, SIGTERM/SIGINT abandon the load and
+exit 0 at once (an engine process still loading is terminated with the server).
+
+Exit codes: 0 stopped by SIGTERM/SIGINT; 1 the port cannot be bound or the model cannot be loaded (or fails its
+warm-up decode); 2 a usage error.
 """
 
 from __future__ import annotations

@@ -13,6 +13,12 @@ stream's events in order, plus the timeouts and the teardown. Every way a connec
 A client's WebSocket pings count as activity for the idle timeout (`PingAwareConnection`): a push-to-talk client
 may stay connected between presses by pinging.
 
+A slow reader costs bounded memory and never stalls other streams: while a send waits for the client to take our
+frames (websockets' write buffer is over its high-water mark), the receiver stops reading the client's messages,
+so no new events (finals, replies, notices) are made for it; websockets' own queue and TCP hold back the rest. A
+client that takes nothing for `limits.send_timeout_s` is dropped like a vanished one (keepalive pings cannot reach
+it behind the full buffer).
+
 What an adapter may count on: Replies and Notices before its Start go out at once (the start timeout still runs);
 after it, Replies, Notices and the stream's events go out in exactly the order they were made (Replies travel
 through the session's event queue); a multichannel stream (`StreamSettings.multichannel`) runs one session per
@@ -98,11 +104,16 @@ class StreamConnection:
         self._sender: asyncio.Task | None = None  # the task sending the stream's events
         self._stop_timer: asyncio.TimerHandle | None = None
         self._socket_gone = False  # the client disconnected: frames are dropped (finalise_on_disconnect)
+        self._client_reading = asyncio.Event()  # cleared while a send waits for the client to take our frames
+        self._client_reading.set()
+        self._send_began: float | None = None  # loop.time() of the send under way, for the stalled-reader check
+        self._stall_timer: asyncio.TimerHandle | None = None
 
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     async def run(self, *, admit: Callable[[], None]) -> None:
         """Serve the connection to its end. `admit()` raises ServerFull/NotReady to turn the client away."""
+        self._watch_stalls()
         try:
             admit()
             await self._send_frames(self.adapter.greeting())
@@ -117,8 +128,9 @@ class StreamConnection:
         except BaseException as exc:  # one place decides how the connection ends
             await self._finish(exc)
         finally:
-            if self._stop_timer is not None:
-                self._stop_timer.cancel()
+            for timer in (self._stop_timer, self._stall_timer):
+                if timer is not None:
+                    timer.cancel()
             await self._teardown()
 
     def request_stop(self) -> None:
@@ -129,6 +141,20 @@ class StreamConnection:
         if self._receiver is not None:
             self._receiver.cancel()
         self._stop_timer = asyncio.get_running_loop().call_later(self.limits.drain_timeout_s, self._give_up)
+
+    def _watch_stalls(self) -> None:
+        """Drop the client if one send has waited send_timeout_s for it to read. One timer per connection, checked
+        every send_timeout_s: a send costs a clock read, not a timer of its own."""
+        timeout_s = self.limits.send_timeout_s
+        began = self._send_began
+        if began is not None and self.websocket.loop.time() - began >= timeout_s:
+            log.info("session %s: the client took none of our frames for %g s: dropping it", self.session_id,
+                     timeout_s)
+            self.websocket.transport.abort()  # the waiting send and the receiver see ConnectionClosed
+            return
+        self._stall_timer = self.websocket.loop.call_later(timeout_s if began is None else
+                                                           timeout_s - (self.websocket.loop.time() - began),
+                                                           self._watch_stalls)
 
     def _give_up(self) -> None:
         """The drain timeout ran out: stop waiting for finals."""
@@ -192,6 +218,8 @@ class StreamConnection:
         with _IdleWatch(self.limits.idle_timeout_s, self.websocket) as idle:
             while True:
                 await self.runner.wait_for_capacity()
+                if not self._client_reading.is_set():  # the client is not taking our frames: make it no more
+                    await self._client_reading.wait()
                 idle.heard()  # the server's own pause does not count as the client's silence
                 message = await self.websocket.recv()
                 idle.heard()
@@ -290,12 +318,17 @@ class StreamConnection:
         for frame in frames:
             if self._socket_gone:
                 return
+            self._send_began = self.websocket.loop.time()
+            self._client_reading.clear()  # seen by the receiver only if the send waits (the write buffer is full)
             try:
                 await self.websocket.send(frame)
             except ConnectionClosed:
                 if not self._finalises_on_disconnect:
                     raise
                 self._socket_gone = True  # keep encoding the stream's events: the adapter hands them on
+            finally:
+                self._send_began = None
+                self._client_reading.set()
 
     @property
     def _finalises_on_disconnect(self) -> bool:

@@ -18,6 +18,8 @@ class ServerLimits:
     max_pending_finals: int = 16  # closed segments awaiting their final, per session; above it reading pauses
     drain_timeout_s: float = 30.0  # how long a stream closed by the server (SIGTERM, a fatal client error) may
     # still wait for its finals before the connection closes anyway
+    send_timeout_s: float = 40.0  # a client that takes none of our frames this long (it stopped reading, or
+    # vanished) is dropped: keepalive pings cannot reach it behind a full send buffer
 
     def __post_init__(self):
         _require(self.max_sessions >= 1, f"max_sessions must be >= 1, got {self.max_sessions}")
@@ -26,6 +28,7 @@ class ServerLimits:
         _require(self.start_timeout_s > 0, f"start_timeout_s must be > 0, got {self.start_timeout_s}")
         _require(self.max_pending_finals >= 1, f"max_pending_finals must be >= 1, got {self.max_pending_finals}")
         _require(self.drain_timeout_s >= 0, f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        _require(self.send_timeout_s > 0, f"send_timeout_s must be > 0, got {self.send_timeout_s}")
 
     def to_client(self) -> dict:
         """The connection limits a client may want to know (the native `ready` event adds the stream limits)."""

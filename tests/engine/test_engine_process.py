@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.engine_process import EngineProcess
@@ -151,7 +151,7 @@ def test_qasr_server_serves_through_its_engine_process_and_sigterm_stops_both(ti
         for _ in range(600):  # until the server listens and the engine process is ready
             try:
                 websocket = await connect(uri)
-            except OSError:
+            except (OSError, InvalidStatus):  # not listening yet, or 503 while the model loads and warms up
                 await asyncio.sleep(0.1)
                 continue
             try:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import connect
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from qasr.server.app import QasrServer, ServerConfig
 from qasr.server.limits import ServerLimits
@@ -309,7 +309,7 @@ def test_websocket_pings_count_as_activity_for_the_idle_timeout():
     assert code == 1000 and [event["type"] for event in out] == ["ready", "summary"]
 
 
-def test_the_server_full_and_not_ready_cases_close_with_1013():
+def test_a_full_server_closes_with_1013_and_a_loading_one_refuses_the_upgrade_with_503():
     async def main():
         engine = FakeEngine(delay_s=0.005)
         async with running(engine, max_sessions=2) as server:
@@ -322,13 +322,16 @@ def test_the_server_full_and_not_ready_cases_close_with_1013():
                 await holder.close()
             engine.ready = False
             await until(lambda: server.metrics.sessions_active == 0)
-            not_ready = await attempt(server, START)
-            return full, not_ready
+            with pytest.raises(InvalidStatus) as refused:
+                await connect(url(server))
+            return full, refused.value.response
 
-    (full_out, full_code), (not_ready_out, not_ready_code) = run(main())
+    (full_out, full_code), not_ready = run(main())
     assert full_code == 1013 and full_out == [{"type": "error", "code": "server_full", "fatal": True,
                                                "message": full_out[0]["message"]}]
-    assert not_ready_code == 1013 and not_ready_out[0]["code"] == "not_ready"
+    # before the upgrade: a load balancer (nginx's proxy_next_upstream http_503) retries it on another replica
+    assert not_ready.status_code == 503 and not_ready.headers["Retry-After"] == "1"
+    assert b"still loading" in not_ready.body
 
 
 def test_a_vanished_client_leaves_no_tasks_sessions_or_engine_streams():

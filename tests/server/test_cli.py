@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from websockets.asyncio.client import connect
+from websockets.exceptions import InvalidStatus
 
 from qasr.server import cli
 from qasr.engine import engine_process as engine_module
@@ -63,7 +64,7 @@ def test_sigterm_finalises_open_streams_closes_1001_and_exits_0(monkeypatch):
         for _ in range(500):  # until the server listens and the engine is ready
             try:
                 websocket = await connect(uri)
-            except OSError:
+            except (OSError, InvalidStatus):  # not listening yet, or 503 while the model loads and warms up
                 await asyncio.sleep(0.01)
                 continue
             await websocket.send(json.dumps({"type": "start", "partials": False}))
