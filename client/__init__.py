@@ -14,8 +14,8 @@ errors in `qasr.client.errors`. `qasr-mic` (qasr.client.mic) is the terminal cli
 """
 
 from qasr.client.errors import (AccessDenied, AudioSourceError, AuthenticationFailed, ClientError, ConnectionLost,
-                                HandshakeRefused, ProtocolMismatch, ServerUnreachable, StreamClosed,
-                                TooManyConnections)
+                                HandshakeRefused, ProtocolMismatch, ServerUnreachable, ServiceUnavailable,
+                                StreamClosed, TooManyConnections)
 from qasr.client.protocol import Credentials, StreamOptions
 from qasr.client.sources import (FileSource, InputDevice, MicrophoneSource, file_source, list_input_devices,
                                  microphone_source)
@@ -27,5 +27,5 @@ __all__ = [
     "file_source", "microphone_source", "list_input_devices", "FileSource", "MicrophoneSource", "InputDevice",
     "Ready", "SpeechStarted", "Partial", "Final", "Error", "Summary", "Reconnecting", "AudioDropped",
     "ClientError", "ServerUnreachable", "StreamClosed", "ConnectionLost", "ProtocolMismatch", "AudioSourceError",
-    "HandshakeRefused", "AuthenticationFailed", "AccessDenied", "TooManyConnections",
+    "HandshakeRefused", "AuthenticationFailed", "AccessDenied", "TooManyConnections", "ServiceUnavailable",
 ]

@@ -7,7 +7,8 @@ Hierarchy::
     ├── HandshakeRefused        the server answered the handshake with an HTTP error: .status, .message
     │   ├── AuthenticationFailed    401: no API key or token, or one the server does not accept
     │   ├── AccessDenied            403: not allowed from here (a browser Origin, a proxy's rule)
-    │   └── TooManyConnections      429: too many connections from this address (retryable)
+    │   ├── TooManyConnections      429: too many connections from this address (retryable)
+    │   └── ServiceUnavailable      503: the server is loading its model or shutting down (retryable)
     ├── StreamClosed            the server ended the stream before it was complete: .code, .reason, .error
     │   └── ConnectionLost      the connection dropped without a close frame (1006): server killed, network gone
     ├── ProtocolMismatch        the server sent something this client cannot read
@@ -66,6 +67,13 @@ class AccessDenied(HandshakeRefused):
 
 class TooManyConnections(HandshakeRefused):
     """HTTP 429: too many connections from this address are open or still connecting; later may work."""
+
+    retryable = True
+
+
+class ServiceUnavailable(HandshakeRefused):
+    """HTTP 503: the server cannot take a stream now (its model is still loading, or it is shutting down); another
+    replica, or this one later, will."""
 
     retryable = True
 

@@ -16,7 +16,8 @@ has its own audio loop.
 
 Authentication (a server with API keys, docs/security.md): `api_key=KEY` is sent as `Authorization: Bearer KEY`,
 `token=TOKEN` (from POST /v1/tokens) as the `qasr.token.TOKEN` subprotocol. A handshake the server refuses raises
-`AuthenticationFailed` (401), `AccessDenied` (403) or `TooManyConnections` (429), never retried on 401 or 403.
+`AuthenticationFailed` (401), `AccessDenied` (403), `TooManyConnections` (429) or `ServiceUnavailable` (503: loading
+or shutting down), never retried on 401 or 403.
 
 Ending: after the source runs out (or `stop()`), the client sends `end`, receives the remaining finals and the
 summary, and the server closes with 1000; the iteration then simply finishes. Any other ending raises a
@@ -40,7 +41,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidStatus, InvalidURI
 
 from qasr.client.errors import (NORMAL_CLOSURE, AccessDenied, AuthenticationFailed, ClientError, ConnectionLost,
-                                HandshakeRefused, ServerUnreachable, StreamClosed, TooManyConnections)
+                                HandshakeRefused, ServerUnreachable, ServiceUnavailable, StreamClosed,
+                                TooManyConnections)
 from qasr.client.protocol import (END, FLUSH, Credentials, StreamOptions, bytes_per_frame, encode_audio,
                                   parse_event, start_message)
 from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary
@@ -204,7 +206,8 @@ class StreamClient:
     # -- internals -------------------------------------------------------------------------------------------
 
     def _refused(self, status: int, body: bytes | None) -> HandshakeRefused | None:
-        """The error for a handshake refused with 401, 403 or 429, saying what to do; None for other statuses."""
+        """The error for a handshake refused with 401, 403, 429 or 503, saying what to do; None for other
+        statuses."""
         message = self.credentials.redact(_first_line(body))
         answered = f"{self.url} answered HTTP {status}" + (f" ({message})" if message else "")
         if status == 401:
@@ -222,6 +225,9 @@ class StreamClient:
         if status == 429:
             return TooManyConnections(f"{answered}: too many connections from this address are open; close some "
                                       "or try again later", status, message)
+        if status == 503:
+            return ServiceUnavailable(f"{answered}: the server is loading its model or shutting down; try again "
+                                      "shortly (reconnect=N does)", status, message)
         return None
 
     def _connected(self) -> ClientConnection:

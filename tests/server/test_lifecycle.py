@@ -18,13 +18,15 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from qasr.client.errors import ServiceUnavailable
+from qasr.client.stream import StreamClient
 from qasr.server.app import WARM_UP_STREAM, QasrServer, ServerConfig
 from qasr.server.limits import ServerLimits
 from qasr.server.protocol import NativeProtocol
 
 # tests/ is on sys.path (tests/conftest.py)
 from fakes import FakeEngine, speech_like, to_s16le
-from test_app import TWO_BURSTS, decode, finals, http_get, receive_all, run, stream, until, url
+from test_app import TWO_BURSTS, decode, finals, http_get, receive_all, run, running, stream, until, url
 from live_server import real_engine, serving
 
 START = json.dumps({"type": "start", "partials": False})
@@ -181,6 +183,17 @@ def test_readyz_says_ready_only_after_a_warm_up_decode():
     assert request.stream_id == WARM_UP_STREAM and len(request.audio) == 16000
     assert (before, refused, after, code) == (503, 503, 200, 1000)
     assert WARM_UP_STREAM in engine.released
+
+
+def test_qasr_client_reads_a_503_handshake_as_retryable_service_unavailable():
+    async def main():
+        async with running(FakeEngine(ready=False)) as server:
+            with pytest.raises(ServiceUnavailable) as refused:
+                await StreamClient(url(server)).connect()
+            return refused.value
+
+    error = run(main())
+    assert error.status == 503 and error.retryable and "still loading" in error.message
 
 
 def test_an_engine_that_fails_its_warm_up_fails_the_load():
