@@ -6,9 +6,12 @@
 #
 # Environment (defaults in brackets):
 #   STREAMS     stream counts to run                                      ["20 40"]
-#   PROTOCOLS   PROTOCOL[:both][@CHUNK_MS]: native, openai, twilio; :both  ["native native@20 openai twilio@20"]
-#               gives a Twilio call the agent's track too; @N sends N ms of audio per message (default 100; Twilio's
-#               frames are always 20 ms, @N paces them: @20 sends each as it is due, as Twilio does)
+#   PROTOCOLS   PROTOCOL[:OPTION][@CHUNK_MS]: native, openai, twilio                              [see below]
+#               twilio:both gives a call the agent's track too; native:RATE[-ENCODING] sends that audio (native:24000
+#               is an OpenAI client's, native:8000-mulaw a Twilio call's; default 16000 s16le); @N sends N ms of audio
+#               per message (default 100; Twilio's frames are always 20 ms, @N paces them: @20 sends each as it is
+#               due, as Twilio does). Default: each adapter beside native on the same audio in the same messages,
+#               and native as most clients send it: "native native:24000 openai native:8000-mulaw@20 twilio@20"
 #   DURATION    seconds each stream sends, real time                      [20]
 #   REPEATS     runs of each protocol and count, interleaved              [3]
 #   STAGGER_S   client starts spread over this long                       [2]
@@ -20,7 +23,7 @@ set -euo pipefail
 
 OUTDIR=${1:?usage: bench/frontend_protocols.sh OUTDIR}
 STREAMS=${STREAMS:-"20 40"}
-PROTOCOLS=${PROTOCOLS:-"native native@20 openai twilio@20"}
+PROTOCOLS=${PROTOCOLS:-"native native:24000 openai native:8000-mulaw@20 twilio@20"}
 DURATION=${DURATION:-20}
 REPEATS=${REPEATS:-3}
 STAGGER_S=${STAGGER_S:-2}
@@ -45,10 +48,20 @@ for run in $(seq "$REPEATS"); do
         for entry in $PROTOCOLS; do  # interleaved, so drifting machine load reaches every protocol alike
             protocol=${entry%%[:@]*}
             options=()
-            [[ $entry == *:both* ]] && options+=(--tracks both)
+            if [[ $entry == *:* ]]; then
+                option=${entry#*:}
+                option=${option%%@*}
+                if [[ $option == both ]]; then
+                    options+=(--tracks both)
+                else  # RATE[-ENCODING] of native audio
+                    options+=(--sample-rate "${option%%-*}")
+                    [[ $option == *-* ]] && options+=(--encoding "${option#*-}")
+                fi
+            fi
             [[ $entry == *@* ]] && options+=(--chunk-ms "${entry##*@}")
             name=${entry//:/-}
-            name="${name//@/-c}-$streams-$run"  # twilio:both@20 -> twilio-both-c20-40-1
+            name="${name//@/-c}-$streams-$run"  # twilio:both@20 -> twilio-both-c20-40-1, native:8000-mulaw@20 ->
+                                                 # native-8000-mulaw-c20-40-1
             echo "$name" >&2
             # shellcheck disable=SC2086  # BENCH_ARGS is a list of options
             "$PYTHON" -m qasr.bench.stream --protocol "$protocol" "${options[@]}" --url "ws://127.0.0.1:$PORT" \

@@ -2,7 +2,8 @@
 `ClientRecord` with what it saw as events in the native schema (`speech_started`, `partial`, `final`, `error` with
 `segment_id`, stream times in seconds, and `channel` where a stream has several), so one analysis serves them all.
 
-    native  qasr.client.StreamClient on /v1/stream: `start`, binary 16 kHz PCM chunks, `end`; the events as sent.
+    native  /v1/stream, plain websockets: `start`, binary PCM chunks (16 kHz s16le, or --sample-rate/--encoding:
+            24 kHz s16le as an OpenAI client sends, 8 kHz mulaw as a Twilio call), `end`; the events as sent.
     openai  /v1/realtime?intent=transcription, plain websockets (the server's cost is measured, not an SDK's):
             `session.update` (audio/pcm 24 kHz, server_vad), base64 `input_audio_buffer.append` events, then a
             `commit` (the open turn ends) and a `session.update` that answers after every event made before it.
@@ -32,9 +33,10 @@ import numpy as np
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from qasr.audio import SAMPLE_RATE
+from qasr.audio import ENCODINGS, SAMPLE_RATE
 from qasr.audio.g711 import MULAW_TO_LINEAR
-from qasr.client import ClientError, StreamClient, StreamClosed, StreamOptions, Summary
+from qasr.client.protocol import END, parse_event
+from qasr.streaming.events import Error, Ready, Summary
 from qasr.streaming.settings import VadSettings
 
 OPENAI_RATE = 24000  # Hz: OpenAI's audio/pcm
@@ -125,46 +127,77 @@ def mulaw(samples: np.ndarray) -> bytes:
 # ---- native ------------------------------------------------------------------------------------------------------
 
 
+NATIVE_ENCODINGS: dict[str, Callable[[np.ndarray], bytes]] = {"s16le": pcm16, "mulaw": mulaw}  # --encoding
+
+
+def native_start(sample_rate: int, encoding: str, language: str | None, partial_interval_ms: int) -> str:
+    """The native `start` message for audio of this rate and encoding."""
+    return json.dumps({"type": "start", "sample_rate": sample_rate, "encoding": encoding, "language": language,
+                       "partial_interval_ms": partial_interval_ms})
+
+
 async def run_native(args, record: ClientRecord, tracks: list[np.ndarray], stop_at: float,
                      bench_start: float) -> None:
-    """One stream through qasr.client's StreamClient."""
-    audio = tracks[0]
-    options = StreamOptions(sample_rate=SAMPLE_RATE, encoding="s16le", language=args.language or None,
-                            partial_interval_ms=args.partial_interval_ms)
-    chunk = int(args.chunk_ms * SAMPLE_RATE / 1000)
-    client = StreamClient(endpoint(args.url, "native"), options, open_timeout_s=OPEN_TIMEOUT_S)
+    """One native stream on plain websockets (as the other protocols' clients: the frames, not a client library, are
+    what is measured), its audio sent at --sample-rate in --encoding: 16 kHz s16le by default; 24 kHz s16le is what
+    an OpenAI client sends, 8 kHz mulaw in 20 ms what a Twilio call sends."""
+    import soxr
+
+    rate = args.sample_rate
+    audio = tracks[0] if rate == SAMPLE_RATE else soxr.resample(tracks[0], SAMPLE_RATE, rate).astype(np.float32)
+    chunk = int(args.chunk_ms * rate / 1000)
+    encode = NATIVE_ENCODINGS[args.encoding]
+    frames = [encode(audio[k * chunk : (k + 1) * chunk]) for k in range(-(-len(audio) // chunk))]  # encoded ahead
     try:
-        ready = await client.connect()
-    except (ClientError, OSError) as error:  # unreachable, or turned away (full, not ready)
+        websocket = await connect(endpoint(args.url, "native"), open_timeout=OPEN_TIMEOUT_S, max_size=None,
+                                  compression=None)
+    except (OSError, InvalidHandshake, asyncio.TimeoutError) as error:
         record.error = f"{type(error).__name__}: {error}"
         return
     try:
+        await websocket.send(native_start(rate, args.encoding, args.language or None, args.partial_interval_ms))
+        ready = await asyncio.wait_for(_native_ready(websocket), OPEN_TIMEOUT_S)
+        if isinstance(ready, Error):  # turned away: full, not ready, an option it cannot take
+            record.error = f"refused: {ready.code}: {ready.message}"
+            return
         record.session_id = ready.session_id
         record.pre_roll_s = ready.config.get("vad", {}).get("pre_roll_ms", 0) / 1000
 
         async def receive() -> None:
             try:
-                async for event in client.events():  # until the server closes
+                async for frame in websocket:  # until the server closes
+                    event = parse_event(frame)
+                    if event is None:
+                        continue
                     record.events.append((time.perf_counter(), {"type": event.TYPE, **dataclasses.asdict(event)}))
                     if isinstance(event, Summary):
                         record.drained = True
-            except StreamClosed as closed:  # closed otherwise than after the summary: a failed client
-                record.error = f"{type(closed).__name__}: {closed}"
+            except ConnectionClosed as closed:
+                record.error = f"closed by the server: {closed}"
+            if not record.drained:
+                record.error = record.error or "closed by the server before the summary"
 
         receiving = asyncio.ensure_future(receive())
-        async for k in paced(record, -(-len(audio) // chunk), chunk / SAMPLE_RATE / args.speed, stop_at=stop_at,
+        async for k in paced(record, len(frames), chunk / rate / args.speed, stop_at=stop_at,
                              bench_start=bench_start, done=receiving):
-            piece = audio[k * chunk : (k + 1) * chunk]
-            await client.send_audio(piece)
-            record.audio_seconds += len(piece) / SAMPLE_RATE
+            await websocket.send(frames[k])
+            record.audio_seconds += len(frames[k]) / ENCODINGS[args.encoding] / rate
         if not receiving.done():
-            await client.end()
+            await websocket.send(END)
         await _drain(receiving, args.drain_timeout_s, record)
-    except (ClientError, OSError) as error:
+    except (ConnectionClosed, OSError, asyncio.TimeoutError) as error:
         record.error = record.error or f"{type(error).__name__}: {error}"
     finally:
-        await client.close()
-        record.close_code = client.close_code
+        await websocket.close()
+        record.close_code = websocket.close_code
+
+
+async def _native_ready(websocket) -> Ready | Error:
+    """The stream's `ready`, or the fatal error that turned it away."""
+    while True:
+        event = parse_event(await websocket.recv())
+        if isinstance(event, Ready) or isinstance(event, Error) and event.fatal:
+            return event
 
 
 async def _drain(receiving: asyncio.Future, timeout_s: float, record: ClientRecord) -> None:

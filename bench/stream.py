@@ -4,11 +4,13 @@
         --out stream.json --plot stream.png
     qasr-bench stream --protocol openai ...     # OpenAI Realtime transcription sessions on /v1/realtime
     qasr-bench stream --protocol twilio ...     # Twilio calls on /v1/twilio (--tracks both: caller and agent)
+    qasr-bench stream --sample-rate 8000 --encoding mulaw --chunk-ms 20 ...   # native, a Twilio call's audio
 
 Every client streams audio in real time (or --speed times faster) for --duration seconds in the --protocol's wire
-format (qasr.bench.protocol_clients: native through qasr.client's StreamClient, OpenAI Realtime and Twilio Media
-Streams with plain websockets): a WAV file (--audio, each client starting at its own offset, looped), or generated
-speech-like utterances with pauses (a seed per client). Then it ends the stream and waits for its last finals.
+format (qasr.bench.protocol_clients: native, OpenAI Realtime and Twilio Media Streams, all on plain websockets;
+native at --sample-rate in --encoding, so that it can send the audio an adapter gets): a WAV file (--audio, each
+client starting at its own offset, looped), or generated speech-like utterances with pauses (a seed per client).
+Then it ends the stream and waits for its last finals.
 Measured per segment and client, with "when speech happened" taken as the moment the audio would have been captured
 live (start + stream time / speed):
 
@@ -46,11 +48,13 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from qasr.audio import SAMPLE_RATE
-from qasr.bench.protocol_clients import CLIENTS, ClientRecord, endpoint
+from qasr.bench.protocol_clients import (CLIENTS, NATIVE_ENCODINGS, OPENAI_RATE, TWILIO_RATE, ClientRecord,
+                                         endpoint)
 from qasr.bench.synthetic import speech_like
 from qasr.client import FileSource
 
 PERCENTILES = (50, 90, 95, 99)
+NATIVE_RATES = (8000, 16000, 24000)  # Hz the native client can send: telephony's, the model's, OpenAI's
 METRICS = {  # JSON key -> table label; all in milliseconds
     "first_partial_latency_ms": "first partial (speech start ->)",
     "partial_latency_ms": "partial (heard audio end ->)",
@@ -249,7 +253,7 @@ def print_table(summary: dict, out: dict) -> None:
     config, totals = out["config"], out["totals"]
     interval = (f"partials every {config['partial_interval_ms']} ms" if config["protocol"] == "native"
                 else "partials at the server's default interval")
-    print(f"# {config['protocol']}: {config['clients']} clients x {config['duration_s']:g} s at {config['speed']:g}x "
+    print(f"# {config['protocol']} ({config['audio_format']}): {config['clients']} clients x {config['duration_s']:g} s at {config['speed']:g}x "
           f"real time, {interval}, audio: {config['audio']}")
     print(f"# {totals['segments']} segments, {totals['finals']} finals ({totals['missing_finals']} missing, "
           f"{totals['extra_finals']} extra), {totals['partials']} partials, {totals['audio_seconds']:.0f} s of audio "
@@ -320,6 +324,13 @@ def plot(path: str, records: list[ClientRecord], summary_series: dict, out: dict
 
 
 # ---- the run -----------------------------------------------------------------------------------------------------
+
+
+def audio_format(args) -> str:
+    """What the clients' audio is on the wire: "16000 Hz s16le", "8000 Hz mulaw"."""
+    rate, encoding = {"native": (args.sample_rate, args.encoding), "openai": (OPENAI_RATE, "s16le"),
+                      "twilio": (TWILIO_RATE, "mulaw")}[args.protocol]
+    return f"{rate} Hz {encoding}"
 
 
 def num_tracks(args) -> int:
@@ -412,7 +423,7 @@ async def bench(args) -> dict:
     out = {
         "config": {"protocol": args.protocol, "url": endpoint(args.url, args.protocol), "clients": args.clients,
                    "tracks": num_tracks(args), "duration_s": args.duration, "speed": args.speed,
-                   "chunk_ms": args.chunk_ms, "partial_interval_ms": args.partial_interval_ms,
+                   "chunk_ms": args.chunk_ms, "audio_format": audio_format(args), "partial_interval_ms": args.partial_interval_ms,
                    "language": args.language, "audio": args.audio or "generated utterances with pauses",
                    "stagger_s": args.stagger_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "wall_seconds": time.perf_counter() - bench_start,
@@ -451,6 +462,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-ms", type=int, default=100,
                    help="audio per message; twilio always sends 20 ms frames and sends those due every --chunk-ms "
                         "together (default: %(default)s)")
+    p.add_argument("--sample-rate", type=int, choices=NATIVE_RATES, default=SAMPLE_RATE,
+                   help="native: the rate of the audio sent; 24000 is what --protocol openai sends, 8000 (with "
+                        "--encoding mulaw) what twilio sends, so the adapters compare with native on the same audio "
+                        "(default: %(default)s)")
+    p.add_argument("--encoding", choices=sorted(NATIVE_ENCODINGS), default="s16le",
+                   help="native: the audio's encoding on the wire (default: %(default)s)")
     p.add_argument("--partial-interval-ms", type=int, default=1000,
                    help="native: asked of the server in `start` (openai and twilio cannot ask: the server's "
                         "default applies) (default: %(default)s)")
@@ -487,6 +504,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("need --clients >= 1, --duration > 0, --speed > 0, --chunk-ms >= 10 and --processes >= 1")
     if args.tracks != "inbound" and args.protocol != "twilio":
         parser.error(f"--tracks {args.tracks} is for --protocol twilio")
+    if (args.sample_rate, args.encoding) != (SAMPLE_RATE, "s16le") and args.protocol != "native":
+        parser.error("--sample-rate and --encoding are for --protocol native (the others send their own format)")
     try:
         endpoint(args.url, args.protocol)
     except ValueError as error:

@@ -25,20 +25,24 @@ def frontend_server():
         process.wait(timeout=30)
 
 
-@pytest.mark.parametrize("protocol, extra", [
-    ("native", []),
-    ("openai", []),
-    ("twilio", []),
-    ("twilio", ["--tracks", "both"]),
+@pytest.mark.parametrize("protocol, extra, audio_format", [
+    ("native", [], "16000 Hz s16le"),
+    ("native", ["--sample-rate", "24000"], "24000 Hz s16le"),  # what an OpenAI client sends
+    ("native", ["--sample-rate", "8000", "--encoding", "mulaw", "--chunk-ms", "20"], "8000 Hz mulaw"),  # a call's
+    ("openai", [], "24000 Hz s16le"),
+    ("twilio", [], "8000 Hz mulaw"),
+    ("twilio", ["--tracks", "both"], "8000 Hz mulaw"),
 ])
-def test_the_front_end_server_carries_a_stream_bench_run_in_each_protocol(frontend_server, protocol, extra):
+def test_the_front_end_server_carries_a_stream_bench_run_in_each_protocol(frontend_server, protocol, extra,
+                                                                          audio_format):
     pid, port = frontend_server
     result = stream_bench.main(["--protocol", protocol, *extra, "--url", f"ws://127.0.0.1:{port}", "--clients", "2",
                                 "--duration", "3", "--speed", "2", "--stagger-s", "0.2", "--partial-interval-ms",
                                 "300", "--drain-timeout-s", "20", "--server-pid", str(pid), "--sample-interval-s",
                                 "0.25", "--no-progress"])
-    tracks = 2 if extra else 1
+    tracks = 2 if "both" in extra else 1
     assert result["config"]["protocol"] == protocol and result["config"]["tracks"] == tracks
+    assert result["config"]["audio_format"] == audio_format
     totals = result["totals"]
     assert totals["failed_clients"] == 0 and totals["missing_finals"] == totals["extra_finals"] == 0
     for session in result["sessions"]:

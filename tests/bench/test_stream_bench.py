@@ -101,6 +101,11 @@ def test_bad_arguments_are_refused():
     assert refused.value.code == 2
     with pytest.raises(SystemExit):
         stream_bench.main(["--server-pid", "999999999"])
+    for argv in (["--sample-rate", "44100"], ["--encoding", "alaw"],
+                 ["--protocol", "openai", "--sample-rate", "8000"], ["--protocol", "twilio", "--encoding", "mulaw"]):
+        with pytest.raises(SystemExit) as refused:  # native only, at the rates and encodings the adapters get
+            stream_bench.main(argv)
+        assert refused.value.code == 2, argv
 
 
 def test_generated_audio_has_pauses_that_end_segments_and_each_client_its_own_audio():
