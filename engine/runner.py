@@ -15,7 +15,7 @@ import torch
 
 from qasr.model import audio as qaudio
 from qasr.model import kernels
-from qasr.model.modeling import Qwen3ASR, prefill_keys
+from qasr.model.modeling import FusedLayerOps, PlainLayerOps, Qwen3ASR, prefill_keys
 from qasr.model.prompt import Prompt
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,9 @@ class ModelRunner:
         self.fused_kernels = kernels.available(self.device) if fused_kernels is None else fused_kernels
         if self.fused_kernels and not kernels.available(self.device):
             raise ValueError(f"fused kernels need Triton and a CUDA device (got {self.device})")
-        self.rope_table = model.decoder.rope_table(self.cache.length) if self.fused_kernels else None
+        # the decoder's layer ops, chosen once: every prefill and decode step (and so every graph) runs on them
+        self.layer_ops = (FusedLayerOps(model.decoder.rope_table(self.cache.length)) if self.fused_kernels
+                          else PlainLayerOps())
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.prefill_buckets: dict[tuple[int, int], PrefillBucket] = {}
         if use_graphs:
@@ -132,7 +134,7 @@ class ModelRunner:
         """One decode step for rows [0, B): pure tensor ops on persistent buffers, so it can be graphed."""
         pos = self.positions[:B]
         live = pos >= 0
-        logits = self.model.decoder.decode(self.tokens[:B], pos, self.cache, self.rope_table)
+        logits = self.model.decoder.decode(self.tokens[:B], pos, self.cache, self.layer_ops)
         nxt = logits.argmax(dim=-1)
         counts = self.counts[:B] + live.long()
         finished = live & ((nxt[:, None] == self.eos[None, :]).any(-1) | (counts >= self.budgets[:B]))
@@ -216,7 +218,7 @@ class ModelRunner:
 
     def _prefill_first(self, x, slots, starts, lengths, num_keys) -> torch.Tensor:
         """Prefill, then the greedy first token of each sequence [B] (a row of length 0 reads its position 0)."""
-        hidden = self.model.decoder.prefill(x, slots, starts, lengths, self.cache, num_keys, self.rope_table)
+        hidden = self.model.decoder.prefill(x, slots, starts, lengths, self.cache, self.layer_ops, num_keys)
         last = hidden[torch.arange(x.shape[0], device=x.device), (lengths - 1).clamp(min=0)]
         return self.model.decoder.lm_head(last).argmax(dim=-1)
 

@@ -2,7 +2,9 @@
 
 The encoder packs the fixed 8 s attention windows of many clips into one padded batch (block-diagonal attention by
 construction). The decoder has two entry points over one cache: `prefill` (many new tokens for a few slots) and
-`decode` (one token for every row, row i = slot i, fixed shapes so a CUDA graph can replay it).
+`decode` (one token for every row, row i = slot i, fixed shapes so a CUDA graph can replay it), both through one
+layer loop over the layer ops the caller chose once: PlainLayerOps (PyTorch, anywhere) or FusedLayerOps (the Triton
+kernels of kernels.py).
 """
 
 from __future__ import annotations
@@ -305,68 +307,48 @@ class TextDecoder(nn.Module):
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     def rope_table(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [num_positions, head_dim] for the fused kernels: the same ops as `rope`, so both paths rotate by
-        identical values. Passing it to `prefill`/`decode` selects the fused Triton kernels (model/kernels.py)."""
+        """cos, sin [num_positions, head_dim] for FusedLayerOps: the same ops as `rope`, so both paths rotate by
+        identical values."""
         positions = torch.arange(num_positions, device=self.inv_freq.device)[None]
         cos, sin = self.rope(positions, self.embed_tokens.weight.dtype)
         return cos[0].contiguous(), sin[0].contiguous()
 
-    def run_layers(self, x, positions, write_slots, write_pos, read_keys, mask, cache: KVCache):
-        """The shared layer loop.
+    def run_layers(self, x: torch.Tensor, ops: "LayerOps", attention) -> torch.Tensor:
+        """The one layer loop: x (as `ops` shapes it) -> final-normed hidden of the same shape.
 
-        x: [B, T, D] new tokens; positions: [B, T] their rope positions; write_slots [B] / write_pos [B, T]: where
-        their K/V go in the cache; read_keys(layer) -> the [B, KVH, L, hd] K/V views to attend over; mask [B, T, L].
+        attention(layer index, DecoderAttention, h) writes the layer's K/V of the new tokens into the cache and
+        returns their attention output before o_proj. Each residual add feeds the norm that follows it, the last one
+        the final norm (so the fused ops can fuse them).
         """
-        cos, sin = self.rope(positions, x.dtype)
-        bias = self.layers[0].self_attn.attention_bias(mask, x.dtype)
-        slot_index = write_slots[:, None].expand_as(write_pos)
+        h, residual = ops.begin(x, self.layers[0].input_layernorm)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            q, k, v = attn.project(layer.input_layernorm(x), cos, sin)
-            # k/v: [B, KVH, T, hd] -> cache[layer, slot, :, pos, :]
-            cache.k[i][slot_index, :, write_pos] = k.transpose(1, 2)
-            cache.v[i][slot_index, :, write_pos] = v.transpose(1, 2)
-            keys, values = read_keys(i)
-            x = x + attn.o_proj(attn.attend(q, keys, values, bias))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x
+            h, residual = ops.add_norm(attn.o_proj(attention(i, attn, h)), residual, layer.post_attention_layernorm)
+            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
+            h, residual = ops.add_norm(ops.mlp(layer.mlp, h), residual, following)
+        return h
 
-    def prefill(self, embeds, slots, starts, lengths, cache: KVCache, num_keys: int | None = None,
-                rope_table=None) -> torch.Tensor:
+    def prefill(self, embeds, slots, starts, lengths, cache: KVCache, ops: "LayerOps",
+                num_keys: int | None = None) -> torch.Tensor:
         """Append `lengths[b]` new tokens to slot `slots[b]` after its first `starts[b]` cached positions.
 
         embeds: [B, T, D] (row b valid for t < lengths[b]); slots, starts, lengths: [B] long -> final-normed hidden
-        [B, T, D] (lm_head of a position gives its logits).
-        rope_table (see `rope_table`): run on the fused kernels, whose attention reads the cache in place.
-        Otherwise (plain PyTorch) num_keys is the cache positions to attend over, >= max(starts + lengths) (computed
-        here when not given; passing it keeps this function free of device syncs), and reading the cache through
-        `slots` copies those rows.
+        [B, T, D] (lm_head of a position gives its logits). ops: plain or fused (chosen once, by the runner).
+        num_keys (plain ops only): see PlainLayerOps.prefill_attention.
         """
         B, T, _ = embeds.shape
         t = torch.arange(T, device=embeds.device)
         positions = starts[:, None] + t[None, :]
         valid = t[None, :] < lengths[:, None]
         write_pos = torch.where(valid, positions, torch.full_like(positions, cache.scratch))
-        if rope_table is not None:
-            rope_pos = positions.clamp(max=rope_table[0].shape[0] - 1)  # padded positions may run past the table
-            slot_of = slots[:, None].expand_as(write_pos)
-            attend = lambda i, q: kernels.prefill_attention(q, cache.k[i], cache.v[i], slots, starts, lengths)  # noqa: E731
-            h = self.run_layers_fused(embeds.reshape(B * T, -1), rope_pos.reshape(-1), slot_of.reshape(-1),
-                                      write_pos.reshape(-1), attend, cache, rope_table)
-            return h.view(B, T, -1)
-        if num_keys is None:
-            num_keys = prefill_keys(int((starts + lengths).max()), cache)
-        keys_at = torch.arange(num_keys, device=embeds.device)
-        # a new token sees every cached position of its slot up to itself; padded rows see position 0 (no NaN)
-        mask = (keys_at[None, None, :] <= positions[:, :, None]) | (keys_at[None, None, :] == 0)
-        read = lambda i: (cache.k[i][slots, :, :num_keys], cache.v[i][slots, :, :num_keys])  # noqa: E731
-        return self.norm(self.run_layers(embeds, positions, slots, write_pos, read, mask, cache))
+        x, attention = ops.prefill_attention(self, embeds, positions, slots, starts, lengths, write_pos, cache,
+                                             num_keys)
+        return self.run_layers(x, ops, attention).view(B, T, -1)
 
-    def decode(self, tokens, positions, cache: KVCache, rope_table=None) -> torch.Tensor:
+    def decode(self, tokens, positions, cache: KVCache, ops: "LayerOps") -> torch.Tensor:
         """One new token for each of the first B slots (row b = slot b): fixed shapes, CUDA-graph friendly.
 
         tokens: [B] long; positions: [B] long, -1 for a padding row (writes only scratch, output ignored) -> logits [B, V].
-        rope_table (see `rope_table`): run on the fused kernels.
         """
         B = tokens.shape[0]
         x = self.embed_tokens(tokens)[:, None]
@@ -374,35 +356,114 @@ class TextDecoder(nn.Module):
         pos = positions.clamp(min=0)[:, None]
         write_pos = torch.where(live[:, None], pos, torch.full_like(pos, cache.scratch))
         slots = torch.arange(B, device=tokens.device)
-        if rope_table is not None:  # the kernel reads each row's positions itself: no mask to build
-            attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
-            h = self.run_layers_fused(x[:, 0], pos[:, 0], slots, write_pos[:, 0], attend, cache, rope_table)
-            return self.lm_head(h)
-        keys_at = torch.arange(cache.length, device=tokens.device)
+        x, attention = ops.decode_attention(self, x, positions, pos, slots, write_pos, cache)
+        return self.lm_head(self.run_layers(x, ops, attention).view(B, -1))
+
+
+class PlainLayerOps:
+    """The decoder's per-layer ops in plain PyTorch: any device, the reference the fused kernels are tested against.
+
+    Tokens stay [B, T, D]; attention reads each row's cache through a mask (prefill gathers its slots' rows).
+    """
+
+    def begin(self, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (norm(x), the residual stream x)."""
+        return norm(x), x
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual + x -> (its norm, the new residual)."""
+        residual = residual + x
+        return norm(residual), residual
+
+    def mlp(self, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
+        return mlp(h)
+
+    def prefill_attention(self, decoder: TextDecoder, x, positions, slots, starts, lengths, write_pos,
+                          cache: KVCache, num_keys: int | None):
+        """-> (x as the layer loop takes it, attention(layer index, DecoderAttention, h) -> [B, T, H * hd]).
+
+        num_keys: the cache positions to attend over, >= max(starts + lengths) (computed here when not given;
+        passing it keeps prefill free of device syncs). Reading the cache through `slots` copies those rows."""
+        if num_keys is None:
+            num_keys = prefill_keys(int((starts + lengths).max()), cache)
+        keys_at = torch.arange(num_keys, device=x.device)
+        # a new token sees every cached position of its slot up to itself; padded rows see position 0 (no NaN)
+        mask = (keys_at[None, None, :] <= positions[:, :, None]) | (keys_at[None, None, :] == 0)
+        read = lambda i: (cache.k[i][slots, :, :num_keys], cache.v[i][slots, :, :num_keys])  # noqa: E731
+        return x, self._attention(decoder, x, positions, slots, write_pos, read, mask, cache)
+
+    def decode_attention(self, decoder: TextDecoder, x, positions, pos, slots, write_pos, cache: KVCache):
+        """x: [B, 1, D]; pos, write_pos: [B, 1] -> as prefill_attention (rows read their own slot, b = slot b)."""
+        B = x.shape[0]
+        keys_at = torch.arange(cache.length, device=x.device)
         mask = (keys_at[None, None, :] <= pos[:, :, None]) & (keys_at[None, None, :] < cache.max_len)
         read = lambda i: (cache.k[i][:B], cache.v[i][:B])  # noqa: E731
-        h = self.run_layers(x, pos, slots, write_pos, read, mask, cache)
-        return self.lm_head(self.norm(h[:, 0]))
+        return x, self._attention(decoder, x, pos, slots, write_pos, read, mask, cache)
 
-    def run_layers_fused(self, x, rope_pos, slots, write_pos, attend, cache: KVCache, rope_table) -> torch.Tensor:
-        """The layer loop on the fused kernels, over N flattened tokens -> final-normed hidden [N, D].
+    @staticmethod
+    def _attention(decoder, x, positions, write_slots, write_pos, read_keys, mask, cache: KVCache):
+        # rope and the bias once per forward, not per layer; k/v: [B, KVH, T, hd] -> cache[layer][slot, :, pos, :]
+        cos, sin = decoder.rope(positions, x.dtype)
+        bias = decoder.layers[0].self_attn.attention_bias(mask, x.dtype)
+        slot_index = write_slots[:, None].expand_as(write_pos)
 
-        x: [N, D]; rope_pos, slots, write_pos: [N]; attend(layer, q [N, H, hd]) -> [N, H * hd]. Each residual add is
-        fused into the RMSNorm that follows it, the last one into the final norm.
-        """
-        eps = self.cfg.rms_norm_eps
-        cos, sin = rope_table
+        def attention(i: int, attn: DecoderAttention, h: torch.Tensor) -> torch.Tensor:
+            q, k, v = attn.project(h, cos, sin)
+            cache.k[i][slot_index, :, write_pos] = k.transpose(1, 2)
+            cache.v[i][slot_index, :, write_pos] = v.transpose(1, 2)
+            keys, values = read_keys(i)
+            return attn.attend(q, keys, values, bias)
+
+        return attention
+
+
+class FusedLayerOps:
+    """The decoder's per-layer ops on the fused Triton kernels (model/kernels.py): nine launches a layer.
+
+    Tokens are flattened to [N, D]; each residual add is fused into the RMSNorm that follows it (the residual stream
+    is updated in place); attention reads the cache in place. rope_table: `TextDecoder.rope_table`, cos and sin
+    [positions, head_dim] computed as the plain path's rope, so both rotate by identical values.
+    """
+
+    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor]):
+        self.cos, self.sin = rope_table
+
+    def begin(self, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x.contiguous().clone()
-        h = kernels.rms_norm(residual, self.layers[0].input_layernorm.weight, eps)
-        for i, layer in enumerate(self.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            q = kernels.qk_norm_rope_store(attn.qkv_proj(h), attn.q_norm.weight, attn.k_norm.weight, cos, sin,
-                                           rope_pos, slots, write_pos, cache.k[i], cache.v[i],
-                                           attn.num_heads, attn.num_kv_heads, eps)
-            h = kernels.rms_norm(attn.o_proj(attend(i, q)), layer.post_attention_layernorm.weight, eps, residual)
-            following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
-            h = kernels.rms_norm(mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h))), following.weight, eps, residual)
-        return h
+        return kernels.rms_norm(residual, norm.weight, norm.eps), residual
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        return kernels.rms_norm(x, norm.weight, norm.eps, residual), residual
+
+    def mlp(self, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
+        return mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h)))
+
+    def prefill_attention(self, decoder: TextDecoder, x, positions, slots, starts, lengths, write_pos,
+                          cache: KVCache, num_keys: int | None):
+        B, T, _ = x.shape
+        rope_pos = positions.clamp(max=self.cos.shape[0] - 1)  # padded positions may run past the table
+        slot_of = slots[:, None].expand_as(write_pos)
+        attend = lambda i, q: kernels.prefill_attention(q, cache.k[i], cache.v[i], slots, starts, lengths)  # noqa: E731
+        return x.reshape(B * T, -1), self._attention(rope_pos.reshape(-1), slot_of.reshape(-1), write_pos.reshape(-1),
+                                                     attend, cache)
+
+    def decode_attention(self, decoder: TextDecoder, x, positions, pos, slots, write_pos, cache: KVCache):
+        # the kernel reads each row's positions itself: no mask to build
+        attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
+        return x[:, 0], self._attention(pos[:, 0], slots, write_pos[:, 0], attend, cache)
+
+    def _attention(self, rope_pos, slots, write_pos, attend, cache: KVCache):
+        # rope_pos, slots, write_pos: [N]; attend(layer, q [N, H, hd]) -> [N, H * hd]
+        def attention(i: int, attn: DecoderAttention, h: torch.Tensor) -> torch.Tensor:
+            q = kernels.qk_norm_rope_store(attn.qkv_proj(h), attn.q_norm.weight, attn.k_norm.weight, self.cos,
+                                           self.sin, rope_pos, slots, write_pos, cache.k[i], cache.v[i],
+                                           attn.num_heads, attn.num_kv_heads, attn.q_norm.eps)
+            return attend(i, q)
+
+        return attention
+
+
+LayerOps = PlainLayerOps | FusedLayerOps
 
 
 # ----------------------------------------------------------------------------------------------------------------

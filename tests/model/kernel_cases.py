@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from qasr.model import kernels
-from qasr.model.modeling import RMSNorm, rotate_half
+from qasr.model.modeling import FusedLayerOps, PlainLayerOps, RMSNorm, rotate_half
 from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest, Priority
@@ -145,7 +145,7 @@ def engines(tiny_model_dir):
     opts = dict(num_slots=4, max_len=256, num_retained=2)
     fused = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(**opts, fused_kernels=True))
     plain = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(**opts, fused_kernels=False))
-    assert fused.runner.rope_table is not None and plain.runner.rope_table is None
+    assert isinstance(fused.runner.layer_ops, FusedLayerOps) and isinstance(plain.runner.layer_ops, PlainLayerOps)
     return fused, plain
 
 

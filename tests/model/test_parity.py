@@ -35,6 +35,7 @@ except ImportError as error:  # pragma: no cover - depends on the environment
 
 from qasr.model import audio as qaudio  # noqa: E402
 from qasr.model.checkpoint import CheckpointError, load_model, resolve_model_dir  # noqa: E402
+from qasr.model.modeling import PlainLayerOps  # noqa: E402
 from qasr.model.prompt import build_prompt  # noqa: E402
 from qasr.model.tokenizer import OFFICIAL_EOS_IDS, Tokenizer  # noqa: E402
 from qasr.engine.engine import Engine, EngineOptions  # noqa: E402
@@ -243,7 +244,7 @@ def our_prompt_logits(model, tokenizer, wav: np.ndarray, context: str, language:
     cache = model.new_cache(1, T + 1)
     one = lambda value: torch.tensor([value])  # noqa: E731
     with torch.no_grad():
-        hidden = model.decoder.prefill(embeds[None], one(0), one(0), one(T), cache)
+        hidden = model.decoder.prefill(embeds[None], one(0), one(0), one(T), cache, PlainLayerOps())
         return ids, model.decoder.lm_head(hidden)[0]
 
 
