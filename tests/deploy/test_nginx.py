@@ -3,8 +3,8 @@
 Streams go through nginx with qasr.client; one replica is sent SIGTERM mid-stream. What must hold: least_conn puts
 the streams evenly on the replicas; the drained replica's streams get the finals of every segment that ended
 before the drain and of the segment still open (the drain), then close with 1001; their clients reconnect through
-nginx, which skips the draining replica (passive health: its listening socket is closed) and lands them on the
-other one; no segment's final is lost or repeated; the other replica's streams never notice.
+nginx, which skips the draining replica (passive health: it answers the upgrade with 503, which nginx retries) and
+lands them on the other one; no segment's final is lost or repeated; the other replica's streams never notice.
 """
 
 from __future__ import annotations
