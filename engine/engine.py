@@ -26,6 +26,7 @@ from qasr.model.quantize import quantize_decoder_int8
 from qasr.model.tokenizer import Tokenizer
 
 from . import postprocess, prompting
+from .aligner_runner import AlignerRunner
 from .options import EngineOptions, display_name
 from .request import DecodeRequest, DecodeResult, EngineClosed, Priority
 from .runner import ModelRunner
@@ -41,7 +42,9 @@ log = logging.getLogger(__name__)
 class Engine:
     """Synchronous core. `add()` and `release_stream()` are thread-safe; `step()` must be called from one thread."""
 
-    def __init__(self, model: Qwen3ASR, tokenizer: Tokenizer, options: EngineOptions = EngineOptions(), name: str = ""):
+    def __init__(self, model: Qwen3ASR, tokenizer: Tokenizer, options: EngineOptions = EngineOptions(), name: str = "",
+                 aligner=None):
+        """aligner: a qasr.model.aligner.ForcedAligner on the model's device, for finals that ask for word times."""
         self.model = model  # for building other engines on the same weights: only the runner calls it
         self.tokenizer, self.options = tokenizer, options
         self.model_name = name
@@ -56,6 +59,8 @@ class Engine:
             fused_kernels=options.fused_kernels,
         )
         self.scheduler = Scheduler(options.num_slots)
+        self.aligner = AlignerRunner(aligner, max_batch=options.aligner_max_batch) if aligner is not None else None
+        self._last_alignment = -math.inf
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
         self._lock = threading.Lock()  # guards the stream cache's release from other threads
         self._released: list[str] = []
@@ -71,7 +76,7 @@ class Engine:
         # wait for the GPU), the host's per-row work after each step, and (AsyncEngine) waiting for work. Their
         # rates under load say whether the GPU, the engine's Python or something outside it (the event loop) bounds
         # a server.
-        self.seconds = {"admit": 0.0, "decode_gpu": 0.0, "decode_host": 0.0, "idle": 0.0}
+        self.seconds = {"admit": 0.0, "decode_gpu": 0.0, "decode_host": 0.0, "align": 0.0, "idle": 0.0}
         self.thread_cpu_seconds = 0.0  # CPU the engine thread used (AsyncEngine): near its busy wall time means the
         # thread runs Python, not waits on the GPU
 
@@ -81,7 +86,12 @@ class Engine:
         qwen = load_model(model_dir, device=device, dtype=dtype)
         if options.quantize == "int8":
             quantize_decoder_int8(qwen)
-        return cls(qwen, Tokenizer.from_pretrained(model_dir), options, name=display_name(model))
+        aligner = None
+        if options.aligner is not None:
+            from qasr.model.aligner import ForcedAligner
+
+            aligner = ForcedAligner.from_pretrained(options.aligner, device=qwen.device, dtype=qwen.dtype)
+        return cls(qwen, Tokenizer.from_pretrained(model_dir), options, name=display_name(model), aligner=aligner)
 
     # -- submitting ------------------------------------------------------------------------------------------------
 
@@ -90,11 +100,20 @@ class Engine:
         seq = Sequence(request, on_done)
         try:
             prompting.validate(request, self.options)
+            self._check_words(request)
         except ValueError as e:
             seq.finish(e)
             return seq
         self.scheduler.add(seq)
         return seq
+
+    def _check_words(self, request: DecodeRequest) -> None:
+        if not request.words:
+            return
+        if self.aligner is None:
+            raise ValueError("word times need a forced aligner and this engine has none (qasr-server --aligner)")
+        if request.priority is not Priority.FINAL:
+            raise ValueError("word times are given on finals only, not on partials")
 
     def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
         prompting.check_context(self.tokenizer, self.options, context, language=language,
@@ -108,7 +127,7 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.running) or len(self.scheduler) > 0
+        return bool(self.scheduler.running) or len(self.scheduler) > 0 or self._num_parked() > 0
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -121,11 +140,26 @@ class Engine:
             self.seconds["admit"] += self._last_admission - start
         if self.scheduler.running:
             self._decode()
+        if self._num_parked() and self._alignment_due():
+            start = time.perf_counter()
+            self.aligner.run()
+            self._last_alignment = time.perf_counter()
+            self.seconds["align"] += self._last_alignment - start
 
     def _admission_due(self) -> bool:
         """Admit at once when nothing decodes; otherwise batch arrivals into one admission per interval of decoding."""
         interval = self.options.admission_interval_ms / 1e3
         return not self.scheduler.running or time.perf_counter() - self._last_admission >= interval
+
+    def _num_parked(self) -> int:
+        """Decoded finals waiting for their word times."""
+        return len(self.aligner) if self.aligner is not None else 0
+
+    def _alignment_due(self) -> bool:
+        """As admissions: at once when nothing decodes; otherwise the finals that stopped during one interval of
+        decoding share a forward (finals that did not ask for words never wait for it)."""
+        interval = self.options.admission_interval_ms / 1e3
+        return not self.scheduler.running or time.perf_counter() - self._last_alignment >= interval
 
     def run_until_done(self) -> None:
         while self.has_work():
@@ -151,6 +185,8 @@ class Engine:
             "steps": self.steps,
             "batch_sizes": list(self.recent_batch_sizes),
             "counters": dict(self.counters),
+            **({"aligner": {"parked": len(self.aligner), "batches": self.aligner.num_batches,
+                            "rows": self.aligner.num_rows}} if self.aligner is not None else {}),
             "seconds": dict(self.seconds),
             "thread_cpu_seconds": self.thread_cpu_seconds,
         }
@@ -317,7 +353,11 @@ class Engine:
             state = self.streams.peek(seq.stream_id)  # None once released: a late partial does not bring it back
             if state is not None:
                 state.answer_ids = postprocess.answer_ids(seq)
-        seq.finish(postprocess.result_of(seq, self.tokenizer, reason))
+        result = postprocess.result_of(seq, self.tokenizer, reason)
+        if seq.request.words:
+            self.aligner.park(seq, result)  # finished once its word times are known
+        else:
+            seq.finish(result)
 
     def _drop_cancelled(self) -> None:
         dropped = self.scheduler.drop_cancelled()
@@ -335,6 +375,8 @@ class Engine:
         running = list(self.scheduler.running)
         for seq in self.scheduler.drain():
             seq.finish(error)
+        if self.aligner is not None:
+            self.aligner.fail_all(error)
         self.runner.stop_rows(running)
 
 

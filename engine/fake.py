@@ -10,13 +10,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
-from .request import DecodeRequest, DecodeResult, EngineClosed, Priority, Superseded
+from .request import DecodeRequest, DecodeResult, EngineClosed, Priority, Superseded, WordTime
 
 SAMPLE_RATE = 16000  # Hz of DecodeRequest.audio
 
 
 def describe_audio(request: DecodeRequest) -> str:
     return f"{len(request.audio) / SAMPLE_RATE:.2f}s"
+
+
+def spread_words(request: DecodeRequest, text: str) -> tuple[WordTime, ...]:
+    """The fake's word times: the text's words one after another over the clip, in equal shares (clip-relative)."""
+    words = text.split()
+    share = len(request.audio) / SAMPLE_RATE / max(1, len(words))
+    return tuple(WordTime(word, round(i * share, 3), round((i + 1) * share, 3)) for i, word in enumerate(words))
 
 
 @dataclasses.dataclass
@@ -145,7 +152,7 @@ class FakeEngine:
         text = describe_audio(request) if text is None else text
         return DecodeResult(text=text, language="English", raw_text=f"language English<asr_text>{text}",
                             token_ids=tuple(range(len(text))), finish_reason="eos", num_audio_tokens=0,
-                            timings=FAKE_TIMINGS_MS)
+                            timings=FAKE_TIMINGS_MS, words=spread_words(request, text) if request.words else None)
 
     # -- manual mode -----------------------------------------------------------------------------------------
 

@@ -27,10 +27,14 @@ class EngineOptions:
     quantize: str | None = None  # "int8": weight-only int8 decoder projections (opt-in; see model/quantize.py)
     rollback_tokens: int = 5  # a partial continues its stream's previous partial minus this many last tokens (the
     # least settled ones, re-decoded); 0: partials decode from the audio alone
+    aligner: str | None = None  # a Qwen3-ForcedAligner checkpoint (directory or Hugging Face id), loaded beside the
+    # model on its device: finals that ask get word times (qasr.engine.aligner_runner); None: no word times
+    aligner_max_batch: int = 32  # finals aligned in one aligner forward at most
 
     def __post_init__(self):
         if (self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1
-                or self.admission_interval_ms < 0 or self.rollback_tokens < 0):
+                or self.admission_interval_ms < 0 or self.rollback_tokens < 0
+                or self.aligner_max_batch < 1):
             raise ValueError(f"invalid engine options: {self}")
         if self.quantize not in (None, "int8"):
             raise ValueError(f"quantize must be None or 'int8', got {self.quantize!r}")

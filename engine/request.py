@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,6 +28,14 @@ class EngineClosed(Exception):
     """The engine is shutting down (or failed) and takes no more work."""
 
 
+class WordTime(NamedTuple):
+    """One aligned word: seconds from the start of the clip, to the ms (the aligner's own type, torch-free here)."""
+
+    word: str
+    start: float
+    end: float
+
+
 @dataclass(frozen=True, eq=False)
 class DecodeRequest:
     audio: np.ndarray  # float32, 16 kHz mono: the whole segment (so far, for a partial)
@@ -37,6 +46,8 @@ class DecodeRequest:
     # queued PARTIAL of the same stream supersedes an older queued one, and a PARTIAL continues the stream's previous
     # partial (its answer minus the engine's rollback_tokens, as given tokens). Finals never do.
     max_new_tokens: int | None = None  # None: the engine's budget for this audio length
+    words: bool = False  # FINAL only, on an engine with an aligner: word times on the result (aligned after the
+    # decode, in one batch with the other finals that asked; finals that did not ask never wait for it)
 
 
 @dataclass(frozen=True)
@@ -47,4 +58,8 @@ class DecodeResult:
     token_ids: tuple[int, ...]  # generated tokens (without the prompt or the given prefix, without EOS)
     finish_reason: str  # "eos" | "length" | "repetition"
     num_audio_tokens: int
-    timings: dict[str, float] = field(default_factory=dict)  # queue_ms, encode_ms, prefill_ms, decode_ms
+    timings: dict[str, float] = field(default_factory=dict)  # queue_ms, encode_ms, prefill_ms, decode_ms (align_ms)
+    words: tuple[WordTime, ...] | None = None  # asked for words: (word, start, end) in seconds from the start of
+    # the request's audio (the caller offsets them to its own timeline); None when not asked
+    words_reason: str | None = None  # asked for words and got none: why (a language the aligner does not support,
+    # no words in the text, the aligner failed)

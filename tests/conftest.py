@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from qasr.model.testmodel import make_test_model
+from qasr.model.testmodel import make_test_aligner, make_test_model
 
 TESTS_DIR = Path(__file__).resolve().parent
 if str(TESTS_DIR) not in sys.path:
@@ -37,3 +37,9 @@ def tiny_model_dir_sharded(tmp_path_factory) -> Path:
     return make_test_model(
         tmp_path_factory.mktemp("tiny-sharded"), layout="original", size="tiny", seed=TINY_SEED, num_shards=3
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_aligner_dir(tmp_path_factory) -> Path:
+    """Tiny random forced aligner (original layout), with the tiny model's tokenizer plus <timestamp>."""
+    return make_test_aligner(tmp_path_factory.mktemp("tiny-aligner"), layout="original", seed=TINY_SEED)

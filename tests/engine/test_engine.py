@@ -71,7 +71,7 @@ def test_stats_say_where_the_engine_threads_time_went(tiny_model_dir, alone):
     clips, budgets, _ = alone
     engine = make_engine(tiny_model_dir)
     before = engine.stats()["seconds"]
-    assert set(before) == {"admit", "decode_gpu", "decode_host", "idle"} and not any(before.values())
+    assert set(before) == {"admit", "decode_gpu", "decode_host", "align", "idle"} and not any(before.values())
     engine.transcribe([DecodeRequest(audio=c, max_new_tokens=b) for c, b in zip(clips[:3], budgets[:3])])
     seconds = engine.stats()["seconds"]
     assert seconds["admit"] > 0 and seconds["decode_gpu"] > 0 and seconds["decode_host"] > 0

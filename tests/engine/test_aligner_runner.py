@@ -1,0 +1,133 @@
+"""Word times in the engine (qasr.engine.aligner_runner) on the CPU: a tiny ASR model and a tiny random aligner.
+
+Finals that ask are aligned after their decode, many per aligner forward; finals that do not ask are handed out as
+before, never waiting for the aligner; partials never get words."""
+
+import asyncio
+
+import pytest
+
+from qasr.engine.aligner_runner import FAILED_REASON
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.request import DecodeRequest, Priority
+from qasr.model.aligner import ForcedAligner
+
+from test_engine import SR, assert_idle, make_engine, speech
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir, tiny_aligner_dir) -> Engine:
+    return make_engine(tiny_model_dir, aligner=str(tiny_aligner_dir))
+
+
+@pytest.fixture(scope="module")
+def aligner(tiny_aligner_dir) -> ForcedAligner:
+    return ForcedAligner.from_pretrained(tiny_aligner_dir)
+
+
+def final(clip, *, words=True, language="English", budget=10) -> DecodeRequest:
+    return DecodeRequest(audio=clip, language=language, max_new_tokens=budget, words=words)
+
+
+def assert_word_times(words, clip):
+    assert words, "expected word times"
+    seconds = len(clip) / SR
+    assert all(0 <= w.start <= w.end <= seconds for w in words)
+    assert all(a.start <= b.start and a.end <= b.end for a, b in zip(words, words[1:]))  # monotonic
+
+
+def test_a_final_that_asks_gets_the_aligners_word_times_for_its_text(engine, aligner):
+    clips = [speech(s, seed=10 + i) for i, s in enumerate([1.2, 2.6, 4.1])]
+    results = engine.transcribe([final(c) for c in clips])
+    for clip, result in zip(clips, results):
+        assert result.words_reason is None and result.timings["align_ms"] >= 0
+        assert [w.word for w in result.words] == result.text.split()  # the tiny model's words are whitespace words
+        assert_word_times(result.words, clip)
+        expected = aligner.align([clip], [result.text], "English")[0].words
+        seconds = len(clip) / SR
+        assert [(w.start, w.end) for w in result.words] == [(min(w.start, seconds), min(w.end, seconds))
+                                                            for w in expected]  # clamped to the clip
+    assert_idle(engine)
+    assert not len(engine.aligner)
+
+
+def test_finals_without_words_are_unchanged_and_never_wait_for_the_aligner(tiny_model_dir, engine):
+    clips = [speech(s, seed=20 + i) for i, s in enumerate([1.5, 2.2, 3.0, 0.8])]
+    plain = make_engine(tiny_model_dir).transcribe([final(c, words=False) for c in clips])
+    done = {}
+    delivered_when_aligning = []
+    run = engine.aligner.run
+
+    def watched_run():
+        delivered_when_aligning.append(set(done))
+        return run()
+
+    engine.aligner.run = watched_run
+    batches = engine.aligner.num_batches
+    try:
+        for i, clip in enumerate(clips):  # the same budgets: all four stop in the same step
+            engine.add(final(clip, words=i % 2 == 0), lambda r, i=i: done.__setitem__(i, r))
+        engine.run_until_done()
+    finally:
+        engine.aligner.run = run
+    assert engine.aligner.num_batches == batches + 1  # both finals with words in one forward
+    assert delivered_when_aligning == [{1, 3}]  # those without words were out before the aligner ran
+    for i, clip in enumerate(clips):
+        assert done[i].token_ids == plain[i].token_ids  # aligning changes nothing of the decode
+        if i % 2:
+            assert done[i].words is None and done[i].words_reason is None and "align_ms" not in done[i].timings
+        else:
+            assert_word_times(done[i].words, clip)
+
+
+def test_a_language_the_aligner_does_not_support_gives_a_reason_not_an_error(engine):
+    result = engine.transcribe([final(speech(1.5, seed=30), language="Arabic")])[0]
+    assert result.text and result.words == ()
+    assert "does not support Arabic" in result.words_reason
+
+
+def test_partials_and_engines_without_an_aligner_refuse_words(tiny_model_dir, engine):
+    clip = speech(1.0, seed=31)
+    partial = DecodeRequest(audio=clip, priority=Priority.PARTIAL, stream_id="s/0", words=True)
+    with pytest.raises(ValueError, match="finals only"):
+        engine.transcribe([partial])
+    with pytest.raises(ValueError, match="aligner"):
+        make_engine(tiny_model_dir).transcribe([final(clip)])
+
+
+def test_a_failing_aligner_still_delivers_the_final_with_a_reason(engine, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("device error")
+
+    monkeypatch.setattr(engine.aligner.aligner, "align", broken)
+    result = engine.transcribe([final(speech(1.0, seed=32))])[0]
+    assert result.text and result.words == () and result.words_reason == FAILED_REASON
+
+
+def test_a_final_cancelled_while_waiting_for_its_words_is_dropped(engine, monkeypatch):
+    outcomes = []
+    park = engine.aligner.park
+
+    def park_then_cancel(seq, result):  # the client goes away between the decode and the alignment
+        park(seq, result)
+        seq.cancelled = True
+
+    monkeypatch.setattr(engine.aligner, "park", park_then_cancel)
+    rows = engine.aligner.num_rows
+    engine.add(final(speech(1.0, seed=33), budget=3), outcomes.append)
+    engine.run_until_done()
+    assert len(outcomes) == 1 and isinstance(outcomes[0], asyncio.CancelledError)
+    assert engine.aligner.num_rows == rows and not len(engine.aligner)  # not aligned
+
+
+def test_stats_count_aligner_batches(engine):
+    before = engine.stats()["aligner"]
+    engine.transcribe([final(speech(1.0, seed=34)), final(speech(1.3, seed=35))])
+    after = engine.stats()["aligner"]
+    assert after["parked"] == 0 and after["rows"] == before["rows"] + 2
+    assert engine.stats()["seconds"]["align"] > 0
+
+
+def test_aligner_options_are_validated():
+    with pytest.raises(ValueError):
+        EngineOptions(aligner_max_batch=0)
