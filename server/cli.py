@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", required=True,
                         help="checkpoint directory (e.g. from qasr-make-test-model) or Hugging Face id "
                              "(e.g. Qwen/Qwen3-ASR-0.6B)")
+    parser.add_argument("--aligner", default=None, metavar="DIR_OR_ID",
+                        help="a Qwen3-ForcedAligner checkpoint (e.g. Qwen/Qwen3-ForcedAligner-0.6B), loaded beside the "
+                             "model: streams that ask get word times on their finals (without it they are refused)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     parser.add_argument("--port", type=int, default=8765, help="port to listen on (0: any free port)")
     parser.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:N")
@@ -118,7 +121,7 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     limits = ServerLimits(max_sessions=args.max_sessions, max_message_bytes=args.max_message_bytes,
                           idle_timeout_s=args.idle_timeout_s, drain_timeout_s=args.drain_timeout_s)
     # --max-segment-s is both the default and the limit; the stream settings validate the flags once
-    stream_limits = StreamLimits(max_segment_s=args.max_segment_s)
+    stream_limits = StreamLimits(max_segment_s=args.max_segment_s, word_times=args.aligner is not None)
     defaults = StreamSettings(partial_interval_ms=args.partial_interval_ms,
                               vad=VadSettings(aggressiveness=args.vad_aggressiveness,
                                               end_silence_ms=args.end_silence_ms, max_segment_s=args.max_segment_s))
@@ -145,7 +148,7 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
                             quantize=args.quantize, base_tokens=args.base_tokens,
                             tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
                             admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
-                            max_audio_seconds=max(60.0, args.max_segment_s + 5))
+                            max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner)
     server = QasrServer(None, config)
     try:
         await server.start()

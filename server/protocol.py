@@ -30,13 +30,14 @@ from qasr.streaming.settings import SettingsError, StreamLimits, StreamSettings
 
 FORMATS = ("json", "msgpack")  # how server events are framed: JSON text frames or msgpack binary frames
 START_FIELDS = {"type", "sample_rate", "encoding", "channels", "multichannel", "language", "context", "format",
-                "partials", "partial_interval_ms", "vad"}
+                "partials", "partial_interval_ms", "vad", "words"}
 VAD_FIELDS = {"aggressiveness", "end_silence_ms", "pre_roll_ms", "max_segment_s"}
 # the wire type of each `start` field that maps onto StreamSettings (VadSettings for vad.*)
 FIELD_TYPES = {"sample_rate": int, "encoding": str, "channels": int, "multichannel": bool, "context": str,
-               "partials": bool, "partial_interval_ms": int}
+               "partials": bool, "partial_interval_ms": int, "words": bool}
 VAD_FIELD_TYPES = {"aggressiveness": int, "end_silence_ms": int, "pre_roll_ms": int, "max_segment_s": float}
-UNSUPPORTED_FIELDS = {"sample_rate", "encoding", "channels"}  # a value we cannot take closes 1003, others 1007
+# a value this server cannot take closes 1003 ("unsupported"; "words" without --aligner too), others 1007
+UNSUPPORTED_FIELDS = {"sample_rate", "encoding", "channels", "words"}
 
 
 class State(enum.Enum):
@@ -163,16 +164,20 @@ class NativeProtocol:
                                                              "language", "context")}
         config["format"] = self.format
         config.update(partials=settings.partials, partial_interval_ms=settings.partial_interval_ms,
-                      vad=dataclasses.asdict(settings.vad))
+                      vad=dataclasses.asdict(settings.vad), words=settings.words)
         return config
 
 
 def event_to_dict(event: events.ServerEvent) -> dict:
     """{"type": ..., fields...}: the wire shape of a server event, the same for JSON and msgpack. `channel` only on
-    the events of multichannel streams."""
+    the events of multichannel streams; a final's `words` only on streams that asked for them, `words_reason` only
+    when they asked and there are none."""
     payload = {"type": event.TYPE, **dataclasses.asdict(event)}
-    if payload.get("channel", 0) is None:
-        del payload["channel"]
+    for optional in ("channel", "words", "words_reason"):
+        if optional in payload and payload[optional] is None:
+            del payload[optional]
+    if "words" in payload:
+        payload["words"] = list(payload["words"])  # [{"word", "start", "end"}, ...]
     return payload
 
 

@@ -84,7 +84,7 @@ class StreamRunner:
         if isinstance(action, Decode):
             request = DecodeRequest(audio=action.audio, context=action.context, language=action.language,
                                     priority=Priority.PARTIAL if action.partial else Priority.FINAL,
-                                    stream_id=action.stream_id)
+                                    stream_id=action.stream_id, words=action.words)
             self._tasks[action.request_id] = asyncio.get_running_loop().create_task(
                 self._decode(action.request_id, request))
         elif isinstance(action, Cancel):

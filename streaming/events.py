@@ -57,6 +57,15 @@ class Partial:
 
 
 @dataclass(frozen=True)
+class Word:
+    """One word of a final, timed by the forced aligner: seconds from the start of the stream."""
+
+    word: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
 class Final:
     TYPE: ClassVar[str] = "final"
     segment_id: int
@@ -67,6 +76,10 @@ class Final:
     reason: str  # why the segment closed: "silence", "max_length", "flush", "end", ...
     latency_ms: float  # from the decision that the segment ended to this event being handed out
     channel: int | None = None  # multichannel streams: whose segment
+    words: tuple[Word, ...] | None = None  # streams that asked for word times (StreamSettings.words): the words in
+    # order, inside [start, end]; None on every other stream (the wire then has no `words`)
+    words_reason: str | None = None  # asked for words and there are none: why (e.g. a language the aligner does not
+    # support, a segment without words)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ class Decode:
     partial: bool  # a hypothesis while the segment grows (the engine may supersede it) or the segment's final
     context: str
     language: str | None
+    words: bool = False  # a final of a stream that asked for word times (the result's are clip-relative)
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,8 @@ class _ClosedSegment:
     decided_at: float  # clock() when the segment's end was decided
     result: tuple[str, str] | None = None  # (text, language) once the final decode is over
     error: events.Error | None = None  # set when the decode failed (the final then has empty text)
+    words: tuple[events.Word, ...] | None = None  # stream time; only when the stream asked for words
+    words_reason: str | None = None
 
 
 class Session:
@@ -271,7 +274,7 @@ class Session:
             self._actions.append(Cancel(self._partial.request_id))  # the final supersedes it
             self._partial = None
         self._emit(events.SpeechEnded(segment.segment_id, event.end_sample / SAMPLE_RATE))
-        request = self._decode(segment.stream_id, event.audio, partial=False)
+        request = self._decode(segment.stream_id, event.audio, partial=False, words=self.settings.words)
         self._closing.append(_ClosedSegment(segment.segment_id, segment.start, event.end_sample, reason,
                                             segment.stream_id, request.request_id, decided_at=self._clock()))
 
@@ -311,6 +314,8 @@ class Session:
                                                          "its final has empty text")
         else:
             closed.result = (result.text, result.language)
+        if self.settings.words:
+            closed.words, closed.words_reason = _stream_words(closed, result)
         self._release(closed.stream_id)
         self._emit_ready_finals()
 
@@ -326,16 +331,17 @@ class Session:
             self.speech_samples += closed.end - closed.start
             self._observer.final_sent(latency_s)
             self._emit(events.Final(closed.segment_id, text, language, closed.start / SAMPLE_RATE,
-                                    closed.end / SAMPLE_RATE, closed.reason, round(latency_s * 1000.0, 3)))
+                                    closed.end / SAMPLE_RATE, closed.reason, round(latency_s * 1000.0, 3),
+                                    words=closed.words, words_reason=closed.words_reason))
         if self._ended and not self._closing and not self._summarised:
             self._summarised = True
             self._emit(self.summary())
 
     # -- helpers -------------------------------------------------------------------------------------------------
 
-    def _decode(self, stream_id: str, audio: np.ndarray, *, partial: bool) -> Decode:
+    def _decode(self, stream_id: str, audio: np.ndarray, *, partial: bool, words: bool = False) -> Decode:
         request = Decode(next(self._request_ids), stream_id, audio, partial, self.settings.context,
-                         self.settings.language)
+                         self.settings.language, words)
         self._streams_in_engine.add(stream_id)  # released after its final, or by abort()
         self._actions.append(request)
         return request
@@ -356,3 +362,19 @@ class Session:
             self._outbox.append(event)
         if isinstance(event, events.Final):
             self._untaken_finals += 1
+
+
+def _stream_words(closed: _ClosedSegment, result) -> tuple[tuple[events.Word, ...], str | None]:
+    """A final's word times in stream time (the engine's are from the start of the segment's audio), or why none."""
+    if closed.error is not None:
+        return (), "the segment could not be transcribed"
+    words = getattr(result, "words", None)
+    if words is None:
+        return (), getattr(result, "words_reason", None) or "the engine gave no word times"
+    offset, first, last = closed.start / SAMPLE_RATE, closed.start / SAMPLE_RATE, closed.end / SAMPLE_RATE
+
+    def at(seconds: float) -> float:  # to the ms, and never outside the segment for the rounding
+        return min(max(round(offset + seconds, 3), first), last)
+
+    timed = tuple(events.Word(word, at(start), at(end)) for word, start, end in words)
+    return timed, (None if timed else result.words_reason)

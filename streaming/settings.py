@@ -129,6 +129,7 @@ class StreamLimits:
             "partial_interval_ms": [self.min_partial_interval_ms, self.max_partial_interval_ms],
             "max_context_chars": self.max_context_chars,
             "max_segment_s": self.max_segment_s,
+            "words": self.word_times,
         }
 
 

@@ -38,12 +38,14 @@ def test_a_full_start_is_taken_as_given_and_the_language_normalised():
     message = {"type": "start", "sample_rate": 48000, "encoding": "f32le", "channels": 2, "multichannel": True,
                "language": "english",
                "context": "Names: Qasr", "format": "msgpack", "partials": False, "partial_interval_ms": 500,
-               "vad": {"aggressiveness": 3, "end_silence_ms": 300, "pre_roll_ms": 0, "max_segment_s": 12}}
-    protocol = NativeProtocol()
+               "vad": {"aggressiveness": 3, "end_silence_ms": 300, "pre_roll_ms": 0, "max_segment_s": 12},
+               "words": True}
+    protocol = NativeProtocol(stream_limits=StreamLimits(word_times=True))
     [start] = protocol.receive(json.dumps(message))
     assert start.settings == StreamSettings(48000, "f32le", 2, multichannel=True, language="English",
                                             context="Names: Qasr",
-                                            partials=False, partial_interval_ms=500, vad=VadSettings(3, 300, 0, 12.0))
+                                            partials=False, partial_interval_ms=500, vad=VadSettings(3, 300, 0, 12.0),
+                                            words=True)
     assert protocol.format == "msgpack"
     assert protocol.config() == {key: value for key, value in message.items() if key != "type"} | {
         "language": "English", "vad": {"aggressiveness": 3, "end_silence_ms": 300, "pre_roll_ms": 0,
@@ -248,12 +250,12 @@ def test_ready_carries_the_limits_and_the_streams_config_and_speech_ended_sends_
     ready = json.loads(frame)
     assert ready["limits"] == {"max_message_bytes": 4096, "idle_timeout_s": 30.0, "sample_rates": [8000, 192000],
                                "max_channels": 8, "partial_interval_ms": [200, 10000], "max_context_chars": 2000,
-                               "max_segment_s": 30.0}
+                               "max_segment_s": 30.0, "words": False}
     assert ready["config"] == {"sample_rate": 48000, "encoding": "s16le", "channels": 1, "multichannel": False,
                                "language": None,
                                "context": "", "format": "json", "partials": True, "partial_interval_ms": 1000,
                                "vad": {"aggressiveness": 2, "end_silence_ms": 500, "pre_roll_ms": 0,
-                                       "max_segment_s": 30.0}}
+                                       "max_segment_s": 30.0}, "words": False}
     assert protocol.encode(events.SpeechEnded(0, 1.5)) == []
     assert protocol.greeting() == []
 
@@ -269,3 +271,38 @@ def test_events_serialise_to_msgpack_binary_frames_when_asked():
 def test_errors_before_a_start_are_json_even_for_msgpack_clients():
     [frame] = NativeProtocol().encode(events.Error("server_full", "try later", True))
     assert isinstance(frame, str)
+
+
+# -- word times (#17) ----------------------------------------------------------------------------------------------
+
+def test_words_on_a_server_without_an_aligner_are_refused_with_1003_saying_why():
+    with pytest.raises(UnsupportedFormat, match="no aligner loaded") as caught:
+        NativeProtocol().receive('{"type": "start", "words": true}')
+    assert caught.value.close_code == 1003 and caught.value.error_code == "unsupported"
+    with pytest.raises(MalformedMessage, match="words must be true or false"):
+        NativeProtocol(stream_limits=StreamLimits(word_times=True)).receive('{"type": "start", "words": "yes"}')
+
+
+def test_ready_says_whether_word_times_are_available_and_what_the_stream_asked():
+    for available in (False, True):
+        protocol = NativeProtocol(stream_limits=StreamLimits(word_times=available))
+        protocol.receive(json.dumps({"type": "start", "words": available}))
+        [frame] = protocol.encode(events.Ready("s", "m", 16000, 16000))
+        ready = json.loads(frame)
+        assert ready["limits"]["words"] is available and ready["config"]["words"] is available
+
+
+def test_a_final_carries_words_only_when_the_stream_asked():
+    plain = events.Final(0, "hi there", "English", 1.0, 2.0, "silence", 5.0)
+    assert "words" not in event_to_dict(plain) and "words_reason" not in event_to_dict(plain)
+    timed = events.Final(0, "hi there", "English", 1.0, 2.0, "silence", 5.0,
+                         words=(events.Word("hi", 1.1, 1.3), events.Word("there", 1.4, 1.9)))
+    assert event_to_dict(timed)["words"] == [{"word": "hi", "start": 1.1, "end": 1.3},
+                                             {"word": "there", "start": 1.4, "end": 1.9}]
+    assert "words_reason" not in event_to_dict(timed)
+    none = events.Final(0, "marhaba", "Arabic", 1.0, 2.0, "silence", 5.0, words=(),
+                        words_reason="the aligner does not support Arabic")
+    assert event_to_dict(none)["words"] == [] and "Arabic" in event_to_dict(none)["words_reason"]
+    protocol = NativeProtocol(stream_limits=StreamLimits(word_times=True))
+    protocol.receive('{"type": "start", "words": true, "format": "msgpack"}')
+    assert msgpack.unpackb(protocol.encode(timed)[0])["words"][1] == {"word": "there", "start": 1.4, "end": 1.9}
