@@ -8,17 +8,14 @@
 Audio longer than `max_piece_seconds` (30 s) is cut at its quietest points (`split_long_audio`); the pieces of all
 inputs are decoded together in one engine run and joined back per input: texts with a space between pieces of
 space-separated scripts and nothing where either side is CJK/Thai-like (see `join_texts`), languages merged like the
-official `merge_languages` ("Chinese,English").
+official `merge_languages` ("Chinese,English"). The `qasr-transcribe` command is engine/transcribe_cli.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import NamedTuple, Sequence, Union
 
 import numpy as np
@@ -29,10 +26,10 @@ from qasr.model.prompt import normalize_language
 
 from .engine import Engine, EngineOptions
 from .request import DecodeRequest
+from .transcribe_cli import DEFAULT_MODEL
 
 AudioInput = Union[str, os.PathLike, np.ndarray, tuple]  # a path, 16 kHz float samples, or (samples, sample_rate)
 
-DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 MIN_PIECE_SECONDS = 0.5  # shorter pieces are zero-padded to this (the official toolkit pads its split tails so)
 
 
@@ -217,7 +214,7 @@ class Transcriber:
         language = normalize_language(language) if language is not None and str(language).strip() else None
         pieces = [piece for i, clip in enumerate(clips) for piece in self._pieces(i, clip)]
         results: list = [None] * len(pieces)
-        bar, own_bar = _progress_bar(progress, total=sum(len(c) for c in clips) / qaudio.SAMPLE_RATE)
+        bar, own_bar = progress_bar(progress, total=sum(len(c) for c in clips) / qaudio.SAMPLE_RATE)
 
         def finished(k: int, result) -> None:
             results[k] = result
@@ -266,7 +263,7 @@ class Transcriber:
         )
 
 
-def _progress_bar(progress, total: float):
+def progress_bar(progress, total: float):
     """(bar or None, whether we own it and must close it)."""
     if progress is None or progress is False:
         return None, False
@@ -276,160 +273,3 @@ def _progress_bar(progress, total: float):
         layout = "{desc}: {percentage:3.0f}%|{bar}| {n:.0f}/{total:.0f} s audio [{elapsed}<{remaining}]"
         return tqdm(total=round(total, 2), unit="s", desc="transcribing", file=sys.stderr, bar_format=layout), True
     return progress, False
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# qasr-transcribe
-
-
-PROGRESS_MIN_FILES = 4  # with a TTY on stderr, show the bar for this many files or more ...
-PROGRESS_MIN_SECONDS = 60.0  # ... or this much audio
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="qasr-transcribe",
-        description="Transcribe audio files with a Qwen3-ASR model. Prints `FILE: text` per file, or JSON lines.",
-    )
-    parser.add_argument("files", nargs="+", metavar="FILE", help="audio files (wav, flac, ogg, mp3, ...; any rate)")
-    parser.add_argument("--model", default=DEFAULT_MODEL,
-                        help=f"checkpoint directory or Hugging Face id (default: {DEFAULT_MODEL})")
-    parser.add_argument("--language", default=None, help="force the language (e.g. English); default: detect")
-    parser.add_argument("--context", default="", help="context text for the prompt (names, terms, topic)")
-    parser.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu, cuda, cuda:1, ...")
-    parser.add_argument("--dtype", default="auto", help="auto (bf16 on a GPU, fp32 on the CPU), float32, bfloat16, ...")
-    parser.add_argument("--batch-size", type=int, default=32, help="pieces decoded together (default: 32)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="token limit per 30 s piece (default: ample for the piece's length)")
-    parser.add_argument("--json", action="store_true",
-                        help="one JSON object per file: file, text, language, duration, segments (or file, error)")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                        help="progress bar on stderr (default: on for many or long files when stderr is a terminal)")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.batch_size < 1:
-        return _fail(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.max_new_tokens is not None and args.max_new_tokens < 1:
-        return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    from qasr.model.prompt import UnsupportedLanguageError
-
-    try:
-        if args.language is not None and args.language.strip():
-            args.language = normalize_language(args.language)
-    except UnsupportedLanguageError as error:
-        return _fail(str(error))
-
-    present = [file for file in args.files if Path(file).is_file()]
-    if not present:  # nothing to do: say why per file, without loading the model
-        for file in args.files:
-            reason = "expected an audio file, got a directory" if Path(file).exists() else "audio file not found"
-            _report(args, file, AudioError(f"{reason}: {file}"))
-        return 1
-
-    from qasr.model.checkpoint import CheckpointError
-
-    try:
-        transcriber = Transcriber.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                                  max_batch=args.batch_size, max_new_tokens=args.max_new_tokens)
-    except (CheckpointError, ValueError, OSError) as error:
-        return _fail(f"cannot load model {args.model}: {error}")
-
-    bar = _cli_progress_bar(args.progress, len(present), sum(_duration_hint(file) for file in present))
-    try:
-        failed = _transcribe_files(args, transcriber, bar)
-    except KeyboardInterrupt:
-        _close(bar)
-        print("qasr-transcribe: interrupted", file=sys.stderr)
-        return 130
-    except ValueError as error:  # e.g. a context too long for the engine: the same for every file
-        _close(bar)
-        return _fail(str(error))
-    _close(bar)
-    if failed:
-        print(f"qasr-transcribe: {failed} of {len(args.files)} file(s) failed", file=sys.stderr)
-    return 1 if failed else 0
-
-
-def _transcribe_files(args, transcriber: Transcriber, bar) -> int:
-    """Transcribe and print args.files in order, a batch's worth of files at a time (memory stays bounded and
-    results appear as they are ready). Returns how many files failed."""
-    failed = 0
-    for start in range(0, len(args.files), args.batch_size):
-        group = args.files[start : start + args.batch_size]
-        outcomes: list = []  # per file: its clip, then its Transcription; or the AudioError that stopped it
-        for file in group:
-            try:
-                outcomes.append(load_input(file))
-            except AudioError as error:
-                outcomes.append(error)
-        clips = [o for o in outcomes if isinstance(o, np.ndarray)]
-        if clips:
-            results = iter(transcriber.transcribe_clips(clips, language=args.language, context=args.context,
-                                                        progress=bar if bar is not None else False))
-            outcomes = [next(results) if isinstance(o, np.ndarray) else o for o in outcomes]
-        for file, outcome in zip(group, outcomes):
-            if isinstance(outcome, AudioError):
-                failed += 1
-                _report(args, file, outcome, bar)
-            else:
-                _print_result(args, file, outcome, bar)
-    return failed
-
-
-def _close(bar) -> None:
-    if bar is not None:
-        bar.close()
-
-
-def _duration_hint(file: str) -> float:
-    """Seconds of audio in `file` from its header (0 when it cannot be read: loading will report why)."""
-    import soundfile
-
-    try:
-        return float(soundfile.info(file).duration)
-    except Exception:
-        return 0.0
-
-
-def _cli_progress_bar(flag: bool | None, num_files: int, total_seconds: float):
-    if flag is None:
-        flag = sys.stderr.isatty() and (num_files >= PROGRESS_MIN_FILES or total_seconds >= PROGRESS_MIN_SECONDS)
-    return _progress_bar(bool(flag), max(total_seconds, 1.0))[0]
-
-
-def _print_result(args, file: str, result: Transcription, bar) -> None:
-    if args.json:
-        line = json.dumps({"file": file, "text": result.text, "language": result.language,
-                           "duration": round(result.duration, 3),
-                           "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text}
-                                        for s in result.segments]}, ensure_ascii=False)
-    else:
-        line = f"{file}: {result.text}"
-    _write(line, sys.stdout, bar)
-
-
-def _report(args, file: str, error: Exception, bar=None) -> None:
-    """A file that failed: one line on stderr (and a JSON object with `error` on stdout in --json mode)."""
-    _write(f"qasr-transcribe: error: {error}", sys.stderr, bar)
-    if args.json:
-        _write(json.dumps({"file": file, "error": str(error)}, ensure_ascii=False), sys.stdout, bar)
-
-
-def _write(line: str, stream, bar) -> None:
-    if bar is not None:
-        bar.write(line, file=stream)  # keeps the bar intact below the line
-    else:
-        print(line, file=stream, flush=True)
-
-
-def _fail(message: str) -> int:
-    message = " ".join(message.split())  # one line, even when a library's message had several
-    print(f"qasr-transcribe: error: {message}", file=sys.stderr)
-    return 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-# qasr.engine.transcribe imports the engine (torch) at the top, and `qasr-transcribe` is its main(): its --help needs
-# the parser in a torch-free module of its own (issue #11 item 11, open). strict: this fails once it is fixed.
-TRANSCRIBE_IMPORTS_TORCH = pytest.mark.xfail(strict=True, reason="qasr-transcribe's module imports torch")
-COMMANDS = [["qasr-server"], ["qasr-mic"], pytest.param(["qasr-transcribe"], marks=TRANSCRIBE_IMPORTS_TORCH),
+COMMANDS = [["qasr-server"], ["qasr-mic"], ["qasr-transcribe"],
             ["qasr-make-test-model"], ["qasr-bench"], ["qasr-bench", "offline"], ["qasr-bench", "stream"],
             ["qasr-bench", "partial-reuse"]]
 

@@ -21,7 +21,8 @@ from fakes import speech_like  # tests/ is on sys.path (conftest)
 from qasr.model import audio as qaudio
 from qasr.model.audio import AudioError
 from qasr.model.prompt import UnsupportedLanguageError
-from qasr.engine.transcribe import Segment, Transcriber, Transcription, join_texts, main, merge_languages
+from qasr.engine.transcribe import Segment, Transcriber, Transcription, join_texts, merge_languages
+from qasr.engine.transcribe_cli import main
 from qasr.engine.request import DecodeRequest
 
 SR = qaudio.SAMPLE_RATE
