@@ -38,4 +38,4 @@ _FLOAT_TABLES = {"mulaw": MULAW_TO_LINEAR.astype(np.float32) / np.float32(32768.
 
 def decode(data: bytes | bytearray | memoryview, encoding: str) -> np.ndarray:
     """G.711 bytes ("mulaw" or "alaw") -> float32 [n] in [-1, 1)."""
-    return _FLOAT_TABLES[encoding][np.frombuffer(data, dtype=np.uint8)]
+    return _FLOAT_TABLES[encoding].take(np.frombuffer(data, dtype=np.uint8))  # take: ~2x indexing's speed on 20 ms

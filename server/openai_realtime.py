@@ -21,7 +21,6 @@ carries the true transcript. Every problem with a client event is an `error` eve
 
 from __future__ import annotations
 
-import base64
 import binascii
 import json
 import re
@@ -34,6 +33,7 @@ from qasr.audio import ENCODINGS, AudioError, decode_pcm
 from qasr.server.commands import Audio, Command, Flush, Reply, Start
 from qasr.server.errors import UnsupportedFormat
 from qasr.server.openai_session import ConfigError, RealtimeConfig
+from qasr.server.wire_decode import b64decode, json_loads
 from qasr.streaming import events
 from qasr.streaming.settings import SettingsError, StreamLimits, StreamSettings
 
@@ -118,7 +118,7 @@ class OpenAIRealtimeAdapter:
             return [self._error("binary frames are not supported: send audio as input_audio_buffer.append events",
                                 code="invalid_message")]
         try:
-            event = json.loads(message)
+            event = json_loads(message)
         except (ValueError, RecursionError) as error:
             return [self._error(f"the message is not valid JSON: {error}", code="invalid_json")]
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
@@ -162,7 +162,7 @@ class OpenAIRealtimeAdapter:
         if not isinstance(audio, str):
             raise ConfigError("audio", "audio must be a base64 string", code="invalid_value")
         try:
-            data = self._remainder + base64.b64decode(audio, validate=True)
+            data = self._remainder + b64decode(audio)
         except (binascii.Error, ValueError):
             raise ConfigError("audio", "audio is not valid base64", code="invalid_value") from None
         sample_bytes = ENCODINGS[self.settings.encoding]

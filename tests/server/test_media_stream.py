@@ -45,6 +45,19 @@ def test_a_timestamp_beyond_the_received_audio_inserts_silence_but_jitter_does_n
     assert aligner.position(0) == 800
 
 
+def test_one_tracks_frames_come_out_as_they_are_and_its_timeline_still_counts_them():
+    aligner = TrackAligner(1, gap_tolerance=10, max_skew=1000)
+    frames = [np.arange(160, dtype=np.float32) + 160 * k for k in range(3)]
+    blocks = [aligner.push(0, frame, at=160 * k) for k, frame in enumerate(frames)]
+    for frame, block in zip(frames, blocks):
+        assert block.shape == (160, 1) and block.dtype == np.float32
+        np.testing.assert_array_equal(block[:, 0], frame)
+    assert aligner.position(0) == 480
+    block = aligner.push(0, frames[0], at=800)  # a gap after the passed-through frames is still filled
+    assert len(block) == 320 + 160 and aligner.silence_inserted == [320] and aligner.position(0) == 960
+    assert len(aligner.flush()) == 0
+
+
 def test_the_reorder_buffer_restores_order_within_its_window():
     buffer = ReorderBuffer(window=4)
     out = []

@@ -146,6 +146,25 @@ def test_media_frames_are_checked():
         twilio.receive(json.dumps({**media, "sequenceNumber": "99", "streamSid": "MZother"}))
 
 
+def test_media_frames_of_less_usual_shapes_are_read_or_refused_as_the_checks_say():
+    frames = twilio_call(tone(300, 0.06), None)
+    twilio = adapter()
+    feed(twilio, frames[:2])
+    media = [json.loads(frame) for _, frame in frames[2:5]]
+    media[1]["media"]["timestamp"] = 20  # a number, not Twilio's string: accepted as the same time
+    del media[2]["media"]["timestamp"]  # none: placed right after the audio before it
+    blocks = [command.samples for frame in media for command in twilio.receive(json.dumps(frame))]
+    assert [len(block) for block in blocks] == [160, 160, 160] and twilio.aligner.silence_inserted == [0]
+    for n, (change, match) in enumerate((({"timestamp": "-20"}, "media.timestamp"),
+                                         ({"timestamp": "²"}, "whole number"),
+                                         ({"timestamp": True}, "media.timestamp has the wrong type"),
+                                         ({"payload": 7}, "media.payload has the wrong type"),
+                                         ({"track": "sideways", "timestamp": "x"}, "not one of"))):  # track first
+        broken = {**media[0], "sequenceNumber": str(10 + n), "media": {**media[0]["media"], **change}}
+        with pytest.raises(MalformedMessage, match=match):
+            twilio.receive(json.dumps(broken))
+
+
 def test_a_media_format_other_than_8khz_mulaw_is_unsupported():
     start = json.loads(twilio_call(tone(300, 0.02), None)[1][1])
     start["start"]["mediaFormat"]["sampleRate"] = 16000
