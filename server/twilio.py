@@ -41,7 +41,9 @@ class TwilioAdapter(MediaStreamAdapter):
 
     def _handle(self, message: dict) -> list[Command]:
         if message.get("event") != "connected" and "sequenceNumber" in message:
-            sequence = number(message, "sequenceNumber")
+            sequence = message["sequenceNumber"]  # ASCII digits from Twilio (read directly), else checked
+            sequence = int(sequence) if type(sequence) is str and sequence.isascii() and sequence.isdigit() \
+                else number(message, "sequenceNumber")
             if sequence <= self._last_sequence:
                 return [Notice("out_of_order", f"twilio: dropped {message.get('event')} message with sequenceNumber "
                                                f"{sequence} after {self._last_sequence}")]
