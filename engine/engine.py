@@ -26,6 +26,7 @@ from qasr.model.quantize import quantize_decoder_int8
 from qasr.model.tokenizer import Tokenizer
 
 from . import postprocess, prompting
+from .futures import settle
 from .aligner_runner import AlignerRunner
 from .options import EngineOptions, display_name
 from .request import DecodeRequest, DecodeResult, EngineClosed, Priority
@@ -34,7 +35,7 @@ from .scheduler import Scheduler
 from .sequence import Sequence
 from .stream_cache import StreamCache, StreamState
 
-__all__ = ["AsyncEngine", "Engine", "EngineOptions", "display_name", "settle"]
+__all__ = ["AsyncEngine", "Engine", "EngineOptions", "display_name"]
 
 log = logging.getLogger(__name__)
 
@@ -496,12 +497,3 @@ class AsyncEngine:
             return
         engine.fail_all(EngineClosed("the engine was closed"))
 
-
-def settle(future: asyncio.Future, result) -> None:
-    """Complete `future` with a result or an exception (on its loop), unless it is done already."""
-    if future.done():
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)

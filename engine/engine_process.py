@@ -16,12 +16,14 @@ Pickled messages over one pipe:
 
 The process is spawned (CUDA cannot be forked), ignores SIGINT, and SIGTERM once it has loaded (the server decides
 when it stops; while it loads, a stopped server's exit terminates it), and exits when the server's end of the pipe
-closes, so it never outlives the server.
+closes, so it never outlives the server. This module imports no torch and no tokenizer: the engine is imported in
+the child's main; its logs go to the server's stderr, set up by the server's `log_setup` (the same format).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import multiprocessing
@@ -30,10 +32,15 @@ import queue
 import signal
 import threading
 import time
+import typing
 import weakref
 
-from .engine import AsyncEngine, Engine, EngineOptions, display_name, settle
+from .futures import settle
+from .options import EngineOptions, display_name
 from .request import DecodeRequest, DecodeResult, EngineClosed
+
+if typing.TYPE_CHECKING:
+    from .engine import AsyncEngine, Engine
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +50,20 @@ STATS_INTERVAL_S = 0.25  # how often the engine process reports its stats (what 
 class EngineProcess:
     model_name: str
 
-    def __init__(self, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
+    def __init__(self, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions(),
+                 log_setup: typing.Callable[[], None] | None = None):
         """Spawn the engine process and wait until it has loaded the model and captured its graphs (minutes on a
-        large model: the server calls this in a worker thread). RuntimeError if it could not."""
+        large model: the server calls this in a worker thread). RuntimeError if it could not.
+
+        log_setup: run first in the engine process to configure its logging (picklable: a module-level function or
+        a functools.partial of one); None: text lines at this process's log level."""
         self.options = options
         self.model_name = display_name(model)
         context = multiprocessing.get_context("spawn")
         self._conn, child_end = context.Pipe()
         self._process = context.Process(target=_engine_main, name="qasr-engine", daemon=True,
-                                        args=(child_end, model, device, dtype, options, log.getEffectiveLevel()))
+                                        args=(child_end, model, device, dtype, options,
+                                              log_setup or functools.partial(_text_logs, log.getEffectiveLevel())))
         self._process.start()
         child_end.close()
         try:
@@ -76,8 +88,9 @@ class EngineProcess:
             thread.start()
 
     @classmethod
-    def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
-        return cls(model, device=device, dtype=dtype, options=options)
+    def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions(),
+                        log_setup: typing.Callable[[], None] | None = None):
+        return cls(model, device=device, dtype=dtype, options=options, log_setup=log_setup)
 
     @property
     def pid(self) -> int | None:
@@ -203,9 +216,15 @@ def receive(conn):
 
 # -- the engine process ------------------------------------------------------------------------------------------
 
-def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_level: int) -> None:
+def _text_logs(level: int) -> None:
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_setup) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log_setup()
+    from .engine import AsyncEngine, Engine  # here, not at the top: the server process never imports torch
+
     try:
         core = Engine.from_pretrained(model, device=device, dtype=dtype, options=options)
         engine = AsyncEngine(core)

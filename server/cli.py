@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import errno
+import functools
 import logging
 import os
 import signal
@@ -160,10 +161,15 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, lambda: asyncio.ensure_future(server.stop()))
-    engine_class = AsyncEngine if args.engine_in_process else EngineProcess
+    if args.engine_in_process:
+        build = functools.partial(AsyncEngine.from_pretrained, args.model, device=args.device, dtype=args.dtype,
+                                  options=options)
+    else:  # the engine process logs to the same stderr in the same format
+        build = functools.partial(EngineProcess.from_pretrained, args.model, device=args.device, dtype=args.dtype,
+                                  options=options, log_setup=functools.partial(logs.configure, args.log_level,
+                                                                               args.log_format))
     try:
-        loading = asyncio.ensure_future(server.load_engine(
-            lambda: engine_class.from_pretrained(args.model, device=args.device, dtype=args.dtype, options=options)))
+        loading = asyncio.ensure_future(server.load_engine(build))
         stopped = asyncio.ensure_future(server.wait_stopped())
         await asyncio.wait({loading, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if loading.done() and loading.exception() is not None:

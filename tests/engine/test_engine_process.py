@@ -134,6 +134,28 @@ def test_a_checkpoint_that_cannot_load_raises_with_the_reason(tiny_model_dir, tm
         EngineProcess(str(broken), device="cpu", options=OPTIONS)
 
 
+def test_the_server_side_of_the_engine_process_imports_no_torch_or_tokenizer():
+    code = ("import sys, qasr.engine.engine_process; "
+            "print(sorted(m for m in ('torch', 'tokenizers', 'transformers') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_engine_process_logs_in_the_format_it_is_given(tmp_path):
+    """Its logs share the server's stderr: with `--log-format json` every line the engine process writes is JSON."""
+    code = ("import functools, sys; from qasr.engine.engine_process import EngineProcess; "
+            "from qasr.server import logs; "
+            "setup = functools.partial(logs.configure, 'info', 'json'); "
+            f"EngineProcess({str(tmp_path / 'missing')!r}, device='cpu', log_setup=setup)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "could not load" in done.stderr  # the RuntimeError, in this process
+    lines = [line for line in done.stderr.splitlines() if line.startswith("{")]
+    entries = [json.loads(line) for line in lines]
+    loaded = [e for e in entries if e["logger"] == "qasr.engine.engine_process" and "cannot load" in e["message"]]
+    assert len(loaded) == 1 and loaded[0]["level"] == "error" and "Traceback" in loaded[0]["error"]
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
