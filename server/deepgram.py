@@ -14,12 +14,15 @@ Binary frames carry raw audio in the query's encoding; text frames carry control
     Error                    -> {"type": "Error", "variant", "description"}
 
 Results carry every field the deepgram-sdk's types require (alternatives[].confidence and words, metadata with
-request_id, model_info and model_uuid). Word times are estimated, spread over the segment by characters, until a
-forced aligner exists; confidences are 1.0 (the model gives none).
+request_id, model_info and model_uuid). On a server with a forced aligner (qasr-server --aligner) every stream asks
+for word times and a final's `words` are the aligner's; otherwise (and on interim results, and where the aligner
+gives none, e.g. an unsupported language) they are estimated, spread over the segment by characters. Confidences
+are 1.0 (the model gives none).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -47,7 +50,8 @@ class DeepgramAdapter:
         """Raises QueryError (the handshake is refused) for options qasr cannot take."""
         self.options = ListenOptions.parse(query)
         try:
-            self.settings = self.options.stream_settings(defaults)
+            # Deepgram's results always carry words: real ones when this server can time them
+            self.settings = dataclasses.replace(self.options.stream_settings(defaults), words=limits.word_times)
             limits.check(self.settings)
         except SettingsError as error:
             raise QueryError(f"{error.field}: {error}") from None
@@ -162,20 +166,22 @@ class DeepgramAdapter:
     def _final(self, event: events.Final, channel: int) -> list[str]:
         frames = [self._results(event.text, event.start, event.end, channel, is_final=True,
                                 speech_final=event.reason in SPEECH_FINAL_REASONS,
-                                from_finalize=event.reason == FINALIZE_REASON)]
+                                from_finalize=event.reason == FINALIZE_REASON, aligned=event.words)]
         if self.options.utterance_end_ms is not None and event.reason == "silence" and event.text.strip():
             frames.append(_json({"type": "UtteranceEnd", "channel": [channel, self.num_channels],
-                                 "last_word_end": round(event.end, 3)}))
+                                 "last_word_end": event.words[-1].end if event.words else round(event.end, 3)}))
         return frames
 
     def _results(self, text: str, start: float, end: float, channel: int, *, is_final: bool,
-                 speech_final: bool = False, from_finalize: bool = False) -> str:
+                 speech_final: bool = False, from_finalize: bool = False,
+                 aligned: tuple[events.Word, ...] | None = None) -> str:
+        words = aligned_words(text, aligned) if aligned else estimated_words(text, start, end)
         return _json({
             "type": "Results", "channel_index": [channel, self.num_channels],
             "duration": round(end - start, 3), "start": round(start, 3),
             "is_final": is_final, "speech_final": speech_final, "from_finalize": from_finalize,
             "channel": {"alternatives": [{"transcript": text, "confidence": CONFIDENCE,
-                                          "words": estimated_words(text, start, end)}]},
+                                          "words": words}]},
             "metadata": {"request_id": self.request_id, "model_uuid": self.model_uuid,
                          "model_info": {"name": self.options.model, "version": MODEL_VERSION, "arch": MODEL_ARCH}},
         })
@@ -193,6 +199,16 @@ class DeepgramAdapter:
     def _error(self, variant: str, description: str, *, message: str | None = None) -> Reply:
         return Reply([_json({"type": "Error", "variant": variant, "description": description,
                              **({"message": message} if message is not None else {})})])
+
+
+def aligned_words(text: str, aligned: tuple[events.Word, ...]) -> list[dict]:
+    """Deepgram's `words` from the aligner's (stream time). The aligner's units carry no punctuation; where they
+    are the transcript's whitespace words one for one, `punctuated_word` is the transcript's word."""
+    spelled = text.split()
+    if len(spelled) != len(aligned):  # e.g. one unit per CJK character, or a word of punctuation alone
+        spelled = [word.word for word in aligned]
+    return [{"word": word.word.lower(), "start": word.start, "end": word.end, "confidence": CONFIDENCE,
+             "punctuated_word": punctuated} for word, punctuated in zip(aligned, spelled)]
 
 
 def estimated_words(text: str, start: float, end: float) -> list[dict]:

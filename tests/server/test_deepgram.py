@@ -160,3 +160,33 @@ def test_estimated_words_cover_the_segment_in_order_by_characters():
     assert all(a["end"] == b["start"] for a, b in zip(words, words[1:]))
     assert words[0]["end"] - words[0]["start"] == pytest.approx(1.5 * 6 / 15, abs=1e-3)
     assert estimated_words("", 0.0, 1.0) == []
+
+
+# -- word times from the forced aligner (#17) ------------------------------------------------------------------------
+
+def test_on_a_server_with_an_aligner_every_stream_asks_for_words():
+    assert adapter().settings.words is False
+    with_aligner = DeepgramAdapter("", defaults=StreamSettings(), limits=StreamLimits(word_times=True))
+    assert with_aligner.settings.words is True
+
+
+def test_final_words_are_the_aligners_when_the_final_has_them():
+    aligned = (events.Word("Hello", 1.12, 1.4), events.Word("there", 1.55, 1.9))
+    final = events.Final(0, "Hello there.", "English", 1.0, 2.0, "silence", 5.0, words=aligned)
+    result, utterance_end = decoded(adapter("utterance_end_ms=1000").encode(final))
+    words = result["channel"]["alternatives"][0]["words"]
+    assert [(w["word"], w["start"], w["end"], w["punctuated_word"]) for w in words] == [
+        ("hello", 1.12, 1.4, "Hello"), ("there", 1.55, 1.9, "there.")]
+    assert utterance_end["last_word_end"] == 1.9
+    cjk = events.Final(0, "你好。", "Chinese", 0.0, 1.0, "silence", 5.0,
+                       words=(events.Word("你", 0.1, 0.3), events.Word("好", 0.3, 0.6)))
+    [result] = decoded(adapter().encode(cjk))
+    assert [w["punctuated_word"] for w in result["channel"]["alternatives"][0]["words"]] == ["你", "好"]
+
+
+def test_without_aligned_words_the_estimate_stays():
+    for words in (None, ()):  # no aligner, or the aligner gave none (an unsupported language)
+        final = events.Final(0, "Hello there.", "English", 1.0, 2.0, "silence", 5.0, words=words,
+                             words_reason=None if words is None else "not supported")
+        [result] = decoded(adapter().encode(final))
+        assert result["channel"]["alternatives"][0]["words"] == estimated_words("Hello there.", 1.0, 2.0)
