@@ -8,11 +8,14 @@
 Audio longer than `max_piece_seconds` (30 s) is cut at its quietest points (`split_long_audio`); the pieces of all
 inputs are decoded together in one engine run and joined back per input: texts with a space between pieces of
 space-separated scripts and nothing where either side is CJK/Thai-like (see `join_texts`), languages merged like the
-official `merge_languages` ("Chinese,English"). The `qasr-transcribe` command is engine/transcribe_cli.py.
+official `merge_languages` ("Chinese,English"). With `words=True` (an engine with an aligner) each piece is aligned
+on its own and its word times are offset to the input's time. The `qasr-transcribe` command is
+engine/transcribe_cli.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -25,7 +28,7 @@ from qasr.model.audio import AudioError
 from qasr.model.prompt import normalize_language
 
 from .engine import Engine, EngineOptions
-from .request import DecodeRequest
+from .request import DecodeRequest, WordTime
 from .transcribe_cli import DEFAULT_MODEL
 
 AudioInput = Union[str, os.PathLike, np.ndarray, tuple]  # a path, 16 kHz float samples, or (samples, sample_rate)
@@ -47,6 +50,8 @@ class Transcription:
     language: str  # detected (or forced) languages in order, e.g. "English" or "Chinese,English"; "" for no speech
     duration: float  # seconds of audio at 16 kHz
     segments: tuple[Segment, ...]  # one per piece the audio was cut into (one for audio up to max_piece_seconds)
+    words: tuple[WordTime, ...] | None = None  # asked for words: every piece's, in seconds of the input's own time
+    words_reason: str | None = None  # asked for words and there are none: why (the first piece's reason)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -170,13 +175,14 @@ class Transcriber:
     @classmethod
     def from_pretrained(cls, model: str | os.PathLike = DEFAULT_MODEL, *, device: str = "auto", dtype: str = "auto",
                         max_batch: int = 32, max_piece_seconds: float = qaudio.DEFAULT_MAX_SECONDS,
-                        max_new_tokens: int | None = None, options=None) -> "Transcriber":
+                        max_new_tokens: int | None = None, options=None, aligner: str | None = None) -> "Transcriber":
         """Load `model` (a checkpoint directory or a Hugging Face id).
 
         device/dtype: "auto" = the GPU in bf16 when there is one, else the CPU in fp32.
         max_batch: pieces decoded together (the engine's slots).
         max_piece_seconds, max_new_tokens: see __init__.
         options: a full `EngineOptions` instead of the defaults derived from max_batch (max_batch is then ignored).
+        aligner: a Qwen3-ForcedAligner checkpoint (directory or Hugging Face id) for `transcribe(words=True)`.
         Raises CheckpointError (a ValueError) when the model cannot be found or does not load.
         """
         if options is None:
@@ -184,34 +190,39 @@ class Transcriber:
                 raise ValueError(f"max_batch must be >= 1, got {max_batch}")
             # offline pieces belong to no stream: no KV slots are kept for prefix reuse
             options = EngineOptions(num_slots=max_batch, num_retained=0,
-                                    max_audio_seconds=max(60.0, max_piece_seconds))
+                                    max_audio_seconds=max(60.0, max_piece_seconds), aligner_max_batch=max_batch)
+        if aligner is not None:
+            options = dataclasses.replace(options, aligner=str(aligner))
         engine = Engine.from_pretrained(str(model), device=device, dtype=dtype, options=options)
         return cls(engine, max_piece_seconds=max_piece_seconds, max_new_tokens=max_new_tokens)
 
     def transcribe(self, audio_or_paths: Sequence[AudioInput], *, language: str | None = None, context: str = "",
-                   progress: bool = False) -> list[Transcription]:
+                   progress: bool = False, words: bool = False) -> list[Transcription]:
         """One Transcription per input, in order.
 
         audio_or_paths: file paths, 1-D float arrays at 16 kHz, or (array, sample_rate) tuples (see load_input).
         language: force the output language (e.g. "English", any case); None lets the model detect it per piece.
         context: text for the system prompt (names, terms, the topic), the same for every input.
         progress: show a tqdm bar on stderr, in seconds of audio decoded.
+        words: word times too (the engine needs an aligner: Transcriber.from_pretrained(aligner=...)).
         Raises AudioError naming the first input that cannot be used (missing, unreadable, empty, NaN), before any
         decoding; UnsupportedLanguageError for an unknown language.
         """
         if isinstance(audio_or_paths, (str, os.PathLike, np.ndarray, tuple)):
             raise TypeError("transcribe takes a list of inputs; wrap a single one in a list")
         clips = [load_input(item, name=f"input {i}") for i, item in enumerate(audio_or_paths)]
-        return self.transcribe_clips(clips, language=language, context=context, progress=progress)
+        return self.transcribe_clips(clips, language=language, context=context, progress=progress, words=words)
 
     def transcribe_clips(self, clips: Sequence[np.ndarray], *, language: str | None = None, context: str = "",
-                         progress=False) -> list[Transcription]:
+                         progress=False, words: bool = False) -> list[Transcription]:
         """Like `transcribe`, for clips already loaded by `load_input`.
 
         progress: a bool, or a tqdm-like object whose `update(seconds)` is called as pieces finish (the CLI's one
         bar over many calls).
         """
         language = normalize_language(language) if language is not None and str(language).strip() else None
+        if words and self.engine.aligner is None:
+            raise ValueError("word times need a forced aligner: load one with Transcriber.from_pretrained(aligner=...)")
         pieces = [piece for i, clip in enumerate(clips) for piece in self._pieces(i, clip)]
         results: list = [None] * len(pieces)
         bar, own_bar = progress_bar(progress, total=sum(len(c) for c in clips) / qaudio.SAMPLE_RATE)
@@ -224,7 +235,7 @@ class Transcriber:
         try:
             for k, piece in enumerate(pieces):
                 request = DecodeRequest(audio=piece.samples, context=context, language=language,
-                                        max_new_tokens=self.max_new_tokens)
+                                        max_new_tokens=self.max_new_tokens, words=words)
                 self.engine.add(request, lambda result, k=k: finished(k, result))
             self.engine.run_until_done()
         except BaseException as error:  # e.g. Ctrl-C: leave the engine empty for the next call
@@ -236,7 +247,7 @@ class Transcriber:
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return [self._assemble(i, clip, pieces, results) for i, clip in enumerate(clips)]
+        return [self._assemble(i, clip, pieces, results, words) for i, clip in enumerate(clips)]
 
     def _pieces(self, owner: int, clip: np.ndarray) -> list[_Piece]:
         ranges = qaudio.split_long_audio(clip, max_seconds=self.max_piece_seconds)
@@ -251,16 +262,36 @@ class Transcriber:
         return pieces
 
     @staticmethod
-    def _assemble(owner: int, clip: np.ndarray, pieces: list[_Piece], results: list) -> Transcription:
+    def _assemble(owner: int, clip: np.ndarray, pieces: list[_Piece], results: list, words: bool) -> Transcription:
         mine = [(piece, result) for piece, result in zip(pieces, results) if piece.owner == owner]
         rate = qaudio.SAMPLE_RATE
         segments = tuple(Segment(p.start / rate, p.end / rate, r.text) for p, r in mine)
+        timed, reason = _file_words(mine) if words else (None, None)
         return Transcription(
             text=join_texts([s.text for s in segments]),
             language=merge_languages([r.language for _, r in mine]),
             duration=len(clip) / rate,
             segments=segments,
+            words=timed,
+            words_reason=reason,
         )
+
+
+def _file_words(pieces_and_results) -> tuple[tuple[WordTime, ...], str | None]:
+    """Each piece's word times offset by the piece's start and kept inside it (a short piece is zero-padded: nothing
+    was said in the padding); the first reason when no piece has words."""
+    rate = qaudio.SAMPLE_RATE
+    timed, reasons = [], []
+    for piece, result in pieces_and_results:
+        start, end = piece.start / rate, piece.end / rate
+
+        def at(seconds: float) -> float:
+            return min(round(start + seconds, 3), end)
+
+        timed += [WordTime(word, at(s), at(e)) for word, s, e in result.words or ()]
+        if result.words_reason:
+            reasons.append(result.words_reason)
+    return tuple(timed), (reasons[0] if not timed and reasons else None)
 
 
 def progress_bar(progress, total: float):

@@ -36,6 +36,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="token limit per 30 s piece (default: ample for the piece's length)")
     parser.add_argument("--json", action="store_true",
                         help="one JSON object per file: file, text, language, duration, segments (or file, error)")
+    parser.add_argument("--words", action="store_true",
+                        help="word times from a forced aligner (needs --aligner): `start-end word` lines after each "
+                             "file's text, or `words` [{word, start, end}] in --json (seconds in the file)")
+    parser.add_argument("--aligner", default=None, metavar="DIR_OR_ID",
+                        help="Qwen3-ForcedAligner checkpoint for --words (e.g. Qwen/Qwen3-ForcedAligner-0.6B)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: on for many or long files when stderr is a terminal)")
     return parser
@@ -47,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         return _fail(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.words and args.aligner is None:
+        return _fail("--words needs --aligner DIR_OR_ID (e.g. Qwen/Qwen3-ForcedAligner-0.6B)")
     from qasr.model.audio import AudioError
     from qasr.model.prompt import UnsupportedLanguageError, normalize_language
 
@@ -69,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         transcriber = Transcriber.from_pretrained(args.model, device=args.device, dtype=args.dtype,
-                                                  max_batch=args.batch_size, max_new_tokens=args.max_new_tokens)
+                                                  max_batch=args.batch_size, max_new_tokens=args.max_new_tokens,
+                                                  aligner=args.aligner)
     except (CheckpointError, ValueError, OSError) as error:
         return _fail(f"cannot load model {args.model}: {error}")
 
@@ -110,7 +118,8 @@ def _transcribe_files(args, transcriber, bar) -> int:
         clips = [o for o in outcomes if isinstance(o, np.ndarray)]
         if clips:
             results = iter(transcriber.transcribe_clips(clips, language=args.language, context=args.context,
-                                                        progress=bar if bar is not None else False))
+                                                        progress=bar if bar is not None else False,
+                                                        words=args.words))
             outcomes = [next(results) if isinstance(o, np.ndarray) else o for o in outcomes]
         for file, outcome in zip(group, outcomes):
             if isinstance(outcome, AudioError):
@@ -146,12 +155,21 @@ def _cli_progress_bar(flag: bool | None, num_files: int, total_seconds: float):
 
 def _print_result(args, file: str, result, bar) -> None:
     if args.json:
-        line = json.dumps({"file": file, "text": result.text, "language": result.language,
-                           "duration": round(result.duration, 3),
-                           "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text}
-                                        for s in result.segments]}, ensure_ascii=False)
+        fields = {"file": file, "text": result.text, "language": result.language,
+                  "duration": round(result.duration, 3),
+                  "segments": [{"start": round(s.start, 3), "end": round(s.end, 3), "text": s.text}
+                               for s in result.segments]}
+        if args.words:
+            fields["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in result.words]
+            if result.words_reason:
+                fields["words_reason"] = result.words_reason
+        line = json.dumps(fields, ensure_ascii=False)
     else:
         line = f"{file}: {result.text}"
+        if args.words:
+            line += "".join(f"\n  {w.start:.3f}-{w.end:.3f} {w.word}" for w in result.words)
+            if result.words_reason:
+                line += f"\n  (no word times: {result.words_reason})"
     _write(line, sys.stdout, bar)
 
 
