@@ -10,7 +10,7 @@ from qasr.streaming import events
 from qasr.streaming.session import Session
 
 from fakes import speech_like
-from test_session import TWO_BURSTS, Engine, feed, settings, take_all
+from test_session import TWO_BURSTS, Engine, settings, take_all
 
 
 @dataclasses.dataclass(frozen=True)
