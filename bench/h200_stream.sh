@@ -17,7 +17,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile
 export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 [ -d /tmp/m06 ] || python3 -m qasr.model.testmodel /tmp/m06 --size 0.6B --dtype bfloat16 || exit 1
 python3 -m qasr.server.cli --model /tmp/m06 --device cuda --port 8765 --slots 256 --retained-slots 1024 \
-  --max-len 640 --max-sessions 2048 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
+  --max-len 640 --max-sessions 2048 --max-pending-per-address 4096 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
   > "$out/server.log" 2>&1 &
 server=$!
 ready() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8765/readyz', timeout=2)" 2>/dev/null; }
