@@ -9,8 +9,9 @@
 A server that requires API keys: `stream_audio(url, source, api_key=os.environ["QASR_API_KEY"])`.
 
 Events are the server's (`Ready`, `SpeechStarted`, `Partial`, `Final`, `Error`, `Summary`, from
-`qasr.streaming.events`) plus the client's own `Reconnecting` and `AudioDropped` (a microphone that fell too far behind). The wire format lives in `qasr.client.protocol`,
-errors in `qasr.client.errors`. `qasr-mic` (qasr.client.mic) is the terminal client built on this.
+`qasr.streaming.events`; a Final's `words` are `Word`s when the stream asked with `words=True`) plus the client's
+own `Reconnecting` and `AudioDropped` (a microphone that fell too far behind). The wire format lives in
+`qasr.client.protocol`, errors in `qasr.client.errors`. `qasr-mic` (qasr.client.mic) is the terminal client built on this.
 """
 
 from qasr.client.errors import (AccessDenied, AudioSourceError, AuthenticationFailed, ClientError, ConnectionLost,
@@ -20,12 +21,12 @@ from qasr.client.protocol import Credentials, StreamOptions
 from qasr.client.sources import (FileSource, InputDevice, MicrophoneSource, file_source, list_input_devices,
                                  microphone_source)
 from qasr.client.stream import AudioDropped, AudioStream, Reconnecting, StreamClient, StreamEvent, stream_audio
-from qasr.streaming.events import Error, Final, Partial, Ready, SpeechStarted, Summary
+from qasr.streaming.events import Error, Final, Partial, Ready, SpeechStarted, Summary, Word
 
 __all__ = [
     "stream_audio", "AudioStream", "StreamClient", "StreamOptions", "Credentials", "StreamEvent",
     "file_source", "microphone_source", "list_input_devices", "FileSource", "MicrophoneSource", "InputDevice",
-    "Ready", "SpeechStarted", "Partial", "Final", "Error", "Summary", "Reconnecting", "AudioDropped",
+    "Ready", "SpeechStarted", "Partial", "Final", "Word", "Error", "Summary", "Reconnecting", "AudioDropped",
     "ClientError", "ServerUnreachable", "StreamClosed", "ConnectionLost", "ProtocolMismatch", "AudioSourceError",
     "HandshakeRefused", "AuthenticationFailed", "AccessDenied", "TooManyConnections", "ServiceUnavailable",
 ]

@@ -3,10 +3,12 @@
     qasr-mic                                  # default microphone, ws://127.0.0.1:8765/v1/stream
     qasr-mic --device 2 --language English --output talk.txt
     qasr-mic --file talk.wav --speed 4 --jsonl
+    qasr-mic --words                          # each final's word times (a server started with --aligner)
     QASR_API_KEY=... qasr-mic --url wss://asr.example.com/v1/stream     # a server that requires an API key
 
 On a terminal the growing partial is rewritten in place on one line; each final is committed on its own line as
-`[12.34-15.67] text`. --jsonl prints (or, with --output, writes) one JSON object per final instead. Ctrl-C ends
+`[12.34-15.67] text`; with --words an indented line follows with each word's start in stream seconds
+(`word@12.41 ...`), or why the final has none. --jsonl prints (or, with --output, writes) one JSON object per final instead. Ctrl-C ends
 the stream cleanly: the last segment's final still arrives before qasr-mic exits 0 (a second Ctrl-C quits at once).
 
 The API key (for a server that requires one) comes from --api-key or, better, $QASR_API_KEY, which a process
@@ -64,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--file", default=None, help="stream this audio file instead of the microphone")
     parser.add_argument("--speed", type=float, default=1.0, help="with --file: N times faster than real time")
     parser.add_argument("--no-partials", action="store_true", help="only finals (no live line)")
+    parser.add_argument("--words", action="store_true",
+                        help="word times on every final: `word@start` under its line, `words` in --jsonl (needs a "
+                             "server started with --aligner)")
     parser.add_argument("--reconnect", type=int, default=0, metavar="N",
                         help="if the server drops the stream (restart, shutdown), reopen it up to N times in a row; "
                              "default 0: report it and exit 1")
@@ -102,10 +107,15 @@ class TranscriptPrinter:
 
     def _commit(self, final: Final) -> None:
         self.finals += 1
-        record = json.dumps({"segment_id": final.segment_id, "start": round(final.start, 3),
-                             "end": round(final.end, 3), "text": final.text, "language": final.language,
-                             "reason": final.reason, "latency_ms": final.latency_ms}, ensure_ascii=False)
-        line = f"[{final.start:.2f}-{final.end:.2f}] {final.text}"
+        fields = {"segment_id": final.segment_id, "start": round(final.start, 3), "end": round(final.end, 3),
+                  "text": final.text, "language": final.language, "reason": final.reason,
+                  "latency_ms": final.latency_ms}
+        if final.words is not None:  # the stream asked for word times
+            fields["words"] = [{"word": w.word, "start": w.start, "end": w.end} for w in final.words]
+            if final.words_reason:
+                fields["words_reason"] = final.words_reason
+        record = json.dumps(fields, ensure_ascii=False)
+        line = f"[{final.start:.2f}-{final.end:.2f}] {final.text}" + _word_times(final)
         self.clear_line()
         self.out.write((record if self.jsonl and self.output is None else line) + "\n")
         self.out.flush()
@@ -121,6 +131,16 @@ class TranscriptPrinter:
         self.out.write(CLEAR_LINE + _tail_fitting(text, width))
         self.out.flush()
         self._line_shown = bool(text)
+
+
+def _word_times(final: Final) -> str:
+    """An indented line under a final of a stream that asked for words: `word@start` each, or why there are none;
+    "" for a stream that did not ask."""
+    if final.words is None:
+        return ""
+    if not final.words:
+        return f"\n    (no word times: {final.words_reason or 'none given'})"
+    return "\n    " + " ".join(f"{word.word}@{word.start:.2f}" for word in final.words)
 
 
 def _tail_fitting(text: str, width: int) -> str:
@@ -154,7 +174,8 @@ async def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         note(str(error))
         return EXIT_NO_AUDIO
     stream = stream_audio(args.url, source, language=args.language, context=args.context,
-                          partials=not args.no_partials, reconnect=args.reconnect, api_key=_api_key(args))
+                          partials=not args.no_partials, words=args.words, reconnect=args.reconnect,
+                          api_key=_api_key(args))
     output = open(args.output, "a", encoding="utf-8") if args.output else None
     printer = TranscriptPrinter(out, live=out.isatty() and not args.no_partials and not args.jsonl,
                                 jsonl=args.jsonl, output=output)
@@ -182,7 +203,8 @@ async def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except StreamClosed as error:
         printer.clear_line()
         note(f"{error}; {printer.finals} final(s) received" + ("" if args.reconnect == 0 else
-                                                               f" (gave up after {args.reconnect} reconnects)"))
+                                                               f" (gave up after {args.reconnect} reconnects)")
+             + (" (--words needs a server started with --aligner)" if _words_refused(error) else ""))
         return EXIT_STREAM_FAILED
     except AudioSourceError as error:
         printer.clear_line()
@@ -238,6 +260,12 @@ class _on_interrupt:
     def remove(self) -> None:
         for signum in self.signals:
             self.loop.remove_signal_handler(signum)
+
+
+def _words_refused(error: StreamClosed) -> bool:
+    """The server turned the stream away because it cannot time words (1003 unsupported, about words)."""
+    return (error.code == 1003 and error.error is not None and error.error.code == "unsupported"
+            and "word" in error.error.message)
 
 
 def _api_key(args: argparse.Namespace) -> str | None:

@@ -19,7 +19,7 @@ import numpy as np
 
 from qasr.audio import ENCODINGS, SAMPLE_RATE
 from qasr.client.errors import ProtocolMismatch
-from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary
+from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary, Word
 
 SENT_ENCODINGS = ("s16le", "f32le")  # the ENCODINGS this client encodes numpy audio into (the server takes more)
 FORMATS = ("json", "msgpack")
@@ -46,6 +46,7 @@ class StreamOptions:
     partials: bool = True  # send hypotheses while a segment grows
     partial_interval_ms: int | None = None  # new speech between partials (server default: 1000)
     vad: Mapping[str, float] | None = None  # {"end_silence_ms": 500, "aggressiveness": 2, ...}
+    words: bool = False  # word times on every final (a server started with --aligner; others refuse with 1003)
 
     def __post_init__(self):
         if isinstance(self.sample_rate, bool) or not isinstance(self.sample_rate, int) or self.sample_rate <= 0:
@@ -56,6 +57,8 @@ class StreamOptions:
             raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         if isinstance(self.channels, bool) or not isinstance(self.channels, int) or self.channels < 1:
             raise ValueError(f"channels must be a positive integer, got {self.channels!r}")
+        if not isinstance(self.words, bool):
+            raise ValueError(f"words must be True or False, got {self.words!r}")
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,8 @@ def start_message(options: StreamOptions) -> str:
         message["partial_interval_ms"] = options.partial_interval_ms
     if options.vad:
         message["vad"] = dict(options.vad)
+    if options.words:  # only when asked: a server without an aligner refuses it
+        message["words"] = True
     return json.dumps(message, ensure_ascii=False)
 
 
@@ -151,8 +156,21 @@ def parse_event(frame: str | bytes) -> ServerEvent | None:
     if event_type is None:
         return None
     known = {field.name for field in dataclasses.fields(event_type)}
+    fields = {name: value for name, value in payload.items() if name in known}
     try:
-        return event_type(**{name: value for name, value in payload.items() if name in known})
-    except TypeError as error:  # a field is missing
+        if event_type is Final and fields.get("words") is not None:
+            fields["words"] = _words(fields["words"])
+        return event_type(**fields)
+    except TypeError as error:  # a field is missing, or words of the wrong shape
         raise ProtocolMismatch(f"the server's {payload['type']!r} event is not what this client expects: "
                                f"{error}") from None
+
+
+def _words(items) -> tuple[Word, ...]:
+    """A final's `words` ([{"word", "start", "end"}, ...]) as `Word`s; TypeError for any other shape."""
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise TypeError(f"words must be a list of {{word, start, end}} objects, got {str(items)[:100]}")
+    try:
+        return tuple(Word(str(item["word"]), float(item["start"]), float(item["end"])) for item in items)
+    except (KeyError, ValueError) as error:
+        raise TypeError(f"a word lacks a word, start or end: {error}") from None

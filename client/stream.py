@@ -45,7 +45,7 @@ from qasr.client.errors import (NORMAL_CLOSURE, AccessDenied, AuthenticationFail
                                 TooManyConnections)
 from qasr.client.protocol import (END, FLUSH, Credentials, StreamOptions, bytes_per_frame, encode_audio,
                                   parse_event, start_message)
-from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary
+from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary, Word
 
 
 @dataclass(frozen=True)
@@ -406,19 +406,22 @@ class AudioStream:
 def stream_audio(url: str, source: AsyncIterable[np.ndarray], *, language: str | None = None, context: str = "",
                  sample_rate: int | None = None, encoding: str = "s16le", channels: int | None = None,
                  format: str = "json", partials: bool = True, partial_interval_ms: int | None = None,
-                 vad: Mapping[str, float] | None = None, reconnect: int = 0, reconnect_delay_s: float = 1.0,
-                 open_timeout_s: float = 10.0, api_key: str | None = None, token: str | None = None) -> AudioStream:
+                 vad: Mapping[str, float] | None = None, words: bool = False, reconnect: int = 0,
+                 reconnect_delay_s: float = 1.0, open_timeout_s: float = 10.0, api_key: str | None = None,
+                 token: str | None = None) -> AudioStream:
     """Stream `source` to the server at `url`; iterate the result for events (see the module docstring).
 
     sample_rate/channels: of the source's chunks; None takes the source's own `sample_rate`/`channels`
     attributes (file_source and microphone_source have them), else 16000 Hz mono. reconnect: how many times in a
     row to reopen a stream the server dropped (0: raise at once). api_key / token: for a server that requires
-    one (see StreamClient). The other options are the `start` message's.
+    one (see StreamClient). words: every Final carries `words` (Word: word, start, end in stream seconds) or a
+    `words_reason`; a server without an aligner refuses the stream (StreamClosed 1003). The other options are the
+    `start` message's.
     """
     options = StreamOptions(sample_rate=sample_rate or getattr(source, "sample_rate", 16000),
                             channels=channels or getattr(source, "channels", 1), encoding=encoding,
                             language=language, context=context, format=format, partials=partials,
-                            partial_interval_ms=partial_interval_ms, vad=vad)
+                            partial_interval_ms=partial_interval_ms, vad=vad, words=words)
     return AudioStream(url, source, options, reconnect=reconnect, reconnect_delay_s=reconnect_delay_s,
                        open_timeout_s=open_timeout_s, api_key=api_key, token=token)
 
@@ -452,6 +455,9 @@ class _Timeline:
         if isinstance(event, SpeechStarted):
             return dataclasses.replace(event, segment_id=event.segment_id + self.segment_offset,
                                        start=event.start + self.offset_s)
+        if isinstance(event, Final) and event.words:
+            event = dataclasses.replace(event, words=tuple(Word(word.word, word.start + self.offset_s,
+                                                                word.end + self.offset_s) for word in event.words))
         if isinstance(event, (Partial, Final)):
             return dataclasses.replace(event, segment_id=event.segment_id + self.segment_offset,
                                        start=event.start + self.offset_s, end=event.end + self.offset_s)

@@ -23,7 +23,7 @@ from qasr.server.app import QasrServer, ServerConfig
 from qasr.server.auth import Authenticator, KeyStore
 from qasr.server.limits import ServerLimits
 from qasr.server.security import SecuritySettings
-from qasr.streaming.settings import StreamSettings
+from qasr.streaming.settings import StreamLimits, StreamSettings
 
 REPO = Path(__file__).resolve().parents[1]
 WEB_ROOT = REPO / "web"
@@ -74,11 +74,12 @@ class ThreadedServer:
 
     def __init__(self, engine_factory: Callable[[], object], *, port: int = 0, web_root: Path | None = None,
                  defaults: StreamSettings = StreamSettings(), security: SecuritySettings = SecuritySettings(),
-                 **limits):
+                 stream_limits: StreamLimits = StreamLimits(), **limits):
         self.engine_factory = engine_factory
         self.port = port
         self.web_root = web_root
         self.defaults = defaults
+        self.stream_limits = stream_limits  # e.g. StreamLimits(word_times=True): the engine can time words
         self.security = security
         self.limits = limits
         self.server: QasrServer | None = None
@@ -96,7 +97,8 @@ class ThreadedServer:
     async def _start(self) -> None:
         engine = self.engine_factory()
         config = ServerConfig(port=self.port, limits=ServerLimits(**self.limits), defaults=self.defaults,
-                              web_root=self.web_root, ping_interval_s=None, security=self.security)
+                              stream_limits=self.stream_limits, web_root=self.web_root, ping_interval_s=None,
+                              security=self.security)
         self.server = QasrServer(engine, config)
         await self.server.start()
         await engine.start()

@@ -12,7 +12,8 @@ from qasr.client.errors import ProtocolMismatch
 from qasr.client.protocol import END, FLUSH, StreamOptions, encode_audio, parse_event, start_message
 from qasr.server.commands import Start
 from qasr.server.protocol import NativeProtocol
-from qasr.streaming.events import Final, Ready, Summary
+from qasr.streaming.events import Final, Ready, Summary, Word
+from qasr.streaming.settings import StreamLimits
 
 
 def test_the_start_message_is_what_the_server_parses():
@@ -32,13 +33,14 @@ def test_the_start_message_is_what_the_server_parses():
 def test_defaults_leave_server_settings_alone():
     message = json.loads(start_message(StreamOptions()))
     assert "partial_interval_ms" not in message and "vad" not in message
+    assert "words" not in message  # a server without an aligner refuses `words` even when false would do
     assert message["language"] is None and message["sample_rate"] == 16000
     assert json.loads(END) == {"type": "end"} and json.loads(FLUSH) == {"type": "flush"}
 
 
 @pytest.mark.parametrize("bad, match", [
     ({"sample_rate": 0}, "sample_rate"), ({"sample_rate": 16000.0}, "sample_rate"), ({"encoding": "mp3"}, "encoding"),
-    ({"format": "xml"}, "format"), ({"channels": 0}, "channels"),
+    ({"format": "xml"}, "format"), ({"channels": 0}, "channels"), ({"words": "yes"}, "words"),
 ])
 def test_bad_options_are_value_errors(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -89,3 +91,35 @@ def test_events_parse_from_json_and_msgpack_ignoring_what_is_new():
 def test_frames_that_are_not_events_are_protocol_mismatches(frame, match):
     with pytest.raises(ProtocolMismatch, match=match):
         parse_event(frame)
+
+
+def test_words_are_asked_for_in_start_and_a_servers_start_takes_them():
+    message = start_message(StreamOptions(words=True))
+    assert json.loads(message)["words"] is True
+    start, = NativeProtocol(stream_limits=StreamLimits(word_times=True)).receive(message)
+    assert start.settings.words is True
+
+
+def test_a_finals_words_parse_into_word_times_and_words_reason_is_kept():
+    final = {"type": "final", "segment_id": 0, "text": "Hello, world.", "language": "English", "start": 0.18,
+             "end": 1.76, "reason": "silence", "latency_ms": 131.0,
+             "words": [{"word": "Hello", "start": 0.3, "end": 0.62}, {"word": "world", "start": 0.7, "end": 1.18}]}
+    words = (Word("Hello", 0.3, 0.62), Word("world", 0.7, 1.18))
+    for frame in (json.dumps(final), msgpack.packb(final)):
+        parsed = parse_event(frame)
+        assert parsed.words == words and parsed.words_reason is None
+    none = parse_event(json.dumps({**final, "words": [], "words_reason": "the aligner does not support Arabic"}))
+    assert none.words == () and none.words_reason == "the aligner does not support Arabic"
+    plain = {key: value for key, value in final.items() if key != "words"}
+    assert parse_event(json.dumps(plain)).words is None  # a stream that did not ask
+
+
+@pytest.mark.parametrize("words, match", [
+    ("Hello world", "list of"), ([["Hello", 0.3, 0.6]], "list of"), ([{"word": "Hello", "start": 0.3}], "end"),
+    ([{"word": "Hello", "start": "soon", "end": 0.6}], "not what this client expects"),
+])
+def test_words_of_another_shape_are_protocol_mismatches(words, match):
+    final = {"type": "final", "segment_id": 0, "text": "Hello", "language": "English", "start": 0.0, "end": 1.0,
+             "reason": "silence", "latency_ms": 1.0, "words": words}
+    with pytest.raises(ProtocolMismatch, match=match):
+        parse_event(json.dumps(final))
