@@ -16,7 +16,15 @@ Pickled messages over one pipe:
 
 The process is spawned (CUDA cannot be forked), ignores SIGINT, and SIGTERM once it has loaded (the server decides
 when it stops; while it loads, a stopped server's exit terminates it), and exits when the server's end of the pipe
-closes, so it never outlives the server. This module imports no torch and no tokenizer: the engine is imported in
+closes, so it never outlives the server.
+
+When the process dies (a CUDA error, an out-of-memory, a kill), `EngineProcess` starts another (within its restart
+budget: qasr.engine.restart_budget). What the dead one held fails with EngineCrashed (a stream gets an empty final
+for that segment and goes on); what was not yet sent, and `check_context` questions, wait for the new one; meanwhile
+`ready` is False and `error` None. Once the budget is spent `error` is set and everything gets EngineClosed. A
+cancel or release for the old process's work reaches the new one, which ignores what it does not know.
+
+This module imports no torch and no tokenizer: the engine is imported in
 the child's main; its logs go to the server's stderr, set up by the server's `log_setup` (the same format).
 """
 
@@ -37,7 +45,8 @@ import weakref
 
 from .futures import settle
 from .options import EngineOptions, display_name
-from .request import DecodeRequest, DecodeResult, EngineClosed
+from .request import DecodeRequest, DecodeResult, EngineClosed, EngineCrashed
+from .restart_budget import RestartBudget
 
 if typing.TYPE_CHECKING:
     from .engine import AsyncEngine, Engine
@@ -51,39 +60,37 @@ class EngineProcess:
     model_name: str
 
     def __init__(self, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions(),
-                 log_setup: typing.Callable[[], None] | None = None):
+                 log_setup: typing.Callable[[], None] | None = None, max_restarts: int = 3,
+                 restart_window_s: float = 300.0):
         """Spawn the engine process and wait until it has loaded the model and captured its graphs (minutes on a
         large model: the server calls this in a worker thread). RuntimeError if it could not.
 
         log_setup: run first in the engine process to configure its logging (picklable: a module-level function or
-        a functools.partial of one); None: text lines at this process's log level."""
+        a functools.partial of one); None: text lines at this process's log level.
+        max_restarts, restart_window_s: an engine process that dies is replaced, at most `max_restarts` times in
+        any `restart_window_s` seconds (0: never); past that the engine has failed (`error` is set)."""
         self.options = options
         self.model_name = display_name(model)
-        context = multiprocessing.get_context("spawn")
-        self._conn, child_end = context.Pipe()
-        self._process = context.Process(target=_engine_main, name="qasr-engine", daemon=True,
-                                        args=(child_end, model, device, dtype, options,
-                                              log_setup or functools.partial(_text_logs, log.getEffectiveLevel())))
-        self._process.start()
-        child_end.close()
-        try:
-            message = receive(self._conn)
-        except EOFError:
-            self._process.join(5)
-            message = ("failed", f"the engine process exited with code {self._process.exitcode}")
-        if message[0] != "ready":
-            self._process.join(5)
-            raise RuntimeError(f"the engine process could not load {model}: {message[1]}")
-        self._ready = False
+        self._spawn_args = (model, device, dtype, options,
+                            log_setup or functools.partial(_text_logs, log.getEffectiveLevel()))
+        self._budget = RestartBudget(max_restarts, restart_window_s)
+        self._child: _Child | None = _Child.start(*self._spawn_args)  # None while it restarts
+        self._child.wait_ready()
+        self._starting: _Child | None = None  # a replacement still loading (close() terminates it)
+        self._lock = threading.Lock()  # the child's replacement against the sender and the waiters
+        self._child_changed = threading.Condition(self._lock)
+        self._started = False
         self._error: BaseException | None = None
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
-        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # sent by a thread: a 2 MB clip never blocks the loop
+        self._pending: dict[int, _Waiter] = {}
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()  # sent by a thread: a 2 MB clip never blocks the loop;
+        # what waits here while the child restarts goes to the next one
         self._stats: dict = {}
-        self._gone = False  # the pipe closed: set before failing what is pending, checked after registering
+        self._restarts = 0
         self._closing = False
+        self._over = False  # no child will come any more (closed or failed): waiters get EngineClosed
         self._threads = [threading.Thread(target=self._send_loop, name="qasr-engine-send", daemon=True),
-                         threading.Thread(target=self._receive_loop, name="qasr-engine-receive", daemon=True)]
+                         threading.Thread(target=self._supervise, name="qasr-engine-receive", daemon=True)]
         for thread in self._threads:
             thread.start()
 
@@ -94,38 +101,47 @@ class EngineProcess:
 
     @property
     def pid(self) -> int | None:
-        return self._process.pid
+        """The engine process's (a restarted one has a new pid); None while it restarts or once it failed."""
+        child = self._child
+        return child.process.pid if child is not None else None
 
     @property
     def ready(self) -> bool:
-        return self._ready
+        """False while the engine process restarts, as well as before start() and after close() or a failure."""
+        return self._started and self._child is not None and not self._closing and self._error is None
 
     @property
     def error(self) -> BaseException | None:
+        """Set once the engine is down for good (its restart budget is spent, or it could not be restarted); None
+        while it restarts."""
         return self._error
 
     async def start(self) -> None:
-        self._ready = not (self._gone or self._closing)
+        self._started = True
 
     async def close(self) -> None:
         """Work still pending gets EngineClosed; returns once the process has exited."""
-        self._ready = False
-        if not self._closing:
-            self._closing = True
-            self._outbox.put(("close",))
-            self._outbox.put(None)
+        with self._lock:
+            if not self._closing:
+                self._closing = True
+                self._outbox.put(("close",))
+                self._outbox.put(None)
+                if self._starting is not None:  # a replacement still loading: it takes SIGTERM until loaded
+                    self._starting.process.terminate()
         await asyncio.to_thread(self._join)
 
     def _join(self) -> None:
-        self._process.join(30)
-        if self._process.is_alive():  # stuck (a hung device call): do not keep the server from exiting
+        supervisor = self._threads[1]
+        supervisor.join(30)
+        if supervisor.is_alive():  # stuck (a hung device call): do not keep the server from exiting
             log.error("the engine process did not exit in 30 s: killing it")
-            self._process.kill()
-            self._process.join()
+            for child in (self._child, self._starting):
+                if child is not None:
+                    child.process.kill()
+            supervisor.join()
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(5)
-        self._conn.close()
 
     async def transcribe(self, request: DecodeRequest) -> DecodeResult:
         return await self._ask(lambda request_id: ("add", request_id, request), cancel=True)
@@ -134,68 +150,186 @@ class EngineProcess:
         self._outbox.put(("release", stream_id))
 
     async def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
-        await self._ask(lambda request_id: ("check", request_id, context, language, max_audio_seconds))
+        while True:
+            try:
+                return await self._ask(lambda request_id: ("check", request_id, context, language, max_audio_seconds))
+            except EngineCrashed:  # the process died under the question: ask its replacement (the budget bounds it)
+                continue
 
     async def _ask(self, message, *, cancel: bool = False):
         """Send message(request_id) and await the process's ("done", request_id, answer); `cancel`: a cancelled
-        wait cancels the work in the process too."""
-        if self._closing or self._gone or self._error is not None:
-            raise EngineClosed("the engine is not running")
+        wait cancels the work in the process too. EngineCrashed if the process dies holding it."""
         loop = asyncio.get_running_loop()
-        future = loop.create_future()
         request_id = next(self._ids)
-        self._pending[request_id] = (loop, future)
-        if self._gone:  # the receiver already failed everything pending: nobody will answer this one
-            self._pending.pop(request_id, None)
-            raise EngineClosed("the engine is not running")
+        waiter = _Waiter(loop, loop.create_future())
+        with self._lock:
+            if self._closing or self._over:
+                raise EngineClosed("the engine is not running")
+            self._pending[request_id] = waiter
         self._outbox.put(message(request_id))
         try:
-            return await future
+            return await waiter.future
         except asyncio.CancelledError:
-            if cancel:
+            if cancel and waiter.sent_to is not None:
                 self._outbox.put(("cancel", request_id))
             raise
         finally:
-            self._pending.pop(request_id, None)
+            with self._lock:
+                self._pending.pop(request_id, None)
 
     def stats(self) -> dict:
-        return dict(self._stats)
+        """The engine process's stats (empty while it restarts) and `restarts`: engine processes replaced so far."""
+        return dict(self._stats) | {"restarts": self._restarts}
 
     # -- the server's two threads ----------------------------------------------------------------------------
 
     def _send_loop(self) -> None:
         while (message := self._outbox.get()) is not None:
-            try:
-                send(self._conn, message)
-            except (OSError, ValueError):  # the process is gone; the receiver reports it
-                return
+            self._send(message)
 
-    def _receive_loop(self) -> None:
+    def _send(self, message) -> None:
+        """To the engine process; while it restarts, wait for the replacement (nothing unsent is lost)."""
+        asks = message[0] in ("add", "check")
+        with self._lock:
+            while self._child is None and not self._over:
+                self._child_changed.wait()
+            child = self._child
+            waiter = self._pending.get(message[1]) if asks else None
+            if child is None or (asks and waiter is None):  # no engine any more, or the asker gave up meanwhile
+                return
+            if waiter is not None:
+                waiter.sent_to = child  # from here its fate is the child's
+        try:
+            send(child.conn, message)
+        except (OSError, ValueError):  # it died: wait until the supervisor has seen it, so that what comes next
+            with self._lock:  # waits for the replacement instead of failing against the dead pipe too
+                while self._child is child and not self._over:
+                    self._child_changed.wait()
+
+    def _supervise(self) -> None:
+        """Receive the child's answers; when it dies, fail what it held and start another (within the budget)."""
+        child = self._child
+        while child is not None:
+            failure = self._receive_from(child)
+            child.process.join(5)
+            child.conn.close()
+            with self._lock:
+                if not self._closing:  # closed: it stays as the last engine process (its pid, its exit code)
+                    self._child = None
+                self._stats = {}
+                held = [waiter for waiter in self._pending.values() if waiter.sent_to is child]
+                self._child_changed.notify_all()
+            if self._closing:
+                break
+            cause = failure or f"exit code {child.process.exitcode}"
+            log.error("the engine process died (%s) holding %d requests", cause, len(held))
+            for waiter in held:
+                waiter.settle(EngineCrashed(f"the engine process died under this request ({cause})"))
+            if not self._budget.take():
+                self._error = EngineClosed(
+                    f"the engine process died ({cause}) and its restart budget ({self._budget.max_restarts} in "
+                    f"{self._budget.window_s:g} s) is spent: not restarting it")
+                log.error("%s", self._error)
+                break
+            child = self._restart()
+        with self._lock:
+            self._over = True
+            self._child_changed.notify_all()
+            waiters = list(self._pending.values())
+        closed = self._error or EngineClosed("the engine was closed")
+        for waiter in waiters:
+            waiter.settle(closed)
+        self._outbox.put(None)  # ends the sender
+
+    def _receive_from(self, child: _Child) -> str | None:
+        """Until the child's pipe closes -> what it said of its failure, if it said anything."""
+        failure = None
         while True:
             try:
-                message = receive(self._conn)
+                message = receive(child.conn)
             except (EOFError, OSError):
-                break
+                return failure
             if message[0] == "done":
-                entry = self._pending.get(message[1])
-                if entry is not None:
-                    loop, future = entry
-                    loop.call_soon_threadsafe(settle, future, message[2])
+                waiter = self._pending.get(message[1])
+                if waiter is not None:
+                    answer = message[2]
+                    if isinstance(answer, EngineClosed) and not self._closing:  # its loop died: so did the process
+                        answer = EngineCrashed(str(answer))
+                    waiter.settle(answer)
             elif message[0] == "stats":
                 self._stats = message[1]
             elif message[0] == "failed":  # the engine loop died (a device error): the process exits next
-                self._error = EngineClosed(f"engine failed: {message[1]}")
+                failure = f"engine failed: {message[1]}"
+                log.error("%s", failure)
+
+    def _restart(self) -> _Child | None:
+        """A new engine process once it has loaded; None if closing meanwhile, or if it cannot load (error set)."""
+        log.warning("restarting the engine process (at most %d restarts in %g s)", self._budget.max_restarts,
+                    self._budget.window_s)
+        child = _Child.start(*self._spawn_args)
+        with self._lock:
+            self._starting = child
+            if self._closing:
+                child.process.terminate()
+        try:
+            child.wait_ready()
+        except RuntimeError as error:
+            if not self._closing:
+                self._error = EngineClosed(f"the engine process could not be restarted: {error}")
                 log.error("%s", self._error)
-        self._gone = True
-        self._ready = False
-        if not self._closing and self._error is None:
-            self._process.join(5)
-            self._error = EngineClosed(f"the engine process exited unexpectedly (exit code {self._process.exitcode})")
-            log.error("%s", self._error)
-        closed = self._error or EngineClosed("the engine was closed")
-        for loop, future in list(self._pending.values()):
-            loop.call_soon_threadsafe(settle, future, closed)
-        self._outbox.put(None)  # ends the sender
+            return None
+        finally:
+            with self._lock:
+                self._starting = None
+        with self._lock:  # even when closing: the sender delivers "close" to it
+            self._child = child
+            self._restarts += 1
+            self._child_changed.notify_all()
+        log.warning("the engine process is back (pid %d, restart %d)", child.process.pid, self._restarts)
+        return child
+
+
+class _Waiter:
+    """One question to the engine process: who awaits the answer, and which process it was sent to (None: unsent)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, future: asyncio.Future):
+        self.loop, self.future = loop, future
+        self.sent_to: _Child | None = None
+
+    def settle(self, answer) -> None:
+        try:
+            self.loop.call_soon_threadsafe(settle, self.future, answer)
+        except RuntimeError:  # its event loop is closed: nobody awaits it any more
+            pass
+
+
+class _Child:
+    """One engine process and the server's end of its pipe."""
+
+    def __init__(self, process, conn, model: str):
+        self.process, self.conn, self.model = process, conn, model
+
+    @classmethod
+    def start(cls, model: str, device, dtype, options: EngineOptions, log_setup) -> _Child:
+        context = multiprocessing.get_context("spawn")
+        conn, child_end = context.Pipe()
+        process = context.Process(target=_engine_main, name="qasr-engine", daemon=True,
+                                  args=(child_end, model, device, dtype, options, log_setup))
+        process.start()
+        child_end.close()
+        return cls(process, conn, model)
+
+    def wait_ready(self) -> None:
+        """Until it has loaded the model; RuntimeError (and its pipe closed) if it could not."""
+        try:
+            message = receive(self.conn)
+        except (EOFError, OSError):
+            self.process.join(5)
+            message = ("failed", f"the engine process exited with code {self.process.exitcode}")
+        if message[0] != "ready":
+            self.process.join(5)
+            self.conn.close()
+            raise RuntimeError(f"the engine process could not load {self.model}: {message[1]}")
 
 
 def send(conn, message) -> None:

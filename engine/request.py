@@ -28,6 +28,11 @@ class EngineClosed(Exception):
     """The engine is shutting down (or failed) and takes no more work."""
 
 
+class EngineCrashed(Exception):
+    """The engine process died (a device error, out of memory, a kill) while it held this request. Not EngineClosed:
+    the engine restarts, so only this request is lost (a stream gets an empty final for it and goes on)."""
+
+
 class WordTime(NamedTuple):
     """One aligned word: seconds from the start of the clip, to the ms (the aligner's own type, torch-free here)."""
 

@@ -1,6 +1,6 @@
 """The engine in its own process (`EngineProcess`): the same results as the engine in this process, errors and
-cancellation across the pipe, a crashed engine process fails its waiters instead of hanging them, close and load
-failures, and the real `qasr-server` command serving a stream through it."""
+cancellation across the pipe, a crashed engine process is restarted (failing only what it held) until its restart
+budget is spent, close and load failures, and the real `qasr-server` command serving a stream through it."""
 
 import asyncio
 import json
@@ -20,7 +20,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.engine_process import EngineProcess
-from qasr.engine.request import DecodeRequest, EngineClosed, Priority
+from qasr.engine.request import DecodeRequest, EngineClosed, EngineCrashed, Priority
 
 from fakes import speech_like, to_s16le
 from test_engine import speech
@@ -29,13 +29,13 @@ OPTIONS = EngineOptions(num_slots=4, max_len=256, num_retained=2)
 LONG = 900  # tokens: a request that decodes for a while (EOS ignored), to cancel or to be caught by a crash
 
 
-def start(model_dir, options: EngineOptions = OPTIONS) -> EngineProcess:
-    return EngineProcess(str(model_dir), device="cpu", dtype="float32", options=options)
+def start(model_dir, options: EngineOptions = OPTIONS, **restarts) -> EngineProcess:
+    return EngineProcess(str(model_dir), device="cpu", dtype="float32", options=options, **restarts)
 
 
-async def decoding(model_dir) -> tuple[EngineProcess, asyncio.Task]:
+async def decoding(model_dir, **restarts) -> tuple[EngineProcess, asyncio.Task]:
     """A started engine process that is busy decoding one LONG request."""
-    engine = start(model_dir, EngineOptions(num_slots=4, max_len=1024, num_retained=0, ignore_eos=True))
+    engine = start(model_dir, EngineOptions(num_slots=4, max_len=1024, num_retained=0, ignore_eos=True), **restarts)
     await engine.start()
     task = asyncio.create_task(engine.transcribe(DecodeRequest(audio=speech(2.0, seed=1), max_new_tokens=LONG)))
     await until(lambda: engine.stats().get("running") == 1)
@@ -109,21 +109,70 @@ def test_a_cancelled_request_frees_its_slot_and_close_fails_what_is_left(tiny_mo
         return engine
 
     engine = asyncio.run(asyncio.wait_for(main(), 60))
-    assert engine.pid is not None and engine._process.exitcode == 0 and not engine.ready and engine.error is None
+    assert engine.pid is not None and engine._child.process.exitcode == 0 and not engine.ready and engine.error is None
 
 
-def test_an_engine_process_that_dies_fails_its_waiters_and_says_so(tiny_model_dir):
+def test_a_killed_engine_process_is_restarted_failing_only_what_it_held(tiny_model_dir):
     async def main():
-        engine, waiting = await decoding(tiny_model_dir)
+        engine, held = await decoding(tiny_model_dir)
+        first_pid = engine.pid
+        engine.release_stream("never-seen")  # harmless, before and after the restart
+        os.kill(first_pid, signal.SIGKILL)
+        with pytest.raises(EngineCrashed, match="died under this request"):
+            await asyncio.wait_for(held, 10)
+        assert not isinstance(held.exception(), EngineClosed)  # a stream survives this one
+        assert not engine.ready and engine.error is None  # restarting: /readyz 503, /healthz 200
+        # sent while it restarts: these wait for the new process instead of failing
+        waiting = asyncio.create_task(engine.transcribe(DecodeRequest(audio=speech(1.0, seed=3), max_new_tokens=4)))
+        checked = asyncio.create_task(engine.check_context("Names: Qasr.", language=None, max_audio_seconds=2.0))
+        result = await asyncio.wait_for(waiting, 60)
+        await asyncio.wait_for(checked, 10)
+        engine.release_stream("never-seen")
+        assert len(result.token_ids) == 4 and engine.ready and engine.error is None
+        assert engine.pid not in (None, first_pid) and engine.stats()["restarts"] == 1
+        await until(lambda: "steps" in engine.stats())  # the new process reports its stats
+        await engine.close()
+        assert not engine.ready and engine.error is None
+
+    asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def test_past_its_restart_budget_the_engine_fails_and_says_so(tiny_model_dir):
+    async def main():
+        engine, held = await decoding(tiny_model_dir, max_restarts=0)
         os.kill(engine.pid, signal.SIGKILL)
-        with pytest.raises(EngineClosed, match="exited unexpectedly"):
-            await asyncio.wait_for(waiting, 10)
+        with pytest.raises(EngineCrashed, match="exit code -9"):
+            await asyncio.wait_for(held, 10)
+        await until(lambda: engine.error is not None)
         assert not engine.ready and isinstance(engine.error, EngineClosed)
+        assert "restart budget (0 in 300 s) is spent" in str(engine.error)
         with pytest.raises(EngineClosed):
             await engine.transcribe(DecodeRequest(audio=speech(1.0, seed=3)))
+        with pytest.raises(EngineClosed):
+            await engine.check_context("", language=None, max_audio_seconds=2.0)
+        assert engine.stats()["restarts"] == 0
         await engine.close()  # still closes cleanly
 
     asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_requests_waiting_for_a_restart_get_engine_closed_once_it_cannot_load(tiny_model_dir, tmp_path):
+    """The replacement loads the checkpoint again: one that broke meanwhile leaves the engine failed."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+
+    async def main():
+        engine = start(model)
+        await engine.start()
+        (model / "model.safetensors").write_bytes(b"not a safetensors file")
+        os.kill(engine.pid, signal.SIGKILL)
+        await until(lambda: not engine.ready)
+        with pytest.raises(EngineClosed, match="could not be restarted"):  # waits for the replacement, in vain
+            await asyncio.wait_for(engine.transcribe(DecodeRequest(audio=speech(1.0, seed=3))), 60)
+        assert isinstance(engine.error, EngineClosed)
+        await engine.close()
+
+    asyncio.run(asyncio.wait_for(main(), 90))
 
 
 def test_a_checkpoint_that_cannot_load_raises_with_the_reason(tiny_model_dir, tmp_path):
