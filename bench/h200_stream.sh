@@ -8,7 +8,8 @@
 #     -d .whl websockets webrtcvad-wheels soxr soundfile tqdm prometheus-client py-spy cffi pycparser
 # Usage (repo root, from the device tool with carry [".whl"]): bash bench/h200_stream.sh OUTDIR "600 800"
 # Env: DURATION (s per client, 40), STAGGER (s over which clients start, 10), WARMUP=N (N clients for 10 s first,
-# not reported), PYSPY=1 (sample the server's and the engine process's Python stacks mid-run into OUTDIR).
+# not reported), PYSPY=1 (sample the server's and the engine process's Python stacks mid-run into OUTDIR), ALIGNER=1
+# (word times: a random Qwen3-ForcedAligner-0.6B-shaped aligner beside the model, every client asks with --words).
 # After each run it prints where the engine's time went and how late the event loop ran (from /metrics).
 set -uo pipefail
 out=${1:?OUTDIR}; mkdir -p "$out"; counts=${2:-"100 400 1000"}
@@ -16,7 +17,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/qasr . || exit 1
 export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 [ -d /tmp/m06 ] || python3 -m qasr.model.testmodel /tmp/m06 --size 0.6B --dtype bfloat16 || exit 1
-python3 -m qasr.server.cli --model /tmp/m06 --device cuda --port 8765 --slots 256 --retained-slots 1024 \
+aligner=() words=()
+if [ -n "${ALIGNER:-}" ]; then
+  [ -d /tmp/a06 ] || python3 -m qasr.model.testmodel /tmp/a06 --aligner --size 0.6B --dtype bfloat16 || exit 1
+  aligner=(--aligner /tmp/a06) words=(--words)
+fi
+python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --device cuda --port 8765 --slots 256 --retained-slots 1024 \
   --max-len 640 --max-sessions 2048 --max-pending-per-address 4096 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
   > "$out/server.log" 2>&1 &
 server=$!
@@ -69,14 +75,14 @@ pyspy() { sleep $(( ${STAGGER:-10} + 2 ))
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1; }
 if [ -n "${WARMUP:-}" ]; then  # WARMUP=N: N clients for 10 s first, not reported (first-use costs of a fresh server)
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$WARMUP" --processes 8 --duration 10 \
-    --stagger-s 2 --drain-timeout-s 30 --no-progress --out "$out/warmup.json" > "$out/warmup.log" 2>&1
+    "${words[@]}" --stagger-s 2 --drain-timeout-s 30 --no-progress --out "$out/warmup.json" > "$out/warmup.log" 2>&1
   echo "warm-up: $(grep -m1 '^# .* segments' "$out/warmup.log")"
 fi
 for n in $counts; do
   metrics > "$out/metrics-$n-before.txt"
   [ -n "${PYSPY:-}" ] && { pyspy "$n" & }
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration ${DURATION:-40} \
-    --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$n.json" \
+    "${words[@]}" --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$n.json" \
     > "$out/stream-$n.log" 2>&1
   cat "$out/stream-$n.log"
   metrics > "$out/metrics-$n.txt"

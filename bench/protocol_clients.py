@@ -130,10 +130,12 @@ def mulaw(samples: np.ndarray) -> bytes:
 NATIVE_ENCODINGS: dict[str, Callable[[np.ndarray], bytes]] = {"s16le": pcm16, "mulaw": mulaw}  # --encoding
 
 
-def native_start(sample_rate: int, encoding: str, language: str | None, partial_interval_ms: int) -> str:
-    """The native `start` message for audio of this rate and encoding."""
+def native_start(sample_rate: int, encoding: str, language: str | None, partial_interval_ms: int,
+                 words: bool = False) -> str:
+    """The native `start` message for audio of this rate and encoding; `words`: word times on every final (what
+    the forced aligner costs under load; the server needs --aligner)."""
     return json.dumps({"type": "start", "sample_rate": sample_rate, "encoding": encoding, "language": language,
-                       "partial_interval_ms": partial_interval_ms})
+                       "partial_interval_ms": partial_interval_ms, **({"words": True} if words else {})})
 
 
 async def run_native(args, record: ClientRecord, tracks: list[np.ndarray], stop_at: float,
@@ -155,7 +157,8 @@ async def run_native(args, record: ClientRecord, tracks: list[np.ndarray], stop_
         record.error = f"{type(error).__name__}: {error}"
         return
     try:
-        await websocket.send(native_start(rate, args.encoding, args.language or None, args.partial_interval_ms))
+        await websocket.send(native_start(rate, args.encoding, args.language or None, args.partial_interval_ms,
+                                          args.words))
         ready = await asyncio.wait_for(_native_ready(websocket), OPEN_TIMEOUT_S)
         if isinstance(ready, Error):  # turned away: full, not ready, an option it cannot take
             record.error = f"refused: {ready.code}: {ready.message}"

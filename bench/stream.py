@@ -5,6 +5,7 @@
     qasr-bench stream --protocol openai ...     # OpenAI Realtime transcription sessions on /v1/realtime
     qasr-bench stream --protocol twilio ...     # Twilio calls on /v1/twilio (--tracks both: caller and agent)
     qasr-bench stream --sample-rate 8000 --encoding mulaw --chunk-ms 20 ...   # native, a Twilio call's audio
+    qasr-bench stream --words ...               # native streams ask for word times (a server with --aligner)
 
 Every client streams audio in real time (or --speed times faster) for --duration seconds in the --protocol's wire
 format (qasr.bench.protocol_clients: native, OpenAI Realtime and Twilio Media Streams, all on plain websockets;
@@ -235,6 +236,8 @@ def analyse(records: list[ClientRecord]) -> tuple[dict, list[dict]]:
             "error": record.error, "drained": record.drained, "audio_seconds": record.audio_seconds,
             "segments": kinds.count("speech_started"), "partials": kinds.count("partial"),
             "finals": kinds.count("final"), "errors": kinds.count("error"),
+            "finals_with_words": sum(1 for _, event in record.events if event.get("type") == "final"
+                                     and event.get("words")),
             "missing_finals": missing, "extra_finals": extra,
             "metrics": {key: distribution(values) for key, values in metrics.items()},
         })
@@ -255,8 +258,9 @@ def print_table(summary: dict, out: dict) -> None:
                 else "partials at the server's default interval")
     print(f"# {config['protocol']} ({config['audio_format']}): {config['clients']} clients x {config['duration_s']:g} s at {config['speed']:g}x "
           f"real time, {interval}, audio: {config['audio']}")
+    words = f", {totals['finals_with_words']} with words" if config["words"] else ""
     print(f"# {totals['segments']} segments, {totals['finals']} finals ({totals['missing_finals']} missing, "
-          f"{totals['extra_finals']} extra), {totals['partials']} partials, {totals['audio_seconds']:.0f} s of audio "
+          f"{totals['extra_finals']} extra{words}), {totals['partials']} partials, {totals['audio_seconds']:.0f} s of audio "
           f"sent, {totals['failed_clients']} clients failed")
     header = f"{'metric (ms)':<32} {'n':>6} " + " ".join(f"{f'p{p}':>8}" for p in PERCENTILES) + f" {'max':>8}"
     print(header)
@@ -417,15 +421,15 @@ async def bench(args) -> dict:
     tmp.cleanup()
     summary, sessions = analyse(records)
     totals = {key: sum(session[key] for session in sessions)
-              for key in ("segments", "partials", "finals", "errors", "missing_finals", "extra_finals",
-                          "audio_seconds")}
+              for key in ("segments", "partials", "finals", "finals_with_words", "errors", "missing_finals",
+                          "extra_finals", "audio_seconds")}
     totals["failed_clients"] = sum(1 for session in sessions if session["error"] or not session["drained"])
     out = {
         "config": {"protocol": args.protocol, "url": endpoint(args.url, args.protocol), "clients": args.clients,
                    "tracks": num_tracks(args), "duration_s": args.duration, "speed": args.speed,
                    "chunk_ms": args.chunk_ms, "audio_format": audio_format(args), "partial_interval_ms": args.partial_interval_ms,
-                   "language": args.language, "audio": args.audio or "generated utterances with pauses",
-                   "stagger_s": args.stagger_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+                   "language": args.language, "words": args.words,
+                   "audio": args.audio or "generated utterances with pauses", "stagger_s": args.stagger_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "wall_seconds": time.perf_counter() - bench_start,
         "totals": totals,
         "summary": summary,
@@ -475,6 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="force a language: a name or code (openai sends it as given, e.g. en; twilio as the "
                         "qasr_language custom parameter) "
                         "(default: the model detects it)")
+    p.add_argument("--words", action="store_true",
+                   help="native: every stream asks for word times on its finals (the server needs --aligner; "
+                        "finals_with_words counts those that carried some)")
     p.add_argument("--stagger-s", type=float, default=1.0,
                    help="client starts are spread over this long (default: %(default)s)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
@@ -504,6 +511,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("need --clients >= 1, --duration > 0, --speed > 0, --chunk-ms >= 10 and --processes >= 1")
     if args.tracks != "inbound" and args.protocol != "twilio":
         parser.error(f"--tracks {args.tracks} is for --protocol twilio")
+    if args.words and args.protocol != "native":
+        parser.error("--words is for --protocol native (the others cannot ask for word times)")
     if (args.sample_rate, args.encoding) != (SAMPLE_RATE, "s16le") and args.protocol != "native":
         parser.error("--sample-rate and --encoding are for --protocol native (the others send their own format)")
     try:

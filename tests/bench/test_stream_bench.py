@@ -14,6 +14,11 @@ from qasr.bench import stream as stream_bench
 from qasr.bench.protocol_clients import ClientRecord
 from qasr.server.app import QasrServer, ServerConfig
 from qasr.engine.engine import AsyncEngine, EngineOptions
+from qasr.streaming.settings import StreamLimits
+
+# tests/ is on sys.path (tests/conftest.py)
+from fakes import FakeEngine
+from live_server import ThreadedServer
 
 SR = 16000
 
@@ -95,6 +100,23 @@ def test_clients_spread_over_processes_are_all_reported(server_url, tmp_path):
     assert result["summary"]["send_lag_ms"]["n"] >= 4 * 3 * 1.5 * 10 - 4
 
 
+def test_words_ask_every_native_stream_for_word_times_and_count_the_finals_that_carried_them():
+    """--words against a server that can time words (the fake engine spreads them) and one that cannot (refused)."""
+    argv = ["--clients", "2", "--duration", "3", "--speed", "2", "--stagger-s", "0.2", "--partial-interval-ms",
+            "300", "--drain-timeout-s", "20", "--no-progress", "--words"]
+    with ThreadedServer(lambda: FakeEngine(delay_s=0.005), stream_limits=StreamLimits(word_times=True)) as server:
+        result = stream_bench.main(["--url", server.url, *argv])
+    totals = result["totals"]
+    assert result["config"]["words"] is True and totals["failed_clients"] == 0
+    assert totals["finals"] >= 2 and totals["finals_with_words"] == totals["finals"]
+    assert all(session["finals_with_words"] == session["finals"] for session in result["sessions"])
+
+    with ThreadedServer(lambda: FakeEngine(delay_s=0.005)) as server:  # no aligner: every stream is turned away
+        refused = stream_bench.main(["--url", server.url, *argv])
+    assert refused["totals"]["failed_clients"] == 2
+    assert all("unsupported" in session["error"] for session in refused["sessions"])
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit) as refused:
         stream_bench.main(["--clients", "0"])
@@ -102,7 +124,8 @@ def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         stream_bench.main(["--server-pid", "999999999"])
     for argv in (["--sample-rate", "44100"], ["--encoding", "alaw"],
-                 ["--protocol", "openai", "--sample-rate", "8000"], ["--protocol", "twilio", "--encoding", "mulaw"]):
+                 ["--protocol", "openai", "--sample-rate", "8000"], ["--protocol", "twilio", "--encoding", "mulaw"],
+                 ["--protocol", "openai", "--words"]):
         with pytest.raises(SystemExit) as refused:  # native only, at the rates and encodings the adapters get
             stream_bench.main(argv)
         assert refused.value.code == 2, argv
