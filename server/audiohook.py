@@ -20,7 +20,8 @@ Text frames are JSON messages `{"version": "2", "id", "type", "seq", "parameters
     close {reason}                             the remaining finals as events, then closed
                                                event {entities: [{type: "transcript", data: {id, channelId, isFinal,
                                                  offset, duration, alternatives: [{confidence, interpretations:
-                                                 [{type: "display", transcript}]}]}}]}  (partials: isFinal false)
+                                                 [{type: "display", transcript, tokens?}]}]}}]}  (partials:
+                                                 isFinal false; tokens: a final's words, on a server with --aligner)
 
 A `conversationId` of all zeros is Genesys's connection probe: it is opened and closed like a call, but nothing is
 transcribed and no call is published. Protocol violations (a `seq` that is not the last one + 1, a `serverseq`
@@ -31,6 +32,7 @@ ahead of the server's, another session's `id`, a malformed message, audio outsid
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import re
@@ -145,9 +147,11 @@ class AudioHookAdapter:
         wanted = {key: str(value) for key, value in custom.items() if isinstance(value, (str, int, float))}
         if language and "qasr_language" not in wanted:
             wanted["qasr_language"] = language
-        self.settings = stream_settings(self.defaults, self.limits, sample_rate=RATE,
-                                        encoding=FORMATS[self.media["format"]], num_tracks=len(channels),
-                                        parameters=wanted)
+        settings = stream_settings(self.defaults, self.limits, sample_rate=RATE,
+                                   encoding=FORMATS[self.media["format"]], num_tracks=len(channels),
+                                   parameters=wanted)
+        # a final's word times become its transcript tokens wherever this server can time words
+        self.settings = dataclasses.replace(settings, words=self.limits.word_times)
         self.probe = parameters["conversationId"] == PROBE_CONVERSATION
         if not self.probe:
             participant = parameters["participant"]
@@ -233,11 +237,13 @@ class AudioHookAdapter:
 
     def _transcript(self, event: events.Partial | events.Final, channel: int) -> dict:
         segment = uuid.uuid5(uuid.NAMESPACE_URL, f"qasr:audiohook:{self.session_id}/{channel}/{event.segment_id}")
+        interpretation = {"type": "display", "transcript": event.text}
+        if getattr(event, "words", None):  # a final the aligner timed
+            interpretation["tokens"] = transcript_tokens(event.words)
         return {"type": "transcript", "data": {
             "id": str(segment), "channelId": channel, "isFinal": isinstance(event, events.Final),
             "offset": duration(event.start), "duration": duration(max(0.0, event.end - event.start)),
-            "alternatives": [{"confidence": CONFIDENCE,
-                              "interpretations": [{"type": "display", "transcript": event.text}]}]}}
+            "alternatives": [{"confidence": CONFIDENCE, "interpretations": [interpretation]}]}}
 
     def _disconnect(self, error: events.Error) -> list[str]:
         if self.state in (State.DISCONNECTED, State.CLOSED):
@@ -272,6 +278,13 @@ def choose_media(offers: list) -> dict | None:
               and all(channel in SPEAKERS for channel in offer["channels"])]
     usable.sort(key=lambda offer: -len(offer["channels"]))  # stable: the client's order within a channel count
     return dict(usable[0]) if usable else None
+
+
+def transcript_tokens(words: tuple[events.Word, ...]) -> list[dict]:
+    """AudioHook transcript tokens (entities-transcript.ts TranscriptToken) from the aligner's words: offsets from
+    the start of the stream, like the transcript's own offset."""
+    return [{"type": "word", "value": word.word, "confidence": CONFIDENCE, "offset": duration(word.start),
+             "duration": duration(max(0.0, word.end - word.start))} for word in words]
 
 
 def duration(seconds: float) -> str:

@@ -99,6 +99,26 @@ def test_transcripts_are_transcript_entities_partials_then_the_final_under_one_i
     assert hook.encode(events.SpeechStarted(5, 4.0)) == []
 
 
+def test_a_finals_words_become_its_transcript_tokens_on_a_server_that_times_words():
+    client = AudioHookClient()
+    hook = AudioHookAdapter(defaults=StreamSettings(), limits=StreamLimits(word_times=True), calls=CallRegistry(),
+                            headers=client.headers)
+    start = hook.receive(client.open())[0]
+    assert isinstance(start, Start) and start.settings.words is True  # asked wherever the aligner is loaded
+    final = events.Final(0, "Hello, world.", "English", 1.0, 2.5, "silence", 3.0,
+                         words=(events.Word("Hello", 1.2, 1.52), events.Word("world", 1.6, 2.08)))
+    [message] = parse_all(hook.encode(final))
+    [interpretation] = message["parameters"]["entities"][0]["data"]["alternatives"][0]["interpretations"]
+    assert interpretation == {"type": "display", "transcript": "Hello, world.", "tokens": [
+        {"type": "word", "value": "Hello", "confidence": 1.0, "offset": "PT1.2S", "duration": "PT0.32S"},
+        {"type": "word", "value": "world", "confidence": 1.0, "offset": "PT1.6S", "duration": "PT0.48S"}]}
+    unaligned = events.Final(1, "marhaba", "Arabic", 3.0, 4.0, "silence", 3.0, words=(), words_reason="unsupported")
+    [message] = parse_all(hook.encode(unaligned))
+    assert "tokens" not in message["parameters"]["entities"][0]["data"]["alternatives"][0]["interpretations"][0]
+    other = AudioHookClient()
+    assert adapter(other).receive(other.open())[0].settings.words is False  # no aligner: not asked
+
+
 def test_the_probe_is_opened_and_closed_without_transcribing_or_publishing():
     client = AudioHookClient(conversation_id=PROBE_CONVERSATION)
     registry = CallRegistry()
