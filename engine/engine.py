@@ -32,7 +32,7 @@ from .options import EngineOptions, display_name
 from .request import DecodeRequest, DecodeResult, EngineClosed, Priority
 from .runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import Sequence, Status
 from .stream_cache import StreamCache, StreamState
 
 __all__ = ["AsyncEngine", "Engine", "EngineOptions", "display_name"]
@@ -195,17 +195,45 @@ class Engine:
     # -- admit: schedule, encode, prefill, postprocess the first tokens ---------------------------------------------
 
     def _admit(self) -> None:
-        t0 = time.perf_counter()
         seqs = self.scheduler.schedule(self.options.max_prefill_tokens, lambda s: prompting.prefill_cost(s.request))
-        if not seqs:
-            return
+        if seqs:
+            self._admit_apart(seqs)
+
+    def _admit_apart(self, seqs: list[Sequence]) -> None:
+        """Admit `seqs` together; if that raises, each on its own, so that a request the encoder or the prefill cannot
+        take (bad shapes, a fault of its own) fails alone and its batch mates run as if it had not been there."""
         try:
-            seqs, embeds, starts = self._encode(seqs)
-        except Exception as e:  # the encoder itself failed: nothing of this batch can run
-            log.exception("encoding failed for %d sequences", len(seqs))
-            for seq in seqs:
-                seq.finish(e)
-            return
+            self._admit_together(seqs)
+        except Exception as error:
+            left = self._undo_admission(seqs)
+            if len(seqs) > 1:
+                log.warning("admitting %d requests together failed: admitting each on its own", len(seqs),
+                            exc_info=True)
+                for seq in left:
+                    self._admit_apart([seq])
+                return
+            log.exception("a request failed in the engine")
+            for seq in left:
+                seq.finish(error)
+            if self.runner.device.type == "cuda":  # a broken CUDA context fails everything: raise it, so the
+                torch.cuda.synchronize(self.runner.device)  # engine stops (and its process is restarted)
+
+    def _undo_admission(self, seqs: list[Sequence]) -> list[Sequence]:
+        """After a failed admission: free the slots it took, and forget the partials' stream state (it may be half
+        updated) -> the sequences still to be finished."""
+        left = [seq for seq in seqs if seq.status is not Status.FINISHED and not seq.finish_reason]
+        placed = [seq.slot for seq in left if seq.slot >= 0]
+        for seq in left:
+            self.scheduler.release(seq)
+            seq.slot = -1
+            if seq.request.priority is Priority.PARTIAL and seq.stream_id is not None:
+                self.streams.release(seq.stream_id)
+        self.runner.stop_rows(placed)
+        return left
+
+    def _admit_together(self, seqs: list[Sequence]) -> None:
+        t0 = time.perf_counter()
+        seqs, embeds, starts = self._encode(seqs)
         if not seqs:
             return
         t1 = time.perf_counter()
