@@ -2,6 +2,9 @@
 // The protocol is docs/protocol.md: a `start` text frame, binary PCM frames, `end`; events come back as JSON.
 // A server that requires API keys (docs/security.md): a browser cannot set headers, so the key or token the
 // person pastes goes as the `qasr.key.KEY` / `qasr.token.TOKEN` subprotocol; it is kept in sessionStorage only.
+// Word times (a server started with --aligner): `ready.limits.words` says whether the server has an aligner; until
+// a stream has told the page, a checked "Word times" asks, and a server without one (it refuses the stream with
+// 1003 unsupported) is asked again at once without words, the toggle then disabled with a tooltip saying why.
 
 const SAMPLE_RATE = 16000;
 const CHUNK_MS = 100;
@@ -20,7 +23,12 @@ const $ = (id) => document.getElementById(id);
 const ui = {
   toggle: $("toggle"), reconnect: $("reconnect"), language: $("language"), context: $("context"),
   level: $("level"), status: $("status"), transcript: $("transcript"), empty: $("empty"),
-  credential: $("credential"), credentialField: $("credential-field"),
+  credential: $("credential"), credentialField: $("credential-field"), words: $("words"),
+  wordsField: $("words-field"),
+};
+const WORDS_TITLE = {
+  available: "Time each word of a final: hover a word for when it was spoken",
+  unavailable: "This server has no forced aligner (qasr-server --aligner): word times are not available",
 };
 
 // Same host as the page, ws: for http and wss: for https (so it works behind a TLS reverse proxy).
@@ -29,6 +37,8 @@ export function streamUrl(location = window.location) {
 }
 
 let stream = null; // the running session: {socket, capture, sentLog, ...}
+let wordsAvailable = null; // what the last `ready` said of word times (limits.words); null: no stream yet
+let wordsNotice = ""; // said once the stream that asked for word times in vain is listening without them
 
 // -- states --------------------------------------------------------------------------------------------------
 
@@ -63,9 +73,19 @@ function setState(state, detail = "") {
   ui.toggle.disabled = state === "connecting" || state === "stopping";
   ui.reconnect.hidden = state !== "dropped";
   ui.language.disabled = ui.context.disabled = ui.credential.disabled = busy;
+  ui.words.disabled = busy || wordsAvailable === false;
   ui.credentialField.hidden = state !== "unauthorized" && !ui.credential.value;
   if (state === "unauthorized") ui.credential.focus();
   if (!busy) ui.level.value = 0;
+}
+
+// What the server said of word times: without an aligner the toggle is off and disabled, its tooltip says why.
+function setWordsAvailable(available) {
+  wordsAvailable = available;
+  if (!available) ui.words.checked = false;
+  ui.words.disabled = !available || Boolean(stream);
+  ui.wordsField.classList.toggle("unavailable", !available);
+  ui.wordsField.title = WORDS_TITLE[available ? "available" : "unavailable"];
 }
 
 // -- the API key or token ------------------------------------------------------------------------------------
@@ -138,14 +158,14 @@ async function start() {
   const rate = Math.min(SAMPLE_RATE, capture.context.sampleRate);
   const session = {
     socket, capture, rate, credential, opened: false, ready: false, ending: false, samplesSent: 0, sentLog: [],
-    fatal: null,
+    fatal: null, words: ui.words.checked && wordsAvailable !== false, wordsRefused: false,
   };
   stream = session;
   socket.onopen = () => {
     session.opened = true; // past the handshake: a later close is not a refusal
     socket.send(JSON.stringify({
       type: "start", sample_rate: rate, encoding: "s16le",
-      language: ui.language.value || null, context: ui.context.value,
+      language: ui.language.value || null, context: ui.context.value, ...(session.words ? { words: true } : {}),
     }));
   };
   socket.onmessage = (message) => onEvent(session, JSON.parse(message.data));
@@ -191,7 +211,9 @@ function onClose(session, close) {
   closeMicrophone(session.capture);
   if (stream === session) stream = null;
   for (const item of ui.transcript.querySelectorAll("li.partial")) item.remove(); // no final will replace them
-  if (session.ending && close.code === 1000) {
+  if (session.wordsRefused && !session.ending) {
+    start(); // the same stream again, without words (the toggle is now disabled)
+  } else if (session.ending && close.code === 1000) {
     setState("idle");
   } else if (!session.opened && !session.ending) {
     whyRefused(session.credential, close); // stays "connecting" until the server says
@@ -247,7 +269,9 @@ function onEvent(session, event) {
   switch (event.type) {
     case "ready":
       session.ready = true;
-      setState("listening", `Model: ${event.model}.`);
+      setWordsAvailable(Boolean(event.limits?.words));
+      setState("listening", `Model: ${event.model}.${wordsNotice}`);
+      wordsNotice = "";
       break;
     case "speech_started":
       segmentItem(event.segment_id);
@@ -264,10 +288,19 @@ function onEvent(session, event) {
       showFinal(session, event);
       break;
     case "error":
-      if (event.fatal) session.fatal = event;
+      if (event.fatal && wordsRefused(session, event)) {
+        session.wordsRefused = true; // asked again without words once the server closes this stream
+        wordsNotice = " Word times are off: this server has no aligner.";
+        setWordsAvailable(false);
+      } else if (event.fatal) session.fatal = event;
       else console.warn(`qasr: ${event.code}: ${event.message}`);
       break;
   }
+}
+
+// The server turned the stream away because it cannot time words (no --aligner): 1003 unsupported, before ready.
+function wordsRefused(session, error) {
+  return session.words && !session.ready && error.code === "unsupported" && /word/i.test(error.message);
 }
 
 // The list item of a segment, created in place (as a partial) the first time the segment is heard of.
@@ -298,6 +331,28 @@ function showFinal(session, event) {
     (pageMs === null ? "" : ` · ${Math.round(pageMs)} ms after the speech ended`);
   item.title = `segment ${event.segment_id}, closed by ${event.reason}`;
   if (!event.text) item.classList.add("silent");
+  if (Array.isArray(event.words)) item.append(wordTimes(event));
+}
+
+// A final's words, each with its time (seconds from the start of the stream) on hover; or why it has none.
+function wordTimes(event) {
+  const line = document.createElement("span");
+  line.className = "words";
+  if (!event.words.length) {
+    line.classList.add("none");
+    line.textContent = event.text ? `no word times: ${event.words_reason || "none given"}` : "";
+    return line;
+  }
+  event.words.forEach(({ word, start, end }, index) => {
+    const span = document.createElement("span");
+    span.className = "word";
+    span.textContent = word;
+    span.title = `${start.toFixed(2)}–${end.toFixed(2)} s`;
+    span.dataset.start = String(start);
+    span.dataset.end = String(end);
+    line.append(...(index ? [" ", span] : [span]));
+  });
+  return line;
 }
 
 // Milliseconds since the chunk holding the segment's last sample was sent: what the person waited, including

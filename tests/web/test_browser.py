@@ -3,7 +3,8 @@ a running qasr server: the fake microphone plays espeak-ng speech into the page,
 AudioWorklet and shows partials, then finals with times, language and latency. Also: a denied microphone shows the
 denied state, a server that goes away shows the dropped state, and Reconnect resumes against a restarted server;
 a server that requires an API key: the page asks for one, says when it is missing or wrong, and streams with a key
-or a minted token sent as a subprotocol.
+or a minted token sent as a subprotocol; "Word times" asks for words and shows each final's (times on hover), and on a
+server without an aligner the page streams without them and disables the toggle, saying why.
 
 Skips (saying why) without Chromium (Debian: apt-get install chromium) or espeak-ng.
 `QASR_UPDATE_SCREENSHOT=1 pytest tests/web/test_browser.py -k transcribes` rewrites docs/demo-page.png.
@@ -20,7 +21,7 @@ import urllib.request
 import pytest
 import soundfile
 
-from qasr.streaming.settings import StreamSettings
+from qasr.streaming.settings import StreamLimits, StreamSettings
 
 # tests/ is on sys.path (tests/conftest.py); tests/web is put there by pytest for this file's folder
 from chromium import console_of, find_chromium, launch, wait_for
@@ -373,3 +374,75 @@ def test_a_server_that_requires_a_key_asks_for_one_and_streams_with_a_key_or_a_t
     assert seen["protocols"] == [f"qasr.token.{seen['token']}"]  # since the reload: the token's stream
     assert "expired" in seen["bad token"]
     assert not [line for line in seen["console"] if line.startswith("exception")], seen["console"]
+
+
+# Before the page's own script: every text frame the page sends (start, end), parsed.
+RECORD_SENT = """window.qasrSent = [];
+const sendFrame = WebSocket.prototype.send;
+WebSocket.prototype.send = function (data) {
+  if (typeof data === 'string') window.qasrSent.push(JSON.parse(data));
+  return sendFrame.call(this, data);
+};"""
+WORDS = """[...document.querySelectorAll('#transcript li.final')].map(li => ({
+    time: li.querySelector('.time').textContent,
+    words: [...li.querySelectorAll('.word')].map(w => ({
+        text: w.textContent, title: w.title, start: Number(w.dataset.start), end: Number(w.dataset.end)}))}))"""
+TOGGLE = """({checked: document.getElementById('words').checked, disabled: document.getElementById('words').disabled,
+           title: document.getElementById('words-field').title})"""
+
+
+async def stream_with_word_times(browser, server: ThreadedServer) -> dict:
+    """A fresh page: tick "Word times", stream until a final, stop. What the page showed and sent."""
+    page = await browser.new_page()
+    await page.goto(server.http_url + "/")
+    seen = {"toggle before": await page.evaluate(TOGGLE)}
+    await page.check("#words")
+    await page.click("#toggle")
+    await wait_for(page, f"{STATE} === 'listening'")
+    seen["toggle while listening"] = await page.evaluate(TOGGLE)
+    seen["status"] = await page.evaluate(STATUS)
+    await wait_for(page, f"{FINALS} >= 1", timeout=20)
+    await page.hover("#transcript li.final .word, #transcript li.final .text")
+    await page.click("#toggle")
+    await wait_for(page, f"{STATE} === 'idle'")
+    seen.update(finals=await page.evaluate(WORDS), sent=await page.evaluate("window.qasrSent"),
+                toggle=await page.evaluate(TOGGLE), console=console_of(page))
+    return seen
+
+
+def test_word_times_show_on_each_final_and_a_server_without_an_aligner_disables_the_toggle(tmp_path):
+    audio, _ = speech_like([("silence", 0.5), ("speech", 1.2), ("silence", 1.0)])
+    soundfile.write(str(tmp_path / "burst.wav"), audio, 16000, subtype="PCM_16")
+
+    async def main(timed: ThreadedServer, untimed: ThreadedServer):
+        async with launch(fake_audio=tmp_path / "burst.wav") as browser:
+            await browser.add_init_script(RECORD_SENT)
+            return await stream_with_word_times(browser, timed), await stream_with_word_times(browser, untimed)
+
+    fake = lambda: FakeEngine(delay_s=0.005)  # noqa: E731 (its words: the transcript's, spread over the segment)
+    with ThreadedServer(fake, web_root=WEB_ROOT, stream_limits=StreamLimits(word_times=True)) as timed, \
+            ThreadedServer(fake, web_root=WEB_ROOT) as untimed:
+        with_aligner, without = run(main(timed, untimed))
+
+    title = with_aligner["toggle"]["title"]
+    assert with_aligner["toggle before"] == {"checked": False, "disabled": False, "title": title}
+    assert with_aligner["toggle while listening"]["disabled"]  # a stream's words are fixed at its start
+    assert with_aligner["toggle"] == {"checked": True, "disabled": False, "title": title} and "hover" in title
+    assert [frame["type"] for frame in with_aligner["sent"]] == ["start", "end"]
+    assert with_aligner["sent"][0]["words"] is True
+    for final in with_aligner["finals"]:
+        start, end = map(float, re.fullmatch(r"([\d.]+)–([\d.]+) s", final["time"]).groups())
+        assert final["words"], final  # the fake engine's transcript is one word: the segment's length
+        for word in final["words"]:
+            assert start - 0.01 <= word["start"] <= word["end"] <= end + 0.01
+            assert word["title"] == f"{word['start']:.2f}–{word['end']:.2f} s"
+    assert not [line for line in with_aligner["console"] if line.startswith("exception")], with_aligner["console"]
+
+    # no aligner: the start that asked is refused (1003), the page asks again without words and says so
+    assert [(frame["type"], frame.get("words")) for frame in without["sent"]] == [("start", True), ("start", None),
+                                                                                 ("end", None)]
+    assert "Word times are off: this server has no aligner." in without["status"]
+    assert without["toggle"]["checked"] is False and without["toggle"]["disabled"] is True
+    assert "no forced aligner" in without["toggle"]["title"] and "--aligner" in without["toggle"]["title"]
+    assert without["finals"] and not any(final["words"] for final in without["finals"])
+    assert not [line for line in without["console"] if line.startswith("exception")], without["console"]
