@@ -11,7 +11,8 @@ A server that requires API keys: `stream_audio(url, source, api_key=os.environ["
 Events are the server's (`Ready`, `SpeechStarted`, `Partial`, `Final`, `Error`, `Summary`, from
 `qasr.streaming.events`; a Final's `words` are `Word`s when the stream asked with `words=True`) plus the client's
 own `Reconnecting` and `AudioDropped` (a microphone that fell too far behind). The wire format lives in
-`qasr.client.protocol`, errors in `qasr.client.errors`. `qasr-mic` (qasr.client.mic) is the terminal client built on this.
+`qasr.client.protocol`, errors in `qasr.client.errors`. `qasr-mic` (qasr.client.mic) is the terminal client built on
+this.
 """
 
 from qasr.client.errors import (AccessDenied, AudioSourceError, AuthenticationFailed, ClientError, ConnectionLost,

@@ -8,8 +8,8 @@
 
 On a terminal the growing partial is rewritten in place on one line; each final is committed on its own line as
 `[12.34-15.67] text`; with --words an indented line follows with each word's start in stream seconds
-(`word@12.41 ...`), or why the final has none. --jsonl prints (or, with --output, writes) one JSON object per final instead. Ctrl-C ends
-the stream cleanly: the last segment's final still arrives before qasr-mic exits 0 (a second Ctrl-C quits at once).
+(`word@12.41 ...`), or why the final has none. --jsonl prints (or, with --output, writes) one JSON object per final
+instead. Ctrl-C ends the stream cleanly: the last segment's final still arrives before qasr-mic exits 0 (a second Ctrl-C quits at once).
 
 The API key (for a server that requires one) comes from --api-key or, better, $QASR_API_KEY, which a process
 listing does not show; the flag wins. It is sent as `Authorization: Bearer` and never printed.
