@@ -72,8 +72,8 @@ class HttpRoutes:
         if path == "/readyz":
             if self.is_ready():
                 return _text(http.HTTPStatus.OK, "ready\n")
-            return _text(http.HTTPStatus.SERVICE_UNAVAILABLE, "not ready: the model is loading or the server is "
-                                                              "stopping\n")
+            return _text(http.HTTPStatus.SERVICE_UNAVAILABLE, "not ready: the model is loading, the engine is "
+                                                              "restarting or the server is stopping\n")
         if path == "/metrics":
             body = self.metrics.render(self.engine).encode()
             return _response(http.HTTPStatus.OK, body, METRICS_CONTENT_TYPE)

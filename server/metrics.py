@@ -3,7 +3,7 @@
 `ServerMetrics` holds one `CollectorRegistry` per server (tests run many servers in one process; the library's
 global registry would mix them) and is also the sessions' observer (partials, finals, latencies). The engine's
 numbers are read at scrape time by `EngineStatsCollector` from `engine.stats()`: numbers become gauges
-`qasr_engine_<key>`, dicts of numbers one gauge with a `kind` label, lists of numbers (e.g. recent batch sizes)
+`qasr_engine_<key>` (those that only grow, `ENGINE_STATS_COUNTERS`, counters `qasr_engine_<key>_total`), dicts of numbers one gauge with a `kind` label, lists of numbers (e.g. recent batch sizes)
 `_last`, `_mean` and `_max` gauges. Every family has a HELP line (`ENGINE_STATS_HELP`, or a generic one for a key
 an engine adds later).
 
@@ -20,7 +20,7 @@ from typing import Iterable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from qasr.engine.request import Priority
@@ -51,7 +51,9 @@ ENGINE_STATS_HELP = {
     "seconds": "The engine loop's time so far, by kind: admit, decode_gpu, decode_host, idle.",
     "thread_cpu_seconds": "CPU time of the engine loop's thread.",
     "process_cpu_seconds": "CPU time of the engine process (all threads).",
+    "restarts": "Engine processes replaced after one died (a device error, out of memory, a kill).",
 }
+ENGINE_STATS_COUNTERS = {"restarts"}  # stats that only grow: shown as counters (`qasr_engine_<key>_total`)
 LIST_SUFFIX_HELP = {"last": "the last one", "mean": "their mean", "max": "their maximum"}
 
 
@@ -179,7 +181,9 @@ class EngineStatsCollector:
 def _stat_families(key: str, value) -> Iterable[GaugeMetricFamily]:
     name = "qasr_engine_" + _metric_name(key)
     help_text = ENGINE_STATS_HELP.get(key, f"The engine's `{key}` statistic.")
-    if _is_number(value):
+    if _is_number(value) and key in ENGINE_STATS_COUNTERS:
+        yield CounterMetricFamily(name, help_text, value=value)
+    elif _is_number(value):
         yield GaugeMetricFamily(name, help_text, value=value)
     elif isinstance(value, dict) and value and all(_is_number(v) for v in value.values()):
         family = GaugeMetricFamily(name, help_text, labels=["kind"])
