@@ -5,7 +5,7 @@
 # tqdm and prometheus-client (and py-spy for PYSPY=1): carry them in .whl/ with
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     -d .whl websockets webrtcvad-wheels soxr soundfile tqdm prometheus-client py-spy cffi pycparser
+#     -d .whl websockets webrtcvad-wheels soxr soundfile tqdm prometheus-client orjson pybase64 py-spy cffi pycparser
 # Usage (repo root, from the device tool with carry [".whl"]): bash bench/h200_stream.sh OUTDIR "600 800"
 # Env: DURATION (s per client, 40), STAGGER (s over which clients start, 10), WARMUP=N (N clients for 10 s first,
 # not reported), PYSPY=1 (sample the server's and the engine process's Python stacks mid-run into OUTDIR), ALIGNER=1
@@ -27,7 +27,7 @@ python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --device cuda --port
   > "$out/server.log" 2>&1 &
 server=$!
 ready() { python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8765/readyz', timeout=2)" 2>/dev/null; }
-for _ in $(seq 180); do ready && break; sleep 1; done
+for _ in $(seq 180); do ready && break; kill -0 "$server" 2>/dev/null || break; sleep 1; done  # a server that died says why
 ready || { echo "server not ready"; tail -30 "$out/server.log"; kill "$server"; exit 1; }
 echo "server ready after ${SECONDS}s"
 metrics() { python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8765/metrics').read().decode())"; }
