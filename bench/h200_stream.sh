@@ -20,7 +20,7 @@ export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PAT
 aligner=() words=()
 if [ -n "${ALIGNER:-}" ]; then
   [ -d /tmp/a06 ] || python3 -m qasr.model.testmodel /tmp/a06 --aligner --size 0.6B --dtype bfloat16 || exit 1
-  aligner=(--aligner /tmp/a06) words=(--words)
+  aligner=(--aligner /tmp/a06) words=(--words --language English)  # a forced language: random weights detect none the aligner takes
 fi
 python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --device cuda --port 8765 --slots 256 --retained-slots 1024 \
   --max-len 640 --max-sessions 2048 --max-pending-per-address 4096 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
