@@ -302,15 +302,18 @@ def tensor_specs(shapes: Shapes, *, tie_word_embeddings: bool) -> list[TensorSpe
     return specs
 
 
-def hf_name(original_name: str) -> str:
+HF_PREFIXES = (  # original-layout prefix -> transformers-native ("-hf") prefix, first match wins
+    ("thinker.audio_tower.proj1.", "model.multi_modal_projector.linear_1."),
+    ("thinker.audio_tower.proj2.", "model.multi_modal_projector.linear_2."),
+    ("thinker.audio_tower.", "model.audio_tower."),
+    ("thinker.model.", "model.language_model."),
+    ("thinker.lm_head.", "lm_head."),
+)
+
+
+def hf_name(original_name: str, prefixes: tuple[tuple[str, str], ...] = HF_PREFIXES) -> str:
     """The transformers-native ("-hf") name of an original-layout tensor."""
-    for old, new in (
-        ("thinker.audio_tower.proj1.", "model.multi_modal_projector.linear_1."),
-        ("thinker.audio_tower.proj2.", "model.multi_modal_projector.linear_2."),
-        ("thinker.audio_tower.", "model.audio_tower."),
-        ("thinker.model.", "model.language_model."),
-        ("thinker.lm_head.", "lm_head."),
-    ):
+    for old, new in prefixes:
         if original_name.startswith(old):
             return new + original_name[len(old) :]
     raise ValueError(f"no -hf name for {original_name!r}")
@@ -766,16 +769,16 @@ def aligner_tensor_specs(shapes: Shapes, *, layout: str = "original") -> list[Te
     return specs
 
 
+ALIGNER_HF_PREFIXES = (  # the aligner's "-hf" layout has no projector block and calls its head `classifier`
+    ("thinker.audio_tower.", "model.audio_tower."),
+    ("thinker.model.", "model.language_model."),
+    ("thinker.lm_head.", "classifier."),
+)
+
+
 def aligner_hf_name(original_name: str) -> str:
     """The transformers-native ("-hf") name of an original-layout aligner tensor."""
-    for old, new in (
-        ("thinker.audio_tower.", "model.audio_tower."),
-        ("thinker.model.", "model.language_model."),
-        ("thinker.lm_head.", "classifier."),
-    ):
-        if original_name.startswith(old):
-            return new + original_name[len(old) :]
-    raise ValueError(f"no -hf aligner name for {original_name!r}")
+    return hf_name(original_name, ALIGNER_HF_PREFIXES)
 
 
 def aligner_config(size: str = "tiny", *, layout: str = "original", dtype: str = "float32") -> dict:
