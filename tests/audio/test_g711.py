@@ -1,5 +1,5 @@
 """G.711 tables against an encoder written from the standard's segment definition (and against audioop where the
-interpreter still has it)."""
+interpreter still has it); qasr's own encoder against a brute-force search for the nearest level."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from qasr.audio import decode_pcm
+from qasr.audio import g711
 from qasr.audio.g711 import ALAW_TO_LINEAR, MULAW_TO_LINEAR
 
 
@@ -71,3 +72,42 @@ def test_g711_bytes_decode_to_float_frames():
     np.testing.assert_array_equal(samples.ravel(), MULAW_TO_LINEAR[list(codes)] / 32768.0)
     assert samples[0, 0] == 0.0 and samples[0, 1] == pytest.approx(32124 / 32768)
     np.testing.assert_array_equal(decode_pcm(bytes([0xD5, 0x55]), "alaw")[:, 0], [8 / 32768, -8 / 32768])
+
+
+TABLES = {"mulaw": MULAW_TO_LINEAR, "alaw": ALAW_TO_LINEAR}
+
+
+@pytest.mark.parametrize("encoding", ["mulaw", "alaw"])
+def test_encoding_picks_the_code_whose_decoded_level_is_nearest(encoding):
+    levels = np.unique(TABLES[encoding]).astype(np.float64) / 32768.0
+    rng = np.random.default_rng(0)
+    samples = np.concatenate([rng.uniform(-1.1, 1.1, 20000), rng.normal(0, 0.01, 20000),  # quiet: the fine steps
+                              levels, (levels[1:] + levels[:-1]) / 2 + 1e-7, [0.0, -1.0, 1.0]]).astype(np.float32)
+    codes = g711.encode(samples, encoding)
+    assert isinstance(codes, bytes) and len(codes) == len(samples)
+    decoded = decode_pcm(codes, encoding)[:, 0].astype(np.float64)
+    nearest = np.abs(samples[:, None].astype(np.float64) - levels[None, :]).min(axis=1)
+    np.testing.assert_array_equal(np.abs(decoded - samples), nearest)
+
+
+@pytest.mark.parametrize("encoding", ["mulaw", "alaw"])
+def test_every_decoded_level_encodes_back_to_its_code(encoding):
+    codes = np.frombuffer(g711.encode(decode_pcm(bytes(range(256)), encoding)[:, 0], encoding), dtype=np.uint8)
+    expected = np.arange(256)
+    if encoding == "mulaw":
+        expected[0x7F] = 0xFF  # "negative zero" decodes to 0, which is sent as positive zero
+    np.testing.assert_array_equal(codes, expected)
+
+
+def test_encoding_zero_and_out_of_range_samples_gives_the_standards_codes():
+    assert g711.encode(np.array([0.0, 2.0, -2.0]), "mulaw") == bytes([0xFF, 0x80, 0x00])  # clipped to the extremes
+    assert g711.encode(np.array([0.0], dtype=np.float32), "alaw") == bytes([0xD5])  # halfway of -8, +8: up
+
+
+@pytest.mark.parametrize("samples, encoding, match", [(np.array([0.1, np.nan]), "mulaw", "NaN"),
+                                                      (np.array([np.inf]), "alaw", "infinite"),
+                                                      (np.array([1, 2], dtype=np.int16), "mulaw", "float"),
+                                                      (np.zeros(2), "s16le", "mulaw")])
+def test_encoding_refuses_what_it_cannot_encode(samples, encoding, match):
+    with pytest.raises(ValueError, match=match):
+        g711.encode(samples, encoding)
