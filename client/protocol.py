@@ -17,11 +17,11 @@ from typing import Mapping
 import msgpack
 import numpy as np
 
-from qasr.audio import ENCODINGS, SAMPLE_RATE
+from qasr.audio import ENCODINGS, SAMPLE_RATE, g711
 from qasr.client.errors import ProtocolMismatch
 from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary, Word
 
-SENT_ENCODINGS = ("s16le", "f32le")  # the ENCODINGS this client encodes numpy audio into (the server takes more)
+SENT_ENCODINGS = ("s16le", "f32le", "mulaw", "alaw")  # qasr.audio.ENCODINGS this client encodes numpy audio into
 FORMATS = ("json", "msgpack")
 EVENT_TYPES = {cls.TYPE: cls for cls in (Ready, SpeechStarted, Partial, Final, Error, Summary)}
 
@@ -38,7 +38,8 @@ class StreamOptions:
     """What the client asks for in `start`; None leaves a setting to the server's default."""
 
     sample_rate: int = SAMPLE_RATE  # Hz of the audio sent
-    encoding: str = "s16le"  # on the wire: "s16le" (half the bytes) or "f32le"
+    encoding: str = "s16le"  # on the wire: "s16le" (half f32le's bytes), "f32le", or G.711 "mulaw"/"alaw" (1 byte,
+    #                          telephony audio, usually at 8000 Hz)
     channels: int = 1  # interleaved; the server averages them to mono
     language: str | None = None  # e.g. "English"; None: the model detects it
     context: str = ""  # names, topic, spellings the model should prefer
@@ -122,7 +123,7 @@ def start_message(options: StreamOptions) -> str:
 
 def encode_audio(chunk: np.ndarray, options: StreamOptions) -> bytes:
     """One binary audio frame. chunk: [n] (interleaved if several channels) or [n, channels]; float in [-1, 1]
-    or int16. Floats are clipped; s16le rounds to the nearest step."""
+    or int16. Floats are clipped; s16le rounds to the nearest step, mulaw/alaw to the nearest G.711 level."""
     chunk = np.asarray(chunk)
     if chunk.ndim == 2 and chunk.shape[1] != options.channels:
         raise ValueError(f"audio chunk has {chunk.shape[1]} channels, the stream was started with {options.channels}")
@@ -140,6 +141,8 @@ def encode_audio(chunk: np.ndarray, options: StreamOptions) -> bytes:
     chunk = np.clip(chunk, -1.0, 1.0)
     if options.encoding == "f32le":
         return chunk.astype("<f4", copy=False).tobytes()
+    if options.encoding in ("mulaw", "alaw"):
+        return g711.encode(chunk, options.encoding)
     return np.round(chunk * 32767.0).astype("<i2").tobytes()
 
 

@@ -191,6 +191,24 @@ def test_stop_still_sends_what_the_microphone_already_captured(monkeypatch):
     assert events[-1].audio_seconds == pytest.approx(2.0)  # every captured block reached the server
 
 
+@pytest.mark.parametrize("encoding", ["mulaw", "alaw"])
+def test_a_g711_8k_stream_gets_its_finals(tmp_path, encoding):
+    truth = write_wav(tmp_path / "call8k.wav", THREE_BURSTS[:4], sample_rate=8000)
+
+    async def main():
+        async with serving(fake_engine()) as server:
+            source = file_source(tmp_path / "call8k.wav", realtime=False)
+            return await collect(stream_audio(stream_url(server.port), source, encoding=encoding, partials=False,
+                                              vad=EXACT))
+
+    events = run(main())
+    assert_well_formed(events, 2, partials=False)
+    assert events[0].sample_rate == 8000 and events[0].config["encoding"] == encoding
+    for final, (start, end) in zip(of_type(events, Final), truth):
+        assert final.start == pytest.approx(start, abs=0.1) and final.end == pytest.approx(end, abs=0.1)
+    assert events[-1].audio_seconds == pytest.approx(sum(seconds for _, seconds in THREE_BURSTS[:4]))
+
+
 def test_the_low_level_client_flushes_and_ends():
     audio, _ = speech_like([("silence", 0.3), ("speech", 1.0), ("silence", 0.2), ("speech", 0.6)])
 

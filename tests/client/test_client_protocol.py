@@ -8,6 +8,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from qasr.audio import decode_pcm
 from qasr.client.errors import ProtocolMismatch
 from qasr.client.protocol import END, FLUSH, StreamOptions, encode_audio, parse_event, start_message
 from qasr.server.commands import Start
@@ -57,6 +58,23 @@ def test_audio_frames_round_trip_through_the_servers_decoder():
         assert np.allclose(audio.samples[:, 0], np.clip(samples, -1, 1), atol=1 / 32767)
     assert encode_audio(np.array([1, -2], np.int16), StreamOptions()) == b"\x01\x00\xfe\xff"
     assert encode_audio(np.array([0.5], np.float32), StreamOptions()) == np.int16(16384).tobytes()
+
+
+@pytest.mark.parametrize("encoding", ["mulaw", "alaw"])
+def test_g711_frames_carry_the_nearest_level_the_servers_decoder_has(encoding):
+    samples = np.array([0.0, 0.3, -0.3, 0.001, -0.7, 1.0, -1.5], np.float32)
+    options = StreamOptions(sample_rate=8000, encoding=encoding)
+    frame = encode_audio(samples, options)
+    assert len(frame) == len(samples)  # one byte per sample
+    protocol = NativeProtocol()
+    protocol.receive(start_message(options))
+    [audio] = protocol.receive(frame)
+    levels = decode_pcm(bytes(range(256)), encoding)[:, 0]
+    clipped = np.clip(samples, -1, 1)
+    nearest = np.abs(clipped[:, None] - levels[None, :]).min(axis=1)  # A-law's 0 is halfway: either level will do
+    np.testing.assert_array_equal(np.abs(audio.samples[:, 0] - clipped), nearest)
+    as_int16 = np.round(clipped * 32767).astype(np.int16)
+    assert encode_audio(as_int16, options) == encode_audio(as_int16 / np.float32(32768), options)
 
 
 def test_channels_are_checked_and_interleaved():
