@@ -2,8 +2,9 @@
 `ClientRecord` with what it saw as events in the native schema (`speech_started`, `partial`, `final`, `error` with
 `segment_id`, stream times in seconds, and `channel` where a stream has several), so one analysis serves them all.
 
-    native  /v1/stream, plain websockets: `start`, binary PCM chunks (16 kHz s16le, or --sample-rate/--encoding:
-            24 kHz s16le as an OpenAI client sends, 8 kHz mulaw as a Twilio call), `end`; the events as sent.
+    native  /v1/stream through qasr.client's StreamClient (the client library users stream with): `start`, binary
+            PCM chunks (16 kHz s16le, or --sample-rate/--encoding: 24 kHz s16le as an OpenAI client sends, 8 kHz
+            mulaw as a Twilio call), `end`; the events as sent.
     openai  /v1/realtime?intent=transcription, plain websockets (the server's cost is measured, not an SDK's):
             `session.update` (audio/pcm 24 kHz, server_vad), base64 `input_audio_buffer.append` events, then a
             `commit` (the open turn ends) and a `session.update` that answers after every event made before it.
@@ -33,10 +34,8 @@ import numpy as np
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidHandshake
 
-from qasr.audio import ENCODINGS, SAMPLE_RATE
-from qasr.audio.g711 import MULAW_TO_LINEAR
-from qasr.client.protocol import END, parse_event
-from qasr.streaming.events import Error, Ready, Summary
+from qasr.audio import SAMPLE_RATE, g711
+from qasr.client import ClientError, StreamClient, StreamClosed, StreamOptions, Summary
 from qasr.streaming.settings import VadSettings
 
 OPENAI_RATE = 24000  # Hz: OpenAI's audio/pcm
@@ -104,103 +103,65 @@ def pcm16(samples: np.ndarray) -> bytes:
     return np.clip(np.round(samples * 32767.0), -32768, 32767).astype("<i2").tobytes()
 
 
-def _nearest_mulaw_codes() -> np.ndarray:
-    """[65536] uint8: the G.711 mu-law code whose decoded value (qasr.audio.g711's table) is nearest each 16-bit
-    sample, so encoding is one lookup."""
-    order = np.argsort(MULAW_TO_LINEAR, kind="stable")
-    values = MULAW_TO_LINEAR[order].astype(np.int32)
-    linear = np.arange(-32768, 32768, dtype=np.int32)
-    upper = np.clip(np.searchsorted(values, linear), 1, 255)
-    nearer_upper = np.abs(values[upper] - linear) < np.abs(values[upper - 1] - linear)
-    return np.where(nearer_upper, order[upper], order[upper - 1]).astype(np.uint8)
-
-
-_MULAW_CODES = _nearest_mulaw_codes()
-
-
-def mulaw(samples: np.ndarray) -> bytes:
-    """float32 [-1, 1] -> G.711 mu-law bytes (nearest code)."""
-    linear = np.clip(np.round(samples * 32768.0), -32768, 32767).astype(np.int32)
-    return _MULAW_CODES[linear + 32768].tobytes()
-
-
 # ---- native ------------------------------------------------------------------------------------------------------
 
 
-NATIVE_ENCODINGS: dict[str, Callable[[np.ndarray], bytes]] = {"s16le": pcm16, "mulaw": mulaw}  # --encoding
-
-
-def native_start(sample_rate: int, encoding: str, language: str | None, partial_interval_ms: int,
-                 words: bool = False) -> str:
-    """The native `start` message for audio of this rate and encoding; `words`: word times on every final (what
-    the forced aligner costs under load; the server needs --aligner)."""
-    return json.dumps({"type": "start", "sample_rate": sample_rate, "encoding": encoding, "language": language,
-                       "partial_interval_ms": partial_interval_ms, **({"words": True} if words else {})})
+NATIVE_ENCODINGS = ("s16le", "mulaw")  # --encoding: what a plain client sends, what a Twilio call sends
 
 
 async def run_native(args, record: ClientRecord, tracks: list[np.ndarray], stop_at: float,
                      bench_start: float) -> None:
-    """One native stream on plain websockets (as the other protocols' clients: the frames, not a client library, are
-    what is measured), its audio sent at --sample-rate in --encoding: 16 kHz s16le by default; 24 kHz s16le is what
-    an OpenAI client sends, 8 kHz mulaw in 20 ms what a Twilio call sends."""
+    """One native stream through qasr.client's StreamClient, its audio sent at --sample-rate in --encoding: 16 kHz
+    s16le by default; 24 kHz s16le is what an OpenAI client sends, 8 kHz mulaw in 20 ms what a Twilio call sends.
+    The chunks are cut ahead; StreamClient encodes each as it sends it (a send's lag includes that, as a real
+    client's would). --words asks for word times on every final (the forced aligner's cost under load)."""
     import soxr
 
     rate = args.sample_rate
     audio = tracks[0] if rate == SAMPLE_RATE else soxr.resample(tracks[0], SAMPLE_RATE, rate).astype(np.float32)
     chunk = int(args.chunk_ms * rate / 1000)
-    encode = NATIVE_ENCODINGS[args.encoding]
-    frames = [encode(audio[k * chunk : (k + 1) * chunk]) for k in range(-(-len(audio) // chunk))]  # encoded ahead
+    chunks = [audio[k * chunk : (k + 1) * chunk] for k in range(-(-len(audio) // chunk))]
+    options = StreamOptions(sample_rate=rate, encoding=args.encoding, language=args.language or None,
+                            partial_interval_ms=args.partial_interval_ms, words=args.words)
+    client = StreamClient(endpoint(args.url, "native"), options, open_timeout_s=OPEN_TIMEOUT_S)
     try:
-        websocket = await connect(endpoint(args.url, "native"), open_timeout=OPEN_TIMEOUT_S, max_size=None,
-                                  compression=None)
-    except (OSError, InvalidHandshake, asyncio.TimeoutError) as error:
+        ready = await client.connect()
+    except StreamClosed as closed:  # turned away: full, not ready, an option it cannot take
+        record.error = (f"refused: {closed.error.code}: {closed.error.message}" if closed.error is not None
+                        else f"{type(closed).__name__}: {closed}")
+        record.close_code = client.close_code
+        return
+    except (ClientError, OSError) as error:  # unreachable, or the handshake refused
         record.error = f"{type(error).__name__}: {error}"
         return
     try:
-        await websocket.send(native_start(rate, args.encoding, args.language or None, args.partial_interval_ms,
-                                          args.words))
-        ready = await asyncio.wait_for(_native_ready(websocket), OPEN_TIMEOUT_S)
-        if isinstance(ready, Error):  # turned away: full, not ready, an option it cannot take
-            record.error = f"refused: {ready.code}: {ready.message}"
-            return
         record.session_id = ready.session_id
         record.pre_roll_s = ready.config.get("vad", {}).get("pre_roll_ms", 0) / 1000
 
         async def receive() -> None:
             try:
-                async for frame in websocket:  # until the server closes
-                    event = parse_event(frame)
-                    if event is None:
-                        continue
+                async for event in client.events():  # until the server closes
                     record.events.append((time.perf_counter(), {"type": event.TYPE, **dataclasses.asdict(event)}))
                     if isinstance(event, Summary):
                         record.drained = True
-            except ConnectionClosed as closed:
+            except StreamClosed as closed:  # closed otherwise than after the summary
                 record.error = f"closed by the server: {closed}"
             if not record.drained:
                 record.error = record.error or "closed by the server before the summary"
 
         receiving = asyncio.ensure_future(receive())
-        async for k in paced(record, len(frames), chunk / rate / args.speed, stop_at=stop_at,
+        async for k in paced(record, len(chunks), chunk / rate / args.speed, stop_at=stop_at,
                              bench_start=bench_start, done=receiving):
-            await websocket.send(frames[k])
-            record.audio_seconds += len(frames[k]) / ENCODINGS[args.encoding] / rate
+            await client.send_audio(chunks[k])
+            record.audio_seconds += len(chunks[k]) / rate
         if not receiving.done():
-            await websocket.send(END)
+            await client.end()
         await _drain(receiving, args.drain_timeout_s, record)
-    except (ConnectionClosed, OSError, asyncio.TimeoutError) as error:
+    except (ClientError, OSError) as error:
         record.error = record.error or f"{type(error).__name__}: {error}"
     finally:
-        await websocket.close()
-        record.close_code = websocket.close_code
-
-
-async def _native_ready(websocket) -> Ready | Error:
-    """The stream's `ready`, or the fatal error that turned it away."""
-    while True:
-        event = parse_event(await websocket.recv())
-        if isinstance(event, Ready) or isinstance(event, Error) and event.fatal:
-            return event
+        await client.close()
+        record.close_code = client.close_code
 
 
 async def _drain(receiving: asyncio.Future, timeout_s: float, record: ClientRecord) -> None:
@@ -377,7 +338,8 @@ class TwilioCall:
         begin = frame * TWILIO_FRAME
         return [json.dumps({"event": "media", "sequenceNumber": self._next(), "streamSid": self.stream_sid,
                             "media": {"track": name, "chunk": str(frame + 1), "timestamp": str(frame * 20),
-                                      "payload": base64.b64encode(mulaw(audio[begin:begin + TWILIO_FRAME])).decode()}})
+                                      "payload": base64.b64encode(g711.encode(audio[begin:begin + TWILIO_FRAME],
+                                                                                  "mulaw")).decode()}})
                 for name, audio in zip(TWILIO_TRACKS, self.tracks)]
 
     def stop(self) -> str:

@@ -8,8 +8,8 @@
     qasr-bench stream --words ...               # native streams ask for word times (a server with --aligner)
 
 Every client streams audio in real time (or --speed times faster) for --duration seconds in the --protocol's wire
-format (qasr.bench.protocol_clients: native, OpenAI Realtime and Twilio Media Streams, all on plain websockets;
-native at --sample-rate in --encoding, so that it can send the audio an adapter gets): a WAV file (--audio, each
+format (qasr.bench.protocol_clients: native through qasr.client's StreamClient, OpenAI Realtime and Twilio Media
+Streams on plain websockets; native at --sample-rate in --encoding, so that it can send the audio an adapter gets): a WAV file (--audio, each
 client starting at its own offset, looped), or generated speech-like utterances with pauses (a seed per client).
 Then it ends the stream and waits for its last finals.
 Measured per segment and client, with "when speech happened" taken as the moment the audio would have been captured
