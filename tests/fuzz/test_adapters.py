@@ -40,8 +40,11 @@ COMMANDS = (Start, Audio, Flush, End, Notice, Reply)
 SESSION = str(uuid.UUID(int=7))
 CALL = str(uuid.UUID(int=9))
 
+# No subnormal floats: a library loaded earlier in the test run (nagisa's DyNet, for the aligner's Japanese words) sets
+# the CPU's flush-to-zero mode, and hypothesis then refuses to generate them.
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**40, 2**40) | st.floats(allow_nan=True, allow_infinity=True)
+    st.none() | st.booleans() | st.integers(-2**40, 2**40)
+    | st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=False)
     | st.text(max_size=12),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
     max_leaves=8)
@@ -69,7 +72,7 @@ def native(data, n):
         "vad": st.fixed_dictionaries({}, optional={"aggressiveness": st.integers(-1, 4),
                                                    "end_silence_ms": st.integers(0, 9000),
                                                    "pre_roll_ms": st.integers(0, 3000),
-                                                   "max_segment_s": st.floats(0, 60)})}))},
+                                                   "max_segment_s": st.floats(0, 60, allow_subnormal=False)})}))},
             {"type": "flush"}, {"type": "end"}]
 
 
