@@ -17,7 +17,6 @@ Each channel holds to its own `max_pending_finals`; the finals not yet taken are
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import time
@@ -27,7 +26,8 @@ import numpy as np
 
 from qasr.audio import SAMPLE_RATE
 from qasr.streaming import events
-from qasr.streaming.session import BACKLOG_EVENTS, Cancel, Decode, EngineAction, Session, SessionObserver
+from qasr.streaming.outbox import EventOutbox
+from qasr.streaming.session import Cancel, Decode, EngineAction, Session, SessionObserver
 from qasr.streaming.settings import StreamSettings
 
 
@@ -50,8 +50,7 @@ class MultichannelSession:
         self._requests: dict[int, tuple[int, int]] = {}  # our request id -> (channel, its session's request id)
         self._our_ids: dict[tuple[int, int], int] = {}  # the reverse
         self._actions: list[EngineAction] = []
-        self._outbox: collections.deque = collections.deque()
-        self._untaken_finals = 0
+        self._outbox = EventOutbox()
         self._summarised: set[int] = set()  # channels whose summary came
 
     # -- input -------------------------------------------------------------------------------------------------
@@ -104,22 +103,16 @@ class MultichannelSession:
             session.abort()
             self._collect(channel)
         self._outbox.clear()
-        self._untaken_finals = 0
 
     # -- output --------------------------------------------------------------------------------------------------
 
     def take_event(self):
-        if not self._outbox:
-            return None
-        event = self._outbox.popleft()
-        if isinstance(event, events.Final):
-            self._untaken_finals -= 1
-        return event
+        return self._outbox.take()
 
     @property
     def has_capacity(self) -> bool:
         """False while one channel has max_pending_finals finals being decoded, or that many finals are untaken."""
-        return self._untaken_finals < self.max_pending_finals and all(session.has_capacity
+        return self._outbox.num_finals < self.max_pending_finals and all(session.has_capacity
                                                                       for session in self.channels)
 
     @property
@@ -164,11 +157,4 @@ class MultichannelSession:
         return action  # Release: stream ids are already distinct per channel
 
     def _emit(self, event) -> None:
-        last = self._outbox[-1] if self._outbox else None
-        if isinstance(event, events.Partial) and isinstance(last, events.Partial) and len(self._outbox) >= \
-                BACKLOG_EVENTS and (last.channel, last.segment_id) == (event.channel, event.segment_id):
-            self._outbox[-1] = event  # a reader that fell behind gets the newest hypothesis (as Session does)
-        else:
-            self._outbox.append(event)
-        if isinstance(event, events.Final):
-            self._untaken_finals += 1
+        self._outbox.put(event)

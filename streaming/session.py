@@ -29,10 +29,10 @@ import numpy as np
 
 from qasr.audio import SAMPLE_RATE, downmix
 from qasr.streaming import events, vad
+from qasr.streaming.outbox import EventOutbox
 from qasr.streaming.resample import StreamResampler
 from qasr.streaming.settings import StreamSettings
 
-BACKLOG_EVENTS = 8  # untaken events beyond which a new partial replaces an untaken one of the same segment
 
 
 # -- what the session asks of the engine -------------------------------------------------------------------------
@@ -139,8 +139,7 @@ class Session:
         self._streams_in_engine: set[str] = set()  # stream ids that had work and are not released yet
 
         self._actions: list[EngineAction] = []
-        self._outbox: collections.deque[events.ServerEvent] = collections.deque()
-        self._untaken_finals = 0  # finals in the outbox
+        self._outbox = EventOutbox()
         self._ended = False  # end() called: no more input
         self._summarised = False
         self._aborted = False
@@ -231,18 +230,13 @@ class Session:
 
     def take_event(self) -> events.ServerEvent | None:
         """The next event for the client, in order; None when there is none now."""
-        if not self._outbox:
-            return None
-        event = self._outbox.popleft()
-        if isinstance(event, events.Final):
-            self._untaken_finals -= 1
-        return event
+        return self._outbox.take()
 
     @property
     def has_capacity(self) -> bool:
         """False while max_pending_finals finals are being decoded or not yet taken: a client that sends fast and
         reads slowly must be paused, or the events would pile up without bound."""
-        return len(self._closing) + self._untaken_finals < self.max_pending_finals
+        return len(self._closing) + self._outbox.num_finals < self.max_pending_finals
 
     @property
     def num_in_flight(self) -> int:
@@ -354,14 +348,7 @@ class Session:
     def _emit(self, event: events.ServerEvent) -> None:
         if self._aborted:
             return
-        last = self._outbox[-1] if self._outbox else None
-        if isinstance(event, events.Partial) and isinstance(last, events.Partial) \
-                and last.segment_id == event.segment_id and len(self._outbox) >= BACKLOG_EVENTS:
-            self._outbox[-1] = event  # a reader that fell behind gets the newest hypothesis, not a backlog
-        else:
-            self._outbox.append(event)
-        if isinstance(event, events.Final):
-            self._untaken_finals += 1
+        self._outbox.put(event)
 
 
 def _stream_words(closed: _ClosedSegment, result) -> tuple[tuple[events.Word, ...], str | None]:
