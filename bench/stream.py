@@ -6,6 +6,8 @@
     qasr-bench stream --protocol twilio ...     # Twilio calls on /v1/twilio (--tracks both: caller and agent)
     qasr-bench stream --sample-rate 8000 --encoding mulaw --chunk-ms 20 ...   # native, a Twilio call's audio
     qasr-bench stream --words ...               # native streams ask for word times (a server with --aligner)
+    qasr-bench stream --label "1 GPU" --out run.json ...                      # a run that belongs to a scaling line
+    qasr-bench stream --plot scaling.png --from run-*.json                    # no run: the scaling curve of runs
 
 Every client streams audio in real time (or --speed times faster) for --duration seconds in the --protocol's wire
 format (qasr.bench.protocol_clients: native through qasr.client's StreamClient, OpenAI Realtime and Twilio Media
@@ -428,7 +430,7 @@ async def bench(args) -> dict:
         "config": {"protocol": args.protocol, "url": endpoint(args.url, args.protocol), "clients": args.clients,
                    "tracks": num_tracks(args), "duration_s": args.duration, "speed": args.speed,
                    "chunk_ms": args.chunk_ms, "audio_format": audio_format(args), "partial_interval_ms": args.partial_interval_ms,
-                   "language": args.language, "words": args.words,
+                   "language": args.language, "words": args.words, "label": args.label,
                    "audio": args.audio or "generated utterances with pauses", "stagger_s": args.stagger_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "wall_seconds": time.perf_counter() - bench_start,
         "totals": totals,
@@ -491,7 +493,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-interval-s", type=float, default=0.5,
                    help="CPU sampling and progress interval (default: %(default)s)")
     p.add_argument("--out", metavar="JSON", help="also write the results here")
-    p.add_argument("--plot", metavar="PNG", help="also write a plot here (needs matplotlib)")
+    p.add_argument("--plot", metavar="PNG", help="also write a plot here (needs matplotlib); with --from, the scaling "
+                   "curve of earlier runs instead of a run")
+    p.add_argument("--from", dest="from_runs", nargs="+", metavar="JSON",
+                   help="no run: plot earlier --out results as a scaling curve (final latency p50/p95/p99 and refused "
+                   "streams against clients, one line per --label) into --plot")
+    p.add_argument("--label", help="the line this run belongs to on a scaling curve, e.g. \"1 GPU\" (kept in --out)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="hide the progress bar (shown on stderr by default)")
     p.add_argument("--processes", type=int, default=1,
@@ -504,9 +511,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def plot_runs(parser: argparse.ArgumentParser, args) -> dict:
+    """`--from`: the scaling curve of earlier runs, and its points as a table."""
+    from qasr.bench.scaling import load_runs, plot_scaling
+
+    if not args.plot:
+        parser.error("--from needs --plot PNG (where to draw the scaling curve)")
+    lines = plot_scaling(args.plot, load_runs(args.from_runs))
+    print(f"{'line':<16} {'clients':>8} {'p50':>8} {'p95':>8} {'p99':>8} {'refused':>8} {'finals':>12}")
+    for label, points in lines.items():
+        for pt in points:
+            ms = [f"{pt['latency'][p]:8.0f}" if pt["latency"] else f"{'-':>8}" for p in ("p50", "p95", "p99")]
+            print(f"{label:<16} {pt['clients']:>8} {' '.join(ms)} {pt['refused']:>8} "
+                  f"{pt['finals']:>5}/{pt['segments']:<6}")
+    print(f"wrote {args.plot}")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.from_runs:
+        return plot_runs(parser, args)
     if args.clients < 1 or args.duration <= 0 or args.speed <= 0 or args.chunk_ms < 10 or args.processes < 1:
         parser.error("need --clients >= 1, --duration > 0, --speed > 0, --chunk-ms >= 10 and --processes >= 1")
     if args.tracks != "inbound" and args.protocol != "twilio":
