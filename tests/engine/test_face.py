@@ -12,8 +12,9 @@ from qasr.engine.engine import AsyncEngine
 from qasr.engine.engine_process import EngineProcess
 from qasr.engine.face import SpeechEngine
 from qasr.engine.fake import FakeEngine
+from qasr.engine.pool import EnginePool
 
-IMPLEMENTATIONS = [AsyncEngine, EngineProcess, FakeEngine]
+IMPLEMENTATIONS = [AsyncEngine, EngineProcess, FakeEngine, EnginePool]
 
 
 def face_members() -> dict[str, object]:

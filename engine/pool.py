@@ -1,0 +1,242 @@
+"""Several engines behind the one face: an engine per device (`qasr-server --devices 0,1`), each stream placed on the
+least-loaded engine when its first request arrives and kept there until `release_stream` (its encoder windows, KV
+prefix and last answer live in that engine). `EnginePool` implements qasr.engine.face.SpeechEngine; the server
+drives one pool whatever the number of devices.
+
+Load, for placement: the streams placed on an engine (a stream is one segment: it brings work at the pace of
+real-time speech until its final), ties broken by the work the engine reports now (sequences decoding and waiting).
+The count is exact and current; the reported work is a snapshot up to 250 ms old (an engine process reports four
+times a second) that swings with every partial, so it only breaks ties. An engine without headroom gets a new stream
+only when no engine has any.
+
+Headroom, per engine (what admission control reads: qasr.server.admission), the smaller of
+
+    1 - p90 queue delay of its finals answered in the last `window_s` (DecodeResult.timings queue_ms) / target_ms
+    1 - decode rows in use / its slots      (rows in use: the mean of its recent decode steps' rows, but no more
+                                             than it runs and queues now: an idle engine's old steps do not count)
+
+1: idle; 0: at the latency target; below 0: past it. The pool's headroom is its best serving engine's: where the next
+stream goes.
+
+Partials thin before finals slow down: on an engine whose headroom is below a `LoadPolicy.thin_levels` level, a
+stream passes only one partial in n to it and the others are answered Superseded at once (the session then asks
+for its next partial one partial interval later), so the engine's rows and admissions go to finals first.
+
+Failures: `ready` while at least one engine is ready; `error` once every engine has failed for good. A stream whose
+engine failed for good is placed again; a request that got EngineClosed from such an engine (it never ran there) is
+retried on another. EngineCrashed (the engine process died holding it) is not retried: a request that crashed one
+engine could crash the next; its segment alone fails, as with one engine.
+
+Torch-free (the server process imports it): it speaks only the request types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+from .face import SpeechEngine
+from .request import DecodeRequest, DecodeResult, EngineClosed, Priority, Superseded
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    target_ms: float = 100.0  # the p90 queue delay of recent finals at which an engine has no headroom left (a final
+    # that waited this long still has encode, prefill and decode to go); 0: no target (headroom from decode rows
+    # only, and no partial thinning)
+    window_s: float = 3.0  # finals answered this recently make the queue-delay signal
+    thin_levels: tuple[tuple[float, int], ...] = ((0.3, 2), (0.1, 4))  # (headroom below, pass one partial in n),
+    # highest level first: at headroom 0.2 a stream's partials pass one in two, at 0.05 one in four
+
+    def __post_init__(self):
+        if self.target_ms < 0 or not self.window_s > 0:
+            raise ValueError(f"invalid load policy: target_ms must be >= 0 and window_s > 0, got {self}")
+        levels = [level for level, _ in self.thin_levels]
+        if levels != sorted(levels, reverse=True) or any(n < 1 for _, n in self.thin_levels):
+            raise ValueError(f"thin_levels must go from the highest headroom down, each n >= 1: {self.thin_levels}")
+
+    def partials_passed_one_in(self, headroom: float) -> int:
+        """1: every partial passes; n: one in n."""
+        if self.target_ms == 0:
+            return 1
+        passed = 1
+        for level, one_in in self.thin_levels:
+            if headroom < level:
+                passed = one_in
+        return passed
+
+
+class RecentDelays:
+    """Delays (ms) observed in the last `window_s` seconds, and their 90th percentile."""
+
+    def __init__(self, window_s: float, clock=time.monotonic):
+        self.window_s, self._clock = window_s, clock
+        self._samples: collections.deque[tuple[float, float]] = collections.deque()
+
+    def add(self, delay_ms: float) -> None:
+        self._samples.append((self._clock(), delay_ms))
+
+    def p90(self) -> float:
+        """0 when nothing was observed within the window."""
+        horizon = self._clock() - self.window_s
+        while self._samples and self._samples[0][0] < horizon:
+            self._samples.popleft()
+        if not self._samples:
+            return 0.0
+        ordered = sorted(delay for _, delay in self._samples)
+        return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+
+
+class _Member:
+    """One engine of the pool and what the pool knows of it."""
+
+    def __init__(self, engine: SpeechEngine, window_s: float):
+        self.engine = engine
+        self.streams: set[str] = set()  # placed here and not released
+        self.final_queue = RecentDelays(window_s)
+
+    @property
+    def failed(self) -> bool:
+        return self.engine.error is not None
+
+
+class EnginePool:
+    model_name: str
+
+    def __init__(self, engines: Sequence[SpeechEngine], policy: LoadPolicy = LoadPolicy()):
+        """engines: loaded engines of one model (one per device), owned by the pool from now on."""
+        if not engines:
+            raise ValueError("an engine pool needs at least one engine")
+        self.policy = policy
+        self.model_name = engines[0].model_name
+        self._members = [_Member(engine, policy.window_s) for engine in engines]
+        self._placed: dict[str, _Member] = {}  # stream id -> the engine holding it
+        self._partials_seen: dict[str, int] = {}  # stream id -> partials asked of it (for thinning)
+        self.partials_thinned = 0
+        self._closing = False
+
+    @property
+    def ready(self) -> bool:
+        """At least one engine can serve (a degraded pool still serves on the others)."""
+        return not self._closing and any(member.engine.ready for member in self._members)
+
+    @property
+    def error(self) -> BaseException | None:
+        """Set once every engine has failed for good."""
+        if not all(member.failed for member in self._members):
+            return None
+        return EngineClosed("every engine failed: " + "; ".join(str(m.engine.error) for m in self._members))
+
+    async def start(self) -> None:
+        await asyncio.gather(*(member.engine.start() for member in self._members))
+
+    async def close(self) -> None:
+        self._closing = True
+        await asyncio.gather(*(member.engine.close() for member in self._members))
+
+    async def transcribe(self, request: DecodeRequest) -> DecodeResult:
+        member = self._place(request.stream_id)
+        if request.priority is Priority.PARTIAL and self._thins(member, request.stream_id):
+            raise Superseded("partial skipped: its engine is near its latency target (finals go first)")
+        while True:
+            try:
+                result = await member.engine.transcribe(request)
+            except EngineClosed:
+                if self._closing or not member.failed or all(m.failed for m in self._members):
+                    raise
+                log.warning("engine %d failed for good: its stream %s goes on on another engine",
+                            self._members.index(member), request.stream_id)
+                member = self._place(request.stream_id)  # it never ran there: ask the next
+                continue
+            if request.priority is Priority.FINAL and "queue_ms" in result.timings:
+                member.final_queue.add(result.timings["queue_ms"])
+            return result
+
+    def release_stream(self, stream_id: str) -> None:
+        self._partials_seen.pop(stream_id, None)
+        member = self._placed.pop(stream_id, None)
+        if member is not None:  # a stream never placed had no work: no engine holds anything of it
+            member.streams.discard(stream_id)
+            member.engine.release_stream(stream_id)
+
+    async def check_context(self, context: str, *, language: str | None = None, max_audio_seconds: float) -> None:
+        """Asked of one engine: they all load the same model with the same options."""
+        await self._serving()[0].engine.check_context(context, language=language,
+                                                       max_audio_seconds=max_audio_seconds)
+
+    def stats(self) -> dict:
+        """`engines`: each engine's own stats plus `streams` placed, `final_queue_ms` (p90, recent), `headroom` and
+        `serving` (0/1), in device order; `headroom` (the best serving engine's), `streams`, `partials_thinned`."""
+        engines, best = [], None
+        for member in self._members:
+            headroom = self._headroom(member)
+            if member.engine.ready:
+                best = headroom if best is None else max(best, headroom)
+            engines.append(dict(member.engine.stats()) | {
+                "streams": len(member.streams), "final_queue_ms": member.final_queue.p90(), "headroom": headroom,
+                "serving": int(member.engine.ready)})
+        return {"engines": engines, "headroom": best if best is not None else 0.0, "streams": len(self._placed),
+                "partials_thinned": self.partials_thinned}
+
+    # -- placement -------------------------------------------------------------------------------------------
+
+    def _place(self, stream_id: str | None) -> _Member:
+        """The stream's engine; a new stream (or one whose engine failed for good) goes to the least-loaded."""
+        member = self._placed.get(stream_id) if stream_id is not None else None
+        if member is not None and not member.failed:
+            return member
+        if member is not None:
+            member.streams.discard(stream_id)
+        member = min(self._serving(), key=self._load)
+        if stream_id is not None:
+            member.streams.add(stream_id)
+            self._placed[stream_id] = member
+        return member
+
+    def _serving(self) -> list[_Member]:
+        """Engines not failed for good (one restarting takes work: it waits for the replacement), ready ones first."""
+        alive = [member for member in self._members if not member.failed]
+        if not alive:
+            raise EngineClosed("every engine failed")
+        return sorted(alive, key=lambda member: not member.engine.ready)
+
+    def _load(self, member: _Member) -> tuple:
+        stats = member.engine.stats()
+        working = stats.get("running", 0) + sum(stats.get("queue", {}).values())
+        return not member.engine.ready, self._headroom(member) <= 0, len(member.streams), working
+
+    def _headroom(self, member: _Member) -> float:
+        headroom = _row_headroom(member.engine.stats())
+        if self.policy.target_ms > 0:
+            headroom = min(headroom, 1.0 - member.final_queue.p90() / self.policy.target_ms)
+        return headroom
+
+    def _thins(self, member: _Member, stream_id: str | None) -> bool:
+        """Whether to skip this partial of the stream (one in n passes, the first one first)."""
+        if stream_id is None:
+            return False
+        one_in = self.policy.partials_passed_one_in(self._headroom(member))
+        seen = self._partials_seen.get(stream_id, 0)
+        self._partials_seen[stream_id] = seen + 1
+        if seen % one_in == 0:
+            return False
+        self.partials_thinned += 1
+        return True
+
+
+def _row_headroom(stats: dict) -> float:
+    """1 - decode rows in use / slots, from an engine's stats (1 when it does not report them, e.g. the fake)."""
+    if "free_slots" not in stats or "running" not in stats:
+        return 1.0
+    slots = stats["running"] + stats["free_slots"]
+    recent = stats.get("batch_sizes") or [0]
+    now = stats["running"] + sum(stats.get("queue", {}).values())
+    in_use = min(sum(recent) / len(recent), now)
+    return 1.0 - in_use / slots if slots else 1.0
