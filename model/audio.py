@@ -211,56 +211,107 @@ def log_mel_batch(audios: list[torch.Tensor | np.ndarray],
     device: where to compute; defaults to the first clip's device.
     Returns (features [B, N_MELS, F_max] float32, zero past each clip's frames; num_frames [B] int64), F_b = N_b // 160.
     """
+    lengths = [len(audio) if getattr(audio, "ndim", 1) == 1 else 0 for audio in audios]  # others fail as not 1-D
+    log_spec, num_frames_out = log_spectrogram_batch(audios, lengths, [0] * len(audios), device)
+    if log_spec.shape[-1] == 0:
+        return log_spec, num_frames_out
+    padding = torch.arange(log_spec.shape[-1], device=log_spec.device)[None, None, :] >= num_frames_out[:, None, None]
+    clip_max = log_spec.masked_fill(padding, float("-inf")).amax(dim=(1, 2), keepdim=True)  # [B, 1, 1]
+    return floor_log_spectrogram(log_spec, clip_max).masked_fill(padding, 0.0), num_frames_out
+
+
+def floor_log_spectrogram(log_spec: torch.Tensor, clip_max: torch.Tensor) -> torch.Tensor:
+    """Whisper's normalisation of log10 mel power: values more than LOG_MEL_DYNAMIC_RANGE below the clip's maximum
+    are raised to that floor, then (x + 4) / 4. clip_max broadcasts against log_spec (a [B, 1, 1] per clip)."""
+    return (torch.maximum(log_spec, clip_max - LOG_MEL_DYNAMIC_RANGE) + 4.0) / 4.0
+
+
+def num_settled_frames(num_samples: int) -> int:
+    """Leading mel frames of a clip of `num_samples` that no audio appended to it can change.
+
+    A frame is settled once its centred STFT window (N_FFT samples around frame * HOP_LENGTH) lies inside the clip:
+    the last one or two frames read the reflect padding at the clip's end, which appended audio replaces. Frame 0's
+    left padding mirrors samples 1..N_FFT // 2, so a clip of N_FFT // 2 samples or fewer has none settled.
+    """
+    if num_samples <= N_FFT // 2:
+        return 0
+    return min(num_frames(num_samples), (num_samples - N_FFT // 2) // HOP_LENGTH + 1)
+
+
+def stft_start_sample(first_frame: int) -> int:
+    """The first sample that frames from `first_frame` on read (their centred windows; the reflect padding aside)."""
+    return max(0, first_frame * HOP_LENGTH - N_FFT // 2)
+
+
+def log_spectrogram_batch(tails: list[torch.Tensor | np.ndarray], num_samples: list[int], first_frames: list[int],
+                          device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """log10 mel power (before the clip-wide floor) of frames first_frames[b] .. num_frames(num_samples[b]) of clips,
+    so that a growing clip computes only its new frames (and the unsettled ones at its old end).
+
+    tails[b]: clip b's samples from stft_start_sample(first_frames[b]) to its end, num_samples[b] samples in the
+    whole clip. Frame values do not depend on the first frame asked for, nor on the batch mates (up to float
+    rounding of the batched matmul).
+    Returns (log_spec [B, N_MELS, n_max] float32, zero past each clip's n_b; n [B] int64, frames computed per clip).
+    """
     if device is None:
-        device = torch.as_tensor(audios[0]).device if len(audios) else torch.device("cpu")
+        device = torch.as_tensor(tails[0]).device if len(tails) else torch.device("cpu")
     device = torch.device(device)
-    clips = [_as_float32_tensor(audio, device) for audio in audios]
-    lengths = [clip.shape[0] for clip in clips]
-    frames = [num_frames(n) for n in lengths]
-    batch, max_frames = len(clips), max(frames, default=0)
-    # everything per clip crosses to the device in one copy: [B, 3] = (samples, offset in the concatenation, frames)
-    offsets = np.cumsum([0] + lengths[:-1])
-    per_clip = torch.tensor(list(zip(lengths, offsets, frames)), dtype=torch.int64).reshape(batch, 3).to(device)
+    clips = [_as_float32_tensor(tail, device) for tail in tails]
+    starts = [stft_start_sample(first) for first in first_frames]
+    for clip, first, start, total in zip(clips, first_frames, starts, num_samples):
+        if not 0 <= first <= num_frames(total):
+            raise ValueError(f"first frame {first} is outside a clip of {num_frames(total)} frames")
+        if clip.shape[0] != total - start:
+            raise ValueError(f"a tail from sample {start} of a {total}-sample clip has {total - start} samples, "
+                             f"got {clip.shape[0]}")
+    counts = [max(0, num_frames(total) - first) for total, first in zip(num_samples, first_frames)]
+    batch, max_count = len(clips), max(counts, default=0)
+    # everything per clip crosses to the device in one copy: [B, 5] = (samples of the whole clip, the tail's offset in
+    # the concatenation less its start sample, frames to compute, first frame, the tail's start sample)
+    offsets = np.cumsum([0] + [clip.shape[0] for clip in clips[:-1]])
+    rows = [[total, offset - start, count, first, start]
+            for total, offset, count, first, start in zip(num_samples, offsets, counts, first_frames, starts)]
+    per_clip = torch.tensor(rows, dtype=torch.int64).reshape(batch, 5).to(device)
     num_frames_out = per_clip[:, 2]
-    if max_frames == 0:
+    if max_count == 0:
         return torch.zeros(batch, N_MELS, 0, device=device), num_frames_out
 
-    padded = _centre_padded_batch(clips, per_clip, max_frames)  # [B, F_max * HOP + N_FFT]
+    padded = _centre_padded_batch(clips, per_clip, max_count)  # [B, n_max * HOP + N_FFT]
     window = _hann_window(device, torch.float32)
     stft = torch.stft(padded, N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
-    power = stft[..., :max_frames].abs() ** 2  # [B, N_FREQS, F_max]: the frame past each clip's end is dropped
-    mel = _mel_filters(device, torch.float32) @ power  # [B, N_MELS, F_max]
+    power = stft[..., :max_count].abs() ** 2  # [B, N_FREQS, n_max]: the frame past each clip's end is dropped
+    mel = _mel_filters(device, torch.float32) @ power  # [B, N_MELS, n_max]
     log_spec = torch.clamp(mel, min=LOG_MEL_FLOOR).log10()
-
-    padding = torch.arange(max_frames, device=device)[None, None, :] >= num_frames_out[:, None, None]  # [B, 1, F_max]
-    clip_max = log_spec.masked_fill(padding, float("-inf")).amax(dim=(1, 2), keepdim=True)  # [B, 1, 1]
-    log_spec = torch.maximum(log_spec, clip_max - LOG_MEL_DYNAMIC_RANGE)
-    features = ((log_spec + 4.0) / 4.0).masked_fill(padding, 0.0)
-    return features, num_frames_out
+    padding = torch.arange(max_count, device=device)[None, None, :] >= num_frames_out[:, None, None]  # [B, 1, n_max]
+    return log_spec.masked_fill(padding, 0.0), num_frames_out
 
 
 def _centre_padded_batch(clips: list[torch.Tensor], per_clip: torch.Tensor, max_frames: int) -> torch.Tensor:
-    """Each clip reflect-padded by N_FFT // 2 at both of its own ends, then zero-padded to a common length.
+    """Each clip's samples for its frames from its first frame on, reflect-padded by N_FFT // 2 at the clip's own
+    ends, then zero-padded to a common length.
 
-    per_clip: [B, 3] (samples, offset in the concatenated clips, frames), on the clips' device.
-    One gather from the concatenated clips, so the batch costs a handful of kernels however many clips it holds.
+    clips: each clip's tail (from its start sample); per_clip: [B, 5] as log_spectrogram_batch builds it, on the clips'
+    device. One gather from the concatenated tails, so the batch costs a handful of kernels however many clips it holds.
     Returns [B, max_frames * HOP_LENGTH + N_FFT]: the samples an uncentred STFT frames into max_frames + 1
-    frames, exactly what torch.stft(center=True, pad_mode="reflect") frames for each clip alone.
+    frames, exactly what torch.stft(center=True, pad_mode="reflect") frames for each whole clip alone from its first.
     """
     pad = N_FFT // 2
     width = max_frames * HOP_LENGTH + N_FFT
     flat = torch.cat(clips + [clips[0].new_zeros(1)])  # the last element is the zero used for padding
     zero_index = flat.shape[0] - 1
-    length, offset, has_frames = per_clip[:, 0:1], per_clip[:, 1:2], per_clip[:, 2:3] > 0  # [B, 1] each
+    length, base, has_frames = per_clip[:, 0:1], per_clip[:, 1:2], per_clip[:, 2:3] > 0  # [B, 1] each
+    first, start = per_clip[:, 3:4], per_clip[:, 4:5]
 
-    position = torch.arange(width, device=flat.device)[None, :] - pad  # [1, W] sample index in the clip's own time
+    # [B, W] sample index in the clip's own time
+    position = first * HOP_LENGTH + torch.arange(width, device=flat.device)[None, :] - pad
     # mirror without repeating the edge sample (torch's "reflect"), folded so clips shorter than the pad stay in
     # range; clips without frames (fewer than HOP_LENGTH samples) are never read
     period = torch.clamp(2 * (length - 1), min=1)
     folded = position.abs() % period
     mirrored = torch.where(folded >= length, period - folded, folded)  # [B, W]
-    inside = (position < length + pad) & has_frames
-    return flat[torch.where(inside, offset + mirrored, zero_index)]
+    # samples before the tail are read only by columns past the clip's last frame: zeros there
+    inside = (position < length + pad) & has_frames & (mirrored >= start)
+    return flat[torch.where(inside, base + mirrored, zero_index)]
 
 
 # ---------------------------------------------------------------------------------------------------------
