@@ -34,10 +34,12 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from qasr.audio import SAMPLE_RATE
 
+from .aligner_batch import ARRAYS, AlignerBatch, plan_batch
 from .aligner_repair import WordTime, word_times
 from .aligner_words import SplitterUnavailable, japanese_available, split_words
 from .audio import log_mel_batch
@@ -93,6 +95,35 @@ class AlignerNetwork(nn.Module):
             x = x + attn.o_proj(attn.attend(q, k, v, bias))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return dec.norm(x)
+
+    def encode_chunks(self, chunks: torch.Tensor, valid: torch.Tensor, window_lengths: torch.Tensor) -> torch.Tensor:
+        """The audio encoder over chunks laid out window by window (qasr.model.aligner_batch) -> [W x 104, out].
+
+        chunks: [8W, mels, 100] (a clip's windows' chunks, zero chunks after its last); valid: [8W] mel frames each
+        convolution treats as real (its outputs past them are zeroed, as if the chunk were unpadded); window_lengths:
+        [W] real tokens per window. Fixed shapes for given W, so a CUDA graph can replay it.
+        """
+        enc = self.encoder
+        x = chunks.unsqueeze(1)
+        for conv in (enc.conv2d1, enc.conv2d2, enc.conv2d3):
+            x = F.gelu(conv(x))
+            valid = (valid - 1) // 2 + 1  # the conv's output length, as for an unpadded input
+            x = x * (torch.arange(x.shape[-1], device=x.device)[None, :] < valid[:, None]).to(x.dtype)[:, None, None]
+        n, c, f, t = x.shape
+        x = enc.conv_out(x.permute(0, 3, 1, 2).reshape(n, t, c * f)) + enc.positions[:t].to(x.dtype)  # [8W, 13, D]
+        W = window_lengths.shape[0]
+        windows = enc.encode_windows(x.reshape(W, -1, x.shape[-1]), window_lengths)  # [W, 104, out]
+        return windows.reshape(W * windows.shape[1], -1)
+
+    def timestamp_logits(self, ids: torch.Tensor, audio_index: torch.Tensor, lengths: torch.Tensor,
+                         audio: torch.Tensor, audio_pad_id: int) -> torch.Tensor:
+        """ids, audio_index [B, T], lengths [B], audio [tokens, D] (encode_chunks) -> the head's logits [B, T, C].
+
+        Each <|audio_pad|> position takes its encoder output; fixed shapes for given (B, T), so it can be graphed.
+        """
+        embeds = self.decoder.embed_tokens(ids)
+        embeds = torch.where((ids == audio_pad_id)[..., None], audio[audio_index].to(embeds.dtype), embeds)
+        return self.classifier(self.hidden(embeds, lengths))
 
 
 def load_aligner_network(
@@ -217,51 +248,75 @@ class ForcedAligner:
         self, audios: Sequence[np.ndarray | torch.Tensor], inputs: Sequence[AlignerInput]
     ) -> list[list[int]]:
         """The argmax class of every timestamp slot, per row (2 per word); one device-to-host copy."""
-        flat = self.slot_logits(audios, inputs).argmax(dim=-1).tolist()
-        rows, start = [], 0
-        for item in inputs:
-            rows.append(flat[start : start + 2 * len(item.words)])
-            start += 2 * len(item.words)
-        return rows
+        if not inputs:
+            return []
+        batch = self.plan(audios, inputs)
+        return batch.read_classes(self.forward(batch, self.upload_clips(audios)).argmax(dim=-1).cpu().numpy())
 
     @torch.inference_mode()
     def slot_logits(self, audios: Sequence[np.ndarray | torch.Tensor], inputs: Sequence[AlignerInput]) -> torch.Tensor:
-        """The forward: the head's logits at every timestamp slot, rows one after another -> [sum of 2 x words, C].
-
-        Mel features per clip -> the encoder (windows of all clips packed together) -> each row's prompt embedded with
-        its audio in place -> the causal decoder over the right-padded batch -> the head at the slots only.
-        """
-        if len(audios) != len(inputs):
-            raise ValueError(f"{len(audios)} clips but {len(inputs)} inputs")
+        """The head's logits at every timestamp slot, rows one after another -> [sum of 2 x words, C]."""
         if not inputs:
             return torch.zeros(0, self.config.classify_num, device=self.device)
+        batch = self.plan(audios, inputs)
+        logits = self.forward(batch, self.upload_clips(audios))
+        return torch.cat([logits[b, torch.from_numpy(positions).to(self.device)]
+                          for b, positions in enumerate(batch.slots)])
+
+    def plan(self, audios: Sequence[np.ndarray | torch.Tensor], inputs: Sequence[AlignerInput]) -> AlignerBatch:
+        """The host-side layout of aligning `audios` with `inputs` (checked: mono clips of an alignable length)."""
+        if len(audios) != len(inputs):
+            raise ValueError(f"{len(audios)} clips but {len(inputs)} inputs")
         if any(item.reason is not None for item in inputs):
             raise ValueError("an input with a reason has nothing to align")
-        clips = [self._check_clip(audio) for audio in audios]
-        features, num_frames = log_mel_batch(clips, device=self.device)
-        mels = [features[b, :, :frames] for b, frames in enumerate(num_frames.tolist())]
-        audio_embeds = self.network.encoder(mels)  # list of [N_b, D]
-        ids, lengths = self._prompt_ids(inputs, [a.shape[0] for a in audio_embeds])
-        embeds = self.network.decoder.embed_tokens(ids)
-        embeds[ids == self.tokenizer.audio_pad_id] = torch.cat(audio_embeds).to(embeds.dtype)  # row by row, in order
-        hidden = self.network.hidden(embeds, lengths)
-        slots = ids == self.config.timestamp_token_id  # padding holds <|endoftext|>, never a slot
-        return self.network.classifier(hidden[slots])
+        tok = self.tokenizer
+        return plan_batch([self._check_clip(audio).shape[0] for audio in audios], [item.text_ids for item in inputs],
+                          self.config.model.audio, audio_start_id=tok.audio_start_id, audio_pad_id=tok.audio_pad_id,
+                          audio_end_id=tok.audio_end_id, pad_id=tok.endoftext_id,
+                          timestamp_id=self.config.timestamp_token_id)
+
+    def upload_clips(self, audios: Sequence[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
+        """The clips on the device as float32, in one copy (asynchronous from pinned memory on CUDA)."""
+        flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.float32).reshape(-1) for a in audios]))
+        return list(torch.split(self._to_device(flat), [int(a.shape[0]) for a in audios]))
+
+    def upload(self, batch: AlignerBatch) -> dict[str, torch.Tensor]:
+        """The batch's integer arrays on the device, in one copy -> {name: tensor} (names: aligner_batch.ARRAYS)."""
+        flat = self._to_device(torch.from_numpy(batch.flat()))
+        sizes = [getattr(batch, name).size for name in ARRAYS]
+        return {name: part.view(getattr(batch, name).shape) for name, part in zip(ARRAYS, torch.split(flat, sizes))}
+
+    def chunks(self, clips: list[torch.Tensor], batch: AlignerBatch, chunk_source: torch.Tensor) -> torch.Tensor:
+        """Log-mel of the clips on the device, cut into the batch's chunk slots -> [8W, mels, 100] in the model dtype."""
+        features, _ = log_mel_batch(clips, device=self.device)  # [B, mels, F], zero past each clip's frames
+        B, mels, frames = features.shape
+        size = self.config.model.audio.chunk_frames
+        features = F.pad(features, (0, batch.max_chunks * size - frames))
+        chunks = features.view(B, mels, batch.max_chunks, size).transpose(1, 2).reshape(-1, mels, size)
+        chunks = torch.cat([chunks, chunks.new_zeros(1, mels, size)])  # the zero chunk empty slots read
+        return chunks[chunk_source].to(self.network.classifier.weight.dtype)
+
+    @torch.inference_mode()
+    def forward(self, batch: AlignerBatch, clips: list[torch.Tensor]) -> torch.Tensor:
+        """The whole forward, eagerly, at the batch's own shape: -> the head's logits at every position [B, T, C].
+
+        mel per clip -> chunks -> encoder windows of all clips together -> each row's prompt with its audio in place
+        -> the causal decoder over the right-padded rows -> the head."""
+        arrays = self.upload(batch)
+        audio = self.network.encode_chunks(self.chunks(clips, batch, arrays["chunk_source"]), arrays["chunk_valid"],
+                                           arrays["window_lengths"])
+        return self.network.timestamp_logits(arrays["ids"], arrays["audio_index"], arrays["lengths"], audio,
+                                             self.tokenizer.audio_pad_id)
 
     def prompt_ids(self, item: AlignerInput, num_audio_tokens: int) -> list[int]:
         """The aligner's whole input for one clip: <|audio_start|>, the audio placeholders, <|audio_end|>, the words."""
         tok = self.tokenizer
         return [tok.audio_start_id, *[tok.audio_pad_id] * num_audio_tokens, tok.audio_end_id, *item.text_ids]
 
-    def _prompt_ids(self, inputs: Sequence[AlignerInput], num_audio: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Right-padded prompt ids [B, T] and their lengths [B], on the device."""
-        tok = self.tokenizer
-        rows = [self.prompt_ids(item, n) for item, n in zip(inputs, num_audio)]
-        width = max(len(row) for row in rows)
-        padded = [row + [tok.endoftext_id] * (width - len(row)) for row in rows]
-        ids = torch.tensor(padded, dtype=torch.long).to(self.device)
-        lengths = torch.tensor([len(row) for row in rows], dtype=torch.long).to(self.device)
-        return ids, lengths
+    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _check_clip(self, audio: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         if audio.ndim != 1:
