@@ -109,7 +109,7 @@ def test_a_cancelled_request_frees_its_slot_and_close_fails_what_is_left(tiny_mo
         return engine
 
     engine = asyncio.run(asyncio.wait_for(main(), 60))
-    assert engine.pid is not None and engine._child.process.exitcode == 0 and not engine.ready and engine.error is None
+    assert engine.pid is not None and engine._link.process.exitcode == 0 and not engine.ready and engine.error is None
 
 
 def test_a_killed_engine_process_is_restarted_failing_only_what_it_held(tiny_model_dir):

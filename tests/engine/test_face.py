@@ -9,12 +9,13 @@ import typing
 import pytest
 
 from qasr.engine.engine import AsyncEngine
+from qasr.engine.engine_client import EngineClient
 from qasr.engine.engine_process import EngineProcess
 from qasr.engine.face import SpeechEngine
 from qasr.engine.fake import FakeEngine
 from qasr.engine.pool import EnginePool
 
-IMPLEMENTATIONS = [AsyncEngine, EngineProcess, FakeEngine, EnginePool]
+IMPLEMENTATIONS = [AsyncEngine, EngineProcess, EngineClient, FakeEngine, EnginePool]
 
 
 def face_members() -> dict[str, object]:
