@@ -9,7 +9,9 @@
 # Usage (repo root, from the device tool with carry [".whl"]): bash bench/h200_stream.sh OUTDIR "600 800"
 # Env: DURATION (s per client, 40), STAGGER (s over which clients start, 10), WARMUP=N (N clients for 10 s first,
 # not reported), PYSPY=1 (sample the server's and the engine process's Python stacks mid-run into OUTDIR), ALIGNER=1
-# (word times: a random Qwen3-ForcedAligner-0.6B-shaped aligner beside the model, every client asks with --words).
+# (word times: a random Qwen3-ForcedAligner-0.6B-shaped aligner beside the model, every client asks with --words),
+# WORKERS=N (front-end worker processes: qasr-server --workers N; /metrics then sums the workers, and the server CPU
+# below is all workers' together).
 # After each run it prints where the engine's time went and how late the event loop ran (from /metrics).
 set -uo pipefail
 out=${1:?OUTDIR}; mkdir -p "$out"; counts=${2:-"100 400 1000"}
@@ -22,7 +24,7 @@ if [ -n "${ALIGNER:-}" ]; then
   [ -d /tmp/a06 ] || python3 -m qasr.model.testmodel /tmp/a06 --aligner --size 0.6B --dtype bfloat16 || exit 1
   aligner=(--aligner /tmp/a06) words=(--words --language English)  # a forced language: random weights detect none the aligner takes
 fi
-python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --device cuda --port 8765 --slots 256 --retained-slots 1024 \
+python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --workers "${WORKERS:-1}" --device cuda --port 8765 --slots 256 --retained-slots 1024 \
   --max-len 640 --max-sessions 2048 --max-pending-per-address 4096 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
   > "$out/server.log" 2>&1 &
 server=$!
@@ -39,7 +41,7 @@ def read(path):
     text = open(path).read()
     out = {k: float(v) for k, v in re.findall(r'^qasr_engine_seconds\{kind="(\w+)"\} (\S+)$', text, re.M)}
     for name in ("qasr_engine_steps", "qasr_engine_thread_cpu_seconds", "process_cpu_seconds_total",
-                 "qasr_engine_process_cpu_seconds",
+                 "qasr_engine_process_cpu_seconds", "qasr_worker_cpu_seconds",
                  "qasr_event_loop_lag_seconds_sum", "qasr_event_loop_lag_seconds_count"):
         m = re.search(rf"^{name} (\S+)$", text, re.M)
         out[name] = float(m.group(1)) if m else 0.0
@@ -52,6 +54,8 @@ def read(path):
     return out
 a, b = read(sys.argv[1]), read(sys.argv[2])
 d = {k: b[k] - a.get(k, 0.0) for k in b if k != "lag"}
+if b["qasr_worker_cpu_seconds"]:  # WORKERS=N: every worker's CPU (the supervisor's own is negligible)
+    d["process_cpu_seconds_total"] = d["qasr_worker_cpu_seconds"]
 wall = sum(d[k] for k in ("admit", "decode_gpu", "decode_host", "idle")) or 1.0
 print(f"engine thread over {wall:.1f} s:", ", ".join(f"{k} {d[k] / wall:.0%}" for k in ("admit", "decode_gpu", "decode_host", "idle")),
       f"| steps/s {d['qasr_engine_steps'] / wall:.0f} | CPU/s: engine thread {d['qasr_engine_thread_cpu_seconds'] / wall:.2f},"

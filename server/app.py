@@ -17,6 +17,8 @@ import asyncio
 import functools
 import http
 import logging
+import os
+import typing
 import weakref
 
 import numpy as np
@@ -48,9 +50,13 @@ from qasr.server.telephony import TELEPHONY_ADAPTERS
 from qasr.server.webhooks import WebhookOptions, WebhookSender
 from qasr.streaming.settings import StreamLimits, StreamSettings
 
+if typing.TYPE_CHECKING:
+    from qasr.server.workers import ReplicaView
+
 log = logging.getLogger("qasr.server")
 
-WARM_UP_STREAM = "qasr-warm-up"  # the stream id of the decode served before /readyz says ready
+WARM_UP_STREAM = f"qasr-warm-up-{os.getpid()}"  # the stream id of the decode served before /readyz says ready (one
+# per process: several front-end workers warm up on one engine at once)
 
 
 @dataclass(frozen=True)
@@ -65,6 +71,8 @@ class ServerConfig:
     security: SecuritySettings = field(default_factory=SecuritySettings)  # auth, TLS, origins, client limits
     calls: CallOptions = field(default_factory=CallOptions)  # telephony calls out: replay, webhook URL (#13)
     webhooks: WebhookOptions | None = None  # signing and retries of call webhooks; None: no webhooks
+    worker: int | None = None  # front-end worker N of several on one port (qasr.server.workers): the port is bound
+    # with SO_REUSEPORT and every handshake response says `X-Qasr-Worker: N/pid`; None: the only server process
 
     def __post_init__(self):
         if self.webhooks is None and (self.calls.webhook_url or self.calls.webhook_prefixes):
@@ -103,9 +111,12 @@ WIRE_ADAPTERS: dict[str, Callable[[Handshake], WireAdapter]] = {
 
 class QasrServer:
     def __init__(self, engine: SpeechEngine | None = None, config: ServerConfig = ServerConfig(), *,
-                 metrics: ServerMetrics | None = None):
-        """engine: any SpeechEngine (started or not: /readyz follows engine.ready), or None until load_engine()."""
+                 metrics: ServerMetrics | None = None, replica: ReplicaView | None = None):
+        """engine: any SpeechEngine (started or not: /readyz follows engine.ready), or None until load_engine().
+        replica: a front-end worker's view of its siblings and their engine (qasr.server.workers): /readyz and
+        /healthz then answer for every process of the replica, and this one publishes its readiness there."""
         self.engine = engine
+        self.replica = replica
         self.config = config
         self.metrics = metrics or ServerMetrics()
         self.connections: set[StreamConnection] = set()  # admitted streams
@@ -132,7 +143,7 @@ class QasrServer:
         """Bind and serve. The HTTP endpoints answer at once; streams are admitted once the engine is ready."""
         limits = self.config.limits
         websocket_paths = WebSocketPaths(WIRE_ADAPTERS.keys())  # the streams' and the call subscribers'
-        routes = HttpRoutes(metrics=self.metrics, engine=_EngineView(self), is_ready=self.is_ready,
+        routes = HttpRoutes(metrics=self.metrics, engine=_EngineView(self), is_ready=self._replica_ready,
                             web_root=self.config.web_root, stream_paths=websocket_paths)
         routes = functools.partial(self._build_adapter, routes)  # the last step of every handshake
         security = self.config.security
@@ -142,6 +153,7 @@ class QasrServer:
             max_size=limits.max_message_bytes, ping_interval=self.config.ping_interval_s,
             ping_timeout=self.config.ping_interval_s, create_connection=self.gate.connection_factory(),
             select_subprotocol=self.gate.select_subprotocol, ssl=security.ssl,
+            reuse_port=self.config.worker is not None, process_response=self._tag_worker,
             compression=None)  # PCM barely compresses; inflating every frame was ~6% of the event loop at 500 streams
         self.port = self._websocket_server.sockets[0].getsockname()[1]  # the bound port (useful with port 0)
         log.info("listening on %s://%s:%d/v1/stream%s", "wss" if security.ssl else "ws", self.config.host, self.port,
@@ -183,7 +195,17 @@ class QasrServer:
 
 
     def is_ready(self) -> bool:
+        """This process can take a stream now (its engine is ready, it is not stopping)."""
         return self.engine is not None and bool(self.engine.ready) and self._warmed_up and not self.stopping
+
+    def _replica_ready(self) -> bool:
+        """What /readyz says: this process, and with workers every sibling and the engine they share."""
+        return self.is_ready() and (self.replica is None or self.replica.ready())
+
+    def _tag_worker(self, connection: ServerConnection, request: Request, response: Response) -> None:
+        """Which worker answered a handshake (the tests check that streams spread over the workers)."""
+        if self.config.worker is not None:
+            response.headers["X-Qasr-Worker"] = f"{self.config.worker}/{os.getpid()}"
 
     async def stop(self) -> None:
         """Refuse new streams, let every open stream receive its finals (within limits.drain_timeout_s), close
@@ -221,9 +243,11 @@ class QasrServer:
         """A timer's lateness is what every stream's next frame waits: the event loop's own load."""
         loop = asyncio.get_running_loop()
         while True:
+            if self.replica is not None:  # the siblings read it for their /readyz
+                self.replica.publish(self.is_ready())
             start = loop.time()
             await asyncio.sleep(period_s)
-            self.metrics.event_loop_lag.observe(max(0.0, loop.time() - start - period_s))
+            self.metrics.loop_lagged(max(0.0, loop.time() - start - period_s))
 
     async def wait_stopped(self) -> None:
         await self._stopped.wait()
@@ -335,7 +359,9 @@ class _EngineView:
         """Set when the engine loop or its process died: the server is no longer healthy (orchestrators should
         restart it)."""
         engine = self._server.engine
-        return engine.error if engine is not None else None
+        error = engine.error if engine is not None else None
+        replica = self._server.replica
+        return error if error is not None or replica is None else replica.error()
 
     def stats(self) -> dict:
         engine = self._server.engine

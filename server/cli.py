@@ -29,6 +29,9 @@ from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits
 from qasr.streaming.settings import StreamLimits, StreamSettings, VadSettings
 from qasr.engine.options import EngineOptions
+from qasr.engine.pool import LoadPolicy
+from qasr.server import engine_load
+from qasr.server.admission import AdmissionSettings
 
 log = logging.getLogger("qasr.server")
 
@@ -101,9 +104,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--quantize", choices=["int8"], default=None,
                         help="weight-only int8 decoder projections (opt-in; transcripts can differ slightly)")
+    parser.add_argument("--workers", type=int, default=1,
+                        help="front-end processes (WebSockets, sessions, VAD) sharing the port (SO_REUSEPORT) and "
+                             "feeding the engine process over their own connections (1: one server process)")
     parser.add_argument("--engine-in-process", action="store_true",
                         help="run the engine on a thread of the server process instead of a process of its own "
                              "(simpler to debug; under load the two then contend for one interpreter)")
+    # an engine per device, and admission control (qasr.engine.pool, qasr.server.admission)
+    parser.add_argument("--devices", default=None, metavar="LIST",
+                        help="one engine per device, each new stream on the least-loaded: GPU indices (0,1) or "
+                             "device names (cuda:0,cuda:1; cpu,cpu runs two engines on the CPU). Default: every "
+                             "visible GPU when --device is auto or cuda, else one engine on --device")
+    parser.add_argument("--admission-target-ms", type=float, default=LoadPolicy().target_ms,
+                        help="admission control: the p90 queue delay of recent finals at which an engine has no "
+                             "headroom left; with none left on any engine, new streams are refused (HTTP 503 or "
+                             "1013 server_full, with a retry hint) and, as it nears, partials thin out (0: off)")
     parser.add_argument("--web-root", default=None,
                         help="folder with the web page's index.html (default: $QASR_WEB_ROOT, then the web/ "
                              "folder beside the package)")
@@ -117,8 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def build_config(args: argparse.Namespace) -> ServerConfig:
-    """The server's configuration from parsed arguments; ValueError/FileNotFoundError say what is wrong."""
+def build_config(args: argparse.Namespace, *, check_device: bool = True) -> ServerConfig:
+    """The server's configuration from parsed arguments; ValueError/FileNotFoundError say what is wrong.
+    check_device: False in a front-end worker (its supervisor checked it; a worker imports no torch)."""
     limits = ServerLimits(max_sessions=args.max_sessions, max_message_bytes=args.max_message_bytes,
                           idle_timeout_s=args.idle_timeout_s, drain_timeout_s=args.drain_timeout_s)
     # --max-segment-s is both the default and the limit; the stream settings validate the flags once
@@ -126,31 +142,43 @@ def build_config(args: argparse.Namespace) -> ServerConfig:
     defaults = StreamSettings(partial_interval_ms=args.partial_interval_ms,
                               vad=VadSettings(aggressiveness=args.vad_aggressiveness,
                                               end_silence_ms=args.end_silence_ms, max_segment_s=args.max_segment_s))
-    from qasr.model.checkpoint import resolve_device  # imports torch: only once the arguments are parsed
+    if check_device:
+        from qasr.model.checkpoint import resolve_device  # imports torch: only once the arguments are parsed
 
-    resolve_device(args.device)  # an unusable --device is a usage error, before anything starts
+        resolve_device(args.device)  # an unusable --device is a usage error, before anything starts
+        engine_load.engine_devices(args.device, args.devices)  # and so is an unusable --devices
+    if args.admission_target_ms < 0:
+        raise ValueError(f"--admission-target-ms must be >= 0 (0: off), got {args.admission_target_ms:g}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
+    if args.workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {args.workers}")
+    if args.workers > 1 and args.engine_in_process:
+        raise ValueError("--workers feeds an engine process: it cannot be combined with --engine-in-process")
     calls, webhooks = telephony.from_args(args)
     return ServerConfig(host=args.host, port=args.port, limits=limits, stream_limits=stream_limits,
                         defaults=defaults, web_root=find_web_root(args.web_root),
-                        security=security.from_args(args), calls=calls, webhooks=webhooks)
+                        security=security.from_args(args), calls=calls, webhooks=webhooks,
+                        admission=AdmissionSettings(enabled=args.admission_target_ms > 0))
 
 
-async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; 1 if the port cannot be bound or the model could not be loaded."""
-    from qasr.engine.engine import AsyncEngine
-    from qasr.engine.engine_process import EngineProcess
-    from qasr.model.checkpoint import resolve_device
+def engine_options(args: argparse.Namespace) -> EngineOptions:
+    from qasr.model.checkpoint import resolve_device  # imports torch
 
     slots = args.slots or (EngineOptions().num_slots if resolve_device(args.device).type == "cuda" else CPU_SLOTS)
     retained = slots if args.retained_slots is None else args.retained_slots
-    options = EngineOptions(num_slots=slots, max_len=args.max_len, num_retained=retained,
-                            quantize=args.quantize, base_tokens=args.base_tokens,
-                            tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
-                            admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
-                            max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner)
-    server = QasrServer(None, config)
+    return EngineOptions(num_slots=slots, max_len=args.max_len, num_retained=retained,
+                         quantize=args.quantize, base_tokens=args.base_tokens,
+                         tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
+                         admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
+                         max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner)
+
+
+async def serve(args: argparse.Namespace, config: ServerConfig, *, build=None, replica=None) -> int:
+    """Serve until SIGTERM/SIGINT; 1 if the port cannot be bound or the model could not be loaded.
+    build: what makes the engine (a front-end worker's: its connection to the engine process); None: from args.
+    replica: a worker's view of its siblings (qasr.server.workers)."""
+    server = QasrServer(None, config, replica=replica)
     try:
         await server.start()
     except OSError as error:  # the port is taken, or the address is not this machine's
@@ -161,13 +189,11 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, lambda: asyncio.ensure_future(server.stop()))
-    if args.engine_in_process:
-        build = functools.partial(AsyncEngine.from_pretrained, args.model, device=args.device, dtype=args.dtype,
-                                  options=options)
-    else:  # the engine process logs to the same stderr in the same format
-        build = functools.partial(EngineProcess.from_pretrained, args.model, device=args.device, dtype=args.dtype,
-                                  options=options, log_setup=functools.partial(logs.configure, args.log_level,
-                                                                               args.log_format))
+    # a worker's `build` is its one connection to the engine process: a pool of one (admission control, no devices)
+    devices = [None] if build is not None else engine_load.engine_devices(args.device, args.devices)
+    if build is None:
+        build = engine_factory(args)
+    build = engine_load.pool_factory(build, devices, LoadPolicy(target_ms=args.admission_target_ms))
     try:
         loading = asyncio.ensure_future(server.load_engine(build))
         stopped = asyncio.ensure_future(server.wait_stopped())
@@ -181,6 +207,22 @@ async def serve(args: argparse.Namespace, config: ServerConfig) -> int:
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+
+
+def engine_factory(args: argparse.Namespace, **serving):
+    """What builds the engine from the arguments: on a thread of this process (--engine-in-process) or, by default,
+    an EngineProcess whose logs go to the same stderr in the same format. serving: EngineProcess's restart budget,
+    listen and health (qasr.server.workers)."""
+    from qasr.engine.engine import AsyncEngine
+    from qasr.engine.engine_process import EngineProcess
+
+    options = engine_options(args)
+    if args.engine_in_process:
+        return functools.partial(AsyncEngine.from_pretrained, args.model, device=args.device, dtype=args.dtype,
+                                 options=options)
+    return functools.partial(EngineProcess.from_pretrained, args.model, device=args.device, dtype=args.dtype,
+                             options=options, log_setup=functools.partial(logs.configure, args.log_level,
+                                                                          args.log_format), **serving)
 
 
 def _bind_problem(error: OSError) -> str:
@@ -198,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     logs.configure(args.log_level, args.log_format)  # only once it will serve: it takes over the process's logging
+    if args.workers > 1:
+        from qasr.server import workers
+
+        return workers.supervise(args, list(sys.argv[1:] if argv is None else argv), config)
     try:
         import uvloop
     except ImportError:  # Windows, or a minimal install: the standard loop works too

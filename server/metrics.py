@@ -7,19 +7,25 @@ numbers are read at scrape time by `EngineStatsCollector` from `engine.stats()`:
 `_last`, `_mean` and `_max` gauges. Every family has a HELP line (`ENGINE_STATS_HELP`, or a generic one for a key
 an engine adds later).
 
-Several front-end processes (issue #15) will need the library's multi-process mode. What switching it on takes,
-kept possible by this layout: with `PROMETHEUS_MULTIPROC_DIR` set, `_define` creates the metrics unregistered
-(their values then live in that folder's files), `sessions_active` gets `multiprocess_mode="livesum"`, and
-`render` scrapes a fresh registry holding a `multiprocess.MultiProcessCollector` plus the engine collector (whose
-numbers come from the engine process, not from the files) instead of `self.registry`.
+Several front-end processes (`qasr-server --workers N`, issue #15) use the library's multi-process mode: the
+supervisor sets `PROMETHEUS_MULTIPROC_DIR` (a private folder) before it spawns the workers, and then each worker's
+metrics are created unregistered (their values live in that folder's files, one per process), `self.registry` holds
+a `multiprocess.MultiProcessCollector` (the sum over the workers, dead ones included, so counters never go back)
+plus the engine collector (the engine's numbers, shown once: every worker reads the same engine process), and
+/metrics from any worker shows the same sums. `qasr_sessions_active` counts live workers only (`livesum`: the
+supervisor marks a dead worker's files), and the per-process `process_*` families give way to
+`qasr_worker_cpu_seconds` (all workers' CPU, dead ones included).
 """
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Iterable
 
 import prometheus_client
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest,
+                               multiprocess)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
@@ -34,6 +40,7 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # generate_latest writes the 0.0.4 text
 LATENCY_BUCKETS_S = (0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0)
 LAG_BUCKETS_S = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 STAGES = ("queue", "encode", "prefill", "decode")
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # set: several worker processes share the metrics (their files here)
 
 # HELP text of the engine's stats() keys (AsyncEngine, EngineProcess and the fake engine's).
 ENGINE_STATS_HELP = {
@@ -63,11 +70,21 @@ class ServerMetrics(SessionObserver):
     def __init__(self):
         self.registry = CollectorRegistry()
         self.engine_stats = EngineStatsCollector()
-        self._define(self.registry)
+        self.multiprocess = MULTIPROCESS_ENV in os.environ  # the library decided so at import, from the same variable
+        self._define(None if self.multiprocess else self.registry)
+        if self.multiprocess:
+            multiprocess.MultiProcessCollector(self.registry)
+            self.worker_cpu = Gauge("qasr_worker_cpu_seconds", "CPU time of the front-end worker processes (all "
+                                    "threads), summed.", multiprocess_mode="sum", registry=None)
+        else:
+            ProcessCollector(registry=self.registry)  # process_cpu_seconds_total (all threads), memory, open fds
+        self.registry.register(self.engine_stats)
         self.sessions_active = 0  # a property: the gauge follows it
 
-    def _define(self, registry: CollectorRegistry) -> None:
-        self._sessions_active = Gauge("qasr_sessions_active", "Streams open now.", registry=registry)
+    def _define(self, registry: CollectorRegistry | None) -> None:
+        """registry None: multi-process mode, the values go to this process's files."""
+        self._sessions_active = Gauge("qasr_sessions_active", "Streams open now.", multiprocess_mode="livesum",
+                                      registry=registry)
         self.sessions_total = Counter("qasr_sessions_total", "Streams started (after a valid start message).",
                                       registry=registry)
         self.connections_total = Counter("qasr_connections_total", "WebSocket connections accepted.",
@@ -99,8 +116,6 @@ class ServerMetrics(SessionObserver):
         self.event_loop_lag = Histogram("qasr_event_loop_lag_seconds",
                                         "How late the event loop woke a timer: every stream waits this long.",
                                         buckets=LAG_BUCKETS_S, registry=registry)
-        ProcessCollector(registry=registry)  # process_cpu_seconds_total (all threads), memory, open fds
-        registry.register(self.engine_stats)
 
     @property
     def sessions_active(self) -> int:
@@ -116,6 +131,12 @@ class ServerMetrics(SessionObserver):
         """One sample as /metrics would show it (e.g. `value("qasr_errors_total", code="malformed")`); None if
         it has not been written."""
         return self.registry.get_sample_value(name, labels)
+
+    def loop_lagged(self, lag_s: float) -> None:
+        """The event loop's watch, every 100 ms: how late its timer woke (and, with workers, this process's CPU)."""
+        self.event_loop_lag.observe(lag_s)
+        if self.multiprocess:
+            self.worker_cpu.set(time.process_time())
 
     # -- SessionObserver -------------------------------------------------------------------------------------
 
