@@ -36,12 +36,24 @@ def available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, D, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    def _load_input(X, offs, mask, split_stride, SPLITS: tl.constexpr, OUT):
+        # an input as float32: X itself (SPLITS 0) or the sum, in split order, of SPLITS float32 partial products
+        # split_stride apart (gemv.partial_products), rounded to OUT's dtype as the unsplit product would be
+        if SPLITS == 0:
+            return tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        acc = tl.load(X + offs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(X + s * split_stride + offs, mask=mask, other=0.0)
+        return acc.to(OUT.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _rms_norm_kernel(X, R, W, Y, D, eps, split_stride, SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         BLOCK: tl.constexpr):
         # one row: h = residual + x (stored back into the residual) or h = x; y = norm(h) * w
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
-        h = tl.load(X + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        h = _load_input(X, row * D + cols, mask, split_stride, SPLITS, Y)
         if HAS_RESIDUAL:
             r = tl.load(R + row * D + cols, mask=mask, other=0.0).to(tl.float32)
             h = (h + r).to(Y.dtype.element_ty)
@@ -55,8 +67,8 @@ if triton is not None:
     @triton.jit
     def _qk_norm_rope_store_kernel(
         QKV, Q, K_CACHE, V_CACHE, QW, KW, COS, SIN, ROPE_POS, SLOT, WRITE_POS,
-        stride_qkv, stride_cs, stride_ch, stride_cl, eps,
-        H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr,
+        stride_qkv, stride_cs, stride_ch, stride_cl, eps, split_stride,
+        H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr,
     ):
         # program (token n, head j): j < H is a query head (-> Q[n, j]); j >= H is KV head j - H, whose normed and
         # rotated key and plain value go to the cache at [slot[n], j - H, write_pos[n]]
@@ -64,9 +76,10 @@ if triton is not None:
         j = tl.program_id(1)
         half = tl.arange(0, HD // 2)
         is_q = j < H
-        base = QKV + n * stride_qkv + j * HD
-        x1 = tl.load(base + half).to(tl.float32)
-        x2 = tl.load(base + HD // 2 + half).to(tl.float32)
+        base = n * stride_qkv + j * HD
+        every = half < HD // 2
+        x1 = _load_input(QKV, base + half, every, split_stride, SPLITS, Q)
+        x2 = _load_input(QKV, base + HD // 2 + half, every, split_stride, SPLITS, Q)
         dt = Q.dtype.element_ty
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / HD + eps)
         if is_q:
@@ -93,8 +106,8 @@ if triton is not None:
             tl.store(K_CACHE + at + half, o1)
             tl.store(K_CACHE + at + HD // 2 + half, o2)
             full = tl.arange(0, HD)
-            v = tl.load(QKV + n * stride_qkv + (H + KVH + kvh) * HD + full)
-            tl.store(V_CACHE + at + full, v)
+            v = _load_input(QKV, n * stride_qkv + (H + KVH + kvh) * HD + full, full < HD, split_stride, SPLITS, Q)
+            tl.store(V_CACHE + at + full, v.to(dt))
 
     @triton.jit
     def _decode_attention_kernel(
@@ -192,16 +205,28 @@ if triton is not None:
         tl.store(OUT + row * I + cols, (act * up).to(dt), mask=mask)
 
 
+def _splits(x: torch.Tensor, dtype: torch.dtype) -> int:
+    """0 for a plain input of `dtype` [N, W]; S for float32 split-K partial sums [S, N, W] (gemv.partial_products)."""
+    if x.dim() == 3 and x.dtype == torch.float32:
+        return x.shape[0]
+    if x.dim() == 2 and x.dtype == dtype:
+        return 0
+    raise ValueError(f"expected [N, W] {dtype} or float32 partial sums [S, N, W], got {tuple(x.shape)} {x.dtype}")
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """norm(x) * weight over the last dim; with `residual`: residual += x first (in place) and norm that.
 
-    x, residual: contiguous [N, D] -> [N, D].
+    x: contiguous [N, D], or the float32 partial sums [S, N, D] of a split product (summed and rounded to the
+    residual's dtype first); residual: contiguous [N, D] -> [N, D].
     """
-    N, D = x.shape
+    dtype = residual.dtype if residual is not None else weight.dtype if x.dim() == 3 else x.dtype
+    splits = _splits(x, dtype)
+    N, D = x.shape[-2:]
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
-    y = torch.empty_like(x)
+    y = torch.empty((N, D), dtype=dtype, device=x.device)
     block = triton.next_power_of_2(D)
-    _rms_norm_kernel[(N,)](x, residual if residual is not None else x, weight, y, D, eps,
+    _rms_norm_kernel[(N,)](x, residual if residual is not None else x, weight, y, D, eps, N * D, SPLITS=splits,
                            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
     return y
 
@@ -210,20 +235,24 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write
                        num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
     """The attention's input side in one kernel.
 
-    qkv: [N, (H + 2 KVH) hd] projections of N tokens; cos/sin: [P, hd] tables; rope_pos, slots, write_pos: [N].
+    qkv: [N, (H + 2 KVH) hd] projections of N tokens (or their float32 split-K partial sums [S, N, ...], summed and
+    rounded to the cache's dtype first); cos/sin: [P, hd] tables; rope_pos, slots, write_pos: [N].
     Writes each token's normed, rotated key and its value into k_cache/v_cache [S, KVH, L, hd] at
     [slots[n], :, write_pos[n]] and returns the normed, rotated queries [N, H, hd].
     """
-    N = qkv.shape[0]
+    splits = _splits(qkv, k_cache.dtype)
+    N = qkv.shape[-2]
     hd = k_cache.shape[-1]
     # the kernel indexes these as plain [N] arrays: an expanded index tensor (stride 0) would be read past its end
     rope_pos, slots, write_pos = rope_pos.contiguous(), slots.contiguous(), write_pos.contiguous()
-    assert qkv.stride(1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    q = torch.empty((N, num_heads, hd), dtype=qkv.dtype, device=qkv.device)
+    assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
+    assert not splits or qkv.is_contiguous()
+    q = torch.empty((N, num_heads, hd), dtype=k_cache.dtype, device=qkv.device)
     sc, sh, sl, _ = k_cache.stride()
     _qk_norm_rope_store_kernel[(N, num_heads + num_kv_heads)](
         qkv, q, k_cache, v_cache, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos,
-        qkv.stride(0), sc, sh, sl, eps, H=num_heads, KVH=num_kv_heads, HD=hd, num_warps=1)
+        qkv.stride(-2), sc, sh, sl, eps, N * qkv.shape[-1], H=num_heads, KVH=num_kv_heads, HD=hd, SPLITS=splits,
+        num_warps=1)
     return q
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import gemv, kernels
 from .config import AudioEncoderConfig, ModelConfig, TextDecoderConfig
 
 
@@ -318,12 +318,13 @@ class TextDecoder(nn.Module):
 
         attention(layer index, DecoderAttention, h) writes the layer's K/V of the new tokens into the cache and
         returns their attention output before o_proj. Each residual add feeds the norm that follows it, the last one
-        the final norm (so the fused ops can fuse them).
+        the final norm (so the fused ops can fuse them, and take a product's split-K partial sums).
         """
         h, residual = ops.begin(x, self.layers[0].input_layernorm)
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            h, residual = ops.add_norm(attn.o_proj(attention(i, attn, h)), residual, layer.post_attention_layernorm)
+            h, residual = ops.add_norm(ops.project(attn.o_proj, attention(i, attn, h)), residual,
+                                       layer.post_attention_layernorm)
             following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, residual = ops.add_norm(ops.mlp(layer.mlp, h), residual, following)
         return h
@@ -357,7 +358,7 @@ class TextDecoder(nn.Module):
         write_pos = torch.where(live[:, None], pos, torch.full_like(pos, cache.scratch))
         slots = torch.arange(B, device=tokens.device)
         x, attention = ops.decode_attention(self, x, positions, pos, slots, write_pos, cache)
-        return self.lm_head(self.run_layers(x, ops, attention).view(B, -1))
+        return ops.logits(self.lm_head, self.run_layers(x, ops, attention).view(B, -1))
 
 
 class PlainLayerOps:
@@ -377,6 +378,13 @@ class PlainLayerOps:
 
     def mlp(self, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
         return mlp(h)
+
+    def project(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """A projection whose product feeds `add_norm` (o_proj)."""
+        return linear(x)
+
+    def logits(self, lm_head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        return lm_head(h)
 
     def prefill_attention(self, decoder: TextDecoder, x, positions, slots, starts, lengths, write_pos,
                           cache: KVCache, num_keys: int | None):
@@ -418,24 +426,46 @@ class PlainLayerOps:
 
 
 class FusedLayerOps:
-    """The decoder's per-layer ops on the fused Triton kernels (model/kernels.py): nine launches a layer.
+    """The decoder's per-layer ops on the fused Triton kernels (model/kernels.py, model/gemv.py).
 
     Tokens are flattened to [N, D]; each residual add is fused into the RMSNorm that follows it (the residual stream
     is updated in place); attention reads the cache in place. rope_table: `TextDecoder.rope_table`, cos and sin
     [positions, head_dim] computed as the plain path's rope, so both rotate by identical values.
+
+    Products of up to `gemv_rows` rows (the decode step's small buckets; default gemv.max_rows(), $QASR_DECODE_GEMV)
+    stream their weights through gemv.py, larger ones run on cuBLAS: that row count is the one place the choice is
+    made. With gemv a layer is eight launches (add+RMSNorm, qkv, q/k-norm+RoPE+KV write, attention, o_proj,
+    add+RMSNorm, gate_up+SiLU*mul, down; o_proj, qkv and down hand split-K partial sums to the kernel after them),
+    with cuBLAS nine (SiLU*mul apart).
     """
 
-    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor]):
+    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None):
         self.cos, self.sin = rope_table
+        self.gemv_rows = gemv.max_rows() if gemv_rows is None else gemv_rows
+
+    def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.shape[0] <= self.gemv_rows and gemv.supports(x, weight)
 
     def begin(self, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x.contiguous().clone()
         return kernels.rms_norm(residual, norm.weight, norm.eps), residual
 
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D] or a product's float32 split-K partial sums [S, N, D]."""
         return kernels.rms_norm(x, norm.weight, norm.eps, residual), residual
 
+    def project(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for a kernel that sums partial products itself (add+RMSNorm, q/k-norm+RoPE): [N, out] or
+        float32 [S, N, out]."""
+        return gemv.partial_products(x, linear.weight) if self._small(x, linear.weight) else linear(x)
+
+    def logits(self, lm_head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
+        return gemv.linear(h, lm_head.weight) if self._small(h, lm_head.weight) else lm_head(h)
+
     def mlp(self, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
+        """-> [N, D], or down's float32 split-K partial sums [S, N, D] (for add_norm)."""
+        if self._small(h, mlp.gate_up_proj.weight):
+            return gemv.partial_products(gemv.gate_up_silu(h, mlp.gate_up_proj.weight), mlp.down_proj.weight)
         return mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h)))
 
     def prefill_attention(self, decoder: TextDecoder, x, positions, slots, starts, lengths, write_pos,
@@ -455,7 +485,7 @@ class FusedLayerOps:
     def _attention(self, rope_pos, slots, write_pos, attend, cache: KVCache):
         # rope_pos, slots, write_pos: [N]; attend(layer, q [N, H, hd]) -> [N, H * hd]
         def attention(i: int, attn: DecoderAttention, h: torch.Tensor) -> torch.Tensor:
-            q = kernels.qk_norm_rope_store(attn.qkv_proj(h), attn.q_norm.weight, attn.k_norm.weight, self.cos,
+            q = kernels.qk_norm_rope_store(self.project(attn.qkv_proj, h), attn.q_norm.weight, attn.k_norm.weight, self.cos,
                                            self.sin, rope_pos, slots, write_pos, cache.k[i], cache.v[i],
                                            attn.num_heads, attn.num_kv_heads, attn.q_norm.eps)
             return attend(i, q)

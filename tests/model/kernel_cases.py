@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from qasr.model import kernels
+from qasr.model import gemv, kernels
 from qasr.model.modeling import FusedLayerOps, PlainLayerOps, RMSNorm, rotate_half
 from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
@@ -129,6 +129,83 @@ def test_prefill_attention_is_causal_over_each_slots_cache(heads, kv_heads):
     assert torch.equal(alone.view(T, -1)[:37], out[1, :37])
 
 
+# -- the small-batch matrix products (model/gemv.py) -------------------------------------------------------------
+
+GEMV_CONFIGS = [gemv.GemvConfig(32, 64), gemv.GemvConfig(32, 64, split=3), gemv.GemvConfig(16, 16, split=4)]
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=str)
+@pytest.mark.parametrize("rows", [1, 5, 20])  # 20: two 16-row tiles
+def test_partial_products_sum_to_the_product(config, rows):
+    x, w = torch.randn(rows, 200), torch.randn(90, 200)  # neither N nor K a multiple of the blocks
+    parts = gemv.partial_products(x, w, config)
+    assert parts.dtype == torch.float32 and parts.shape == (config.splits(200), rows, 90)
+    assert config.split == 1 or parts.shape[0] > 1
+    assert torch.allclose(parts.sum(0), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS[:2], ids=str)
+def test_a_rows_product_does_not_depend_on_its_batch(config):
+    x, w = torch.randn(20, 200), torch.randn(90, 200)
+    x[7] = x[3]
+    batch = gemv.partial_products(x, w, config)
+    assert torch.equal(batch[:, 7], batch[:, 3])
+    for r in (0, 3, 17):
+        assert torch.equal(gemv.partial_products(x[r : r + 1], w, config)[:, 0], batch[:, r]), r
+        assert torch.equal(gemv.partial_products(x[: r + 1], w, config)[:, r], batch[:, r]), r
+
+
+def test_linear_matches_f_linear_and_refuses_a_split_config():
+    x, w = torch.randn(3, 100), torch.randn(70, 100)
+    assert torch.allclose(gemv.linear(x, w, gemv.GemvConfig(32, 32)), F.linear(x, w), atol=1e-4, rtol=1e-5)
+    assert torch.allclose(gemv.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)  # the interpreter's own config
+    with pytest.raises(ValueError, match="unsplit"):
+        gemv.linear(x, w, gemv.GemvConfig(16, 16, split=4))
+
+
+@pytest.mark.parametrize("rows", [1, 18])
+def test_gate_up_silu_matches_silu_mul_of_the_two_products(rows):
+    x, w = torch.randn(rows, 80), torch.randn(2 * 40, 80)
+    expected = F.silu(F.linear(x, w[:40])) * F.linear(x, w[40:])
+    got = gemv.gate_up_silu(x, w, gemv.GemvConfig(16, 32))
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-5)
+    assert torch.equal(gemv.gate_up_silu(x[-1:], w, gemv.GemvConfig(16, 32))[0], got[-1])
+
+
+def test_gemv_refuses_mismatched_operands():
+    with pytest.raises(ValueError, match="gemv needs"):
+        gemv.partial_products(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="gemv needs"):
+        gemv.linear(torch.randn(2, 8), torch.randn(4, 8, dtype=torch.float64))
+
+
+def test_add_rms_norm_sums_split_partial_products_in_order():
+    x, w, residual = torch.randn(6, 64), torch.randn(96, 64), torch.randn(6, 96)
+    parts = gemv.partial_products(x, w, gemv.GemvConfig(32, 16, split=4))
+    assert parts.shape[0] == 4
+    summed = parts[0] + parts[1] + parts[2] + parts[3]
+    r1, r2, nw = residual.clone(), residual.clone(), torch.randn(96)
+    assert torch.equal(kernels.rms_norm(parts, nw, 1e-6, r1), kernels.rms_norm(summed, nw, 1e-6, r2))
+    assert torch.equal(r1, r2)
+    with pytest.raises(ValueError, match="partial sums"):
+        kernels.rms_norm(parts.double(), nw, 1e-6, residual.clone())
+
+
+def test_qk_norm_rope_store_sums_split_partial_products():
+    H, KVH, hd, S, L, N = 4, 2, 16, 3, 24, 5
+    x, w = torch.randn(N, 48), torch.randn((H + 2 * KVH) * hd, 48)
+    parts = gemv.partial_products(x, w, gemv.GemvConfig(32, 16, split=3))
+    qw, kw = torch.randn(hd), torch.randn(hd)
+    cos, sin = rope_tables(L, hd)
+    rope_pos, slots, write_pos = torch.randint(0, L, (N,)), torch.randint(0, S, (N,)), torch.randperm(L)[:N]
+    caches = [(torch.zeros(S, KVH, L, hd), torch.zeros(S, KVH, L, hd)) for _ in range(2)]
+    summed = parts[0] + parts[1] + parts[2]
+    outs = [kernels.qk_norm_rope_store(qkv, qw, kw, cos, sin, rope_pos, slots, write_pos, k, v, H, KVH, 1e-6)
+            for qkv, (k, v) in zip((parts, summed), caches)]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
 # -- the engine on the kernels ---------------------------------------------------------------------------------------
 
 
@@ -157,6 +234,24 @@ def test_engine_on_kernels_gives_the_plain_engines_tokens(engines):
     got, expected = fused.transcribe(reqs), plain.transcribe(reqs)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert all(len(r.token_ids) == b for r, b in zip(got, budgets))
+
+
+def test_decode_streams_small_products_through_gemv_and_larger_ones_through_cublas(engines, monkeypatch):
+    fused, plain = engines
+    calls = []
+    for name in ("partial_products", "linear", "gate_up_silu"):
+        real = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name: calls.append((name, x.shape[0])) or
+                            real(x, *a))
+    reqs = [DecodeRequest(audio=speech(s, seed=40 + i), max_new_tokens=5) for i, s in enumerate([0.6, 1.4, 2.0])]
+    expected = [r.token_ids for r in plain.transcribe(reqs)]
+    assert [r.token_ids for r in fused.transcribe(reqs)] == expected
+    assert {name for name, _ in calls} == {"partial_products", "linear", "gate_up_silu"}
+    assert 4 in {rows for name, rows in calls if name == "linear"}  # the lm_head of the 4-row decode bucket
+    calls.clear()
+    monkeypatch.setattr(fused.runner.layer_ops, "gemv_rows", 0)  # $QASR_DECODE_GEMV=0: cuBLAS for every product
+    assert [r.token_ids for r in fused.transcribe(reqs)] == expected
+    assert calls == []
 
 
 def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines):

@@ -1,0 +1,276 @@
+"""Matrix products of the decode step's few rows: weight-streaming GEMV / skinny GEMM kernels in Triton.
+
+At decode a layer multiplies 1..32 rows by weights of 4-12 MB. cuBLAS picks kernels built for large products, which
+take 5-10 us where the weight bytes need 1-3 us at the H200's bandwidth (docs/benchmarks.md). Here a program owns
+BLOCK_N output columns of up to 16 rows (and, where N alone gives too few programs, 1/SPLIT of the reduction): it
+streams its weight tile once and multiplies on tensor cores with the weight tile as the MMA's long side ("swap AB"),
+accumulating in float32.
+
+Split-K partial sums are not reduced here (that would be one more launch): `partial_products` returns them as float32
+[S, M, N] and the kernel that consumes the product (add+RMSNorm, q/k-norm+RoPE in kernels.py) sums them in a fixed
+order and rounds to the activation dtype, as nn.Linear's output would be rounded.
+
+Row independence: a row's result depends only on its own input and on the config, and the config is chosen per weight
+shape (N, K), never per batch, so every bucket up to `max_rows()` runs the same reduction order: a row gets the same
+bits whatever its batch mates and its bucket. More than 16 rows are more programs over the same 16-row tile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import kernels
+
+triton, tl = kernels.triton, (kernels.tl if kernels.triton is not None else None)
+
+log = logging.getLogger(__name__)
+
+BLOCK_M = 16  # rows per tile: the smallest MMA side, padded with masked rows
+DEFAULT_MAX_ROWS = 32
+MAX_ROWS_ENV = "QASR_DECODE_GEMV"  # rows up to which the decode step's products use these kernels; 0: cuBLAS only
+TUNE_ENV = "QASR_GEMV_TUNE"  # "0": take each shape's heuristic config instead of timing a few at first use
+
+
+def max_rows() -> int:
+    """Rows up to which products stream their weights through these kernels ($QASR_DECODE_GEMV, default 32)."""
+    value = os.environ.get(MAX_ROWS_ENV, str(DEFAULT_MAX_ROWS))
+    if not value.isdigit():
+        raise ValueError(f"{MAX_ROWS_ENV} must be a whole number of rows (0: off), got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    block_n: int  # output columns per program (the MMA's long side: 16 or more)
+    block_k: int  # reduction step
+    split: int = 1  # programs sharing one column block's reduction (partial sums)
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def k_per_split(self, K: int) -> int:
+        return -(-(-(-K // self.split)) // self.block_k) * self.block_k
+
+    def splits(self, K: int) -> int:
+        """Partial sums actually made: the reduction is cut into k_per_split(K)-wide pieces."""
+        return -(-K // self.k_per_split(K))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(X, W, OUT, M, N, K, stride_xm, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        # program (row tile, column block, split): OUT[split, m, n] = sum over this split's k of X[m, k] W[n, k]
+        # (OUT float32 partials) or, with one split, the product rounded to OUT's dtype
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(2)
+        rmask, cmask = rows < M, cols < N
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        k_start = split * K_SPLIT
+        for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            w = tl.load(W + cols[:, None].to(tl.int64) * K + k[None, :], mask=cmask[:, None] & kmask[None, :],
+                        other=0.0)
+            x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+        out = OUT + split.to(tl.int64) * M * N + rows[None, :] * N + cols[:, None]
+        tl.store(out, acc.to(OUT.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
+
+    @triton.jit
+    def _gate_up_silu_kernel(X, W, OUT, M, I, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        # program (row tile, column block): OUT[m, n] = silu(gate) * up for gate = X W[n].T and up = X W[I + n].T,
+        # each rounded where F.silu(gate) * up of nn.Linear's outputs rounds (as kernels.silu_mul does)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask, cmask = rows < M, cols < I
+        gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < K
+            wmask = cmask[:, None] & kmask[None, :]
+            at = cols[:, None].to(tl.int64) * K + k[None, :]
+            x = tl.trans(tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None] & kmask[None, :],
+                                 other=0.0))
+            gate = tl.dot(tl.load(W + at, mask=wmask, other=0.0), x, gate, input_precision=PRECISION)
+            up = tl.dot(tl.load(W + I * K + at, mask=wmask, other=0.0), x, up, input_precision=PRECISION)
+        dt = OUT.dtype.element_ty
+        g = gate.to(dt).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        out = (act * up.to(dt).to(tl.float32)).to(dt)
+        tl.store(OUT + rows[None, :] * I + cols[:, None], out, mask=cmask[:, None] & rmask[None, :])
+
+
+def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether these kernels can multiply x [M, K] by weight [N, K] (2-D, same dtype, device the kernels run on)."""
+    return (kernels.available(x.device) and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.is_contiguous())
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if not supports(x, weight) or x.shape[1] != weight.shape[1] or x.stride(1) != 1:
+        raise ValueError(f"gemv needs x [M, K] (unit stride along K) and a contiguous weight [N, K] of its dtype on a "
+                         f"device the kernels run on; got x {tuple(x.shape)} {x.dtype} {x.device}, weight "
+                         f"{tuple(weight.shape)} {weight.dtype}")
+
+
+def _precision(x: torch.Tensor) -> str | None:
+    return "ieee" if x.dtype == torch.float32 else None  # float32 products exact, as F.linear's (not tf32)
+
+
+def _row_tiles(M: int) -> int:
+    return -(-M // BLOCK_M)
+
+
+def partial_products(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T as float32 partial sums [S, M, N] (S = the shape's split, often 1): their sum in
+    order, rounded to x's dtype, is the product. kernels.rms_norm and kernels.qk_norm_rope_store take them."""
+    _check(x, weight)
+    M, K = x.shape
+    N = weight.shape[0]
+    config = config or config_for("products", N, K, x)
+    out = torch.empty((config.splits(K), M, N), dtype=torch.float32, device=x.device)
+    _launch_products(x, weight, out, config)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T -> [M, N] in x's dtype (no split: for products nothing fuses the sums into)."""
+    _check(x, weight)
+    M, K = x.shape
+    N = weight.shape[0]
+    config = config or config_for("linear", N, K, x)
+    if config.splits(K) != 1:
+        raise ValueError(f"linear takes an unsplit config, got {config}")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    _launch_products(x, weight, out, config)
+    return out
+
+
+def _launch_products(x, weight, out, config: GemvConfig) -> None:
+    M, K = x.shape
+    N = weight.shape[0]
+    grid = (_row_tiles(M), triton.cdiv(N, config.block_n), config.splits(K))
+    _gemv_kernel[grid](x, weight, out, M, N, K, x.stride(0), K_SPLIT=config.k_per_split(K), BLOCK_M=BLOCK_M,
+                       BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=_precision(x),
+                       num_warps=config.num_warps, num_stages=config.num_stages)
+
+
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """The MLP's first half in one kernel: x [M, K], gate|up weight [2I, K] -> silu(x gate.T) * (x up.T) [M, I]."""
+    _check(x, weight)
+    M, K = x.shape
+    I = weight.shape[0] // 2
+    if weight.shape[0] != 2 * I:
+        raise ValueError(f"gate|up weight needs an even number of rows, got {tuple(weight.shape)}")
+    config = config or config_for("gate_up_silu", I, K, x)
+    out = torch.empty((M, I), dtype=x.dtype, device=x.device)
+    grid = (_row_tiles(M), triton.cdiv(I, config.block_n))
+    _gate_up_silu_kernel[grid](x, weight, out, M, I, K, x.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
+                               BLOCK_K=config.block_k, PRECISION=_precision(x), num_warps=config.num_warps,
+                               num_stages=config.num_stages)
+    return out
+
+
+# -- configs: one per (kind, N, K, dtype, device), chosen at first use, never inside a graph capture --------------
+
+KINDS = ("products", "linear", "gate_up_silu")
+_chosen: dict[tuple, GemvConfig] = {}
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    p = 16
+    while p * 2 <= min(n, cap):
+        p *= 2
+    return p
+
+
+def _split_for(N: int, K: int, block_n: int, block_k: int, programs: int) -> int:
+    """The fewest splits (a power of two) that give ~`programs` programs, each still a whole block_k of reduction."""
+    split = 1
+    while -(-N // block_n) * split * 2 <= programs and K // (split * 2) >= block_k:
+        split *= 2
+    return split
+
+
+def candidates(kind: str, N: int, K: int, device: torch.device) -> list[GemvConfig]:
+    """The few configs tried for a shape; the first is the heuristic one. In the CPU interpreter a program is a
+    Python call: there the blocks are as large as the shape, so tests of real-vocabulary heads stay fast."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    if device.type != "cuda":
+        return [GemvConfig(block_n=_pow2_at_most(N, 4096), block_k=_pow2_at_most(K, 256))]
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    block_k = _pow2_at_most(K, 128)
+    out = []
+    widths = (64, 128, 32) if kind == "linear" else (64, 32, 128) if kind == "products" else (32, 16, 64)
+    for block_n in widths:
+        if kind == "products":
+            split = _split_for(N, K, block_n, block_k, programs)
+            out += [GemvConfig(block_n, block_k, s) for s in dict.fromkeys((split, max(1, split // 4)))]
+        else:
+            out.append(GemvConfig(block_n, block_k))
+    return out
+
+
+def config_for(kind: str, N: int, K: int, x: torch.Tensor) -> GemvConfig:
+    """The config of this shape: on CUDA the fastest of `candidates` at 1 and 16 rows (timed once, outside graph
+    capture; $QASR_GEMV_TUNE=0 takes the heuristic one), elsewhere the heuristic one."""
+    key = (kind, N, K, x.dtype, x.device)
+    if key not in _chosen:
+        options = candidates(kind, N, K, x.device)
+        tune = (x.device.type == "cuda" and len(options) > 1 and os.environ.get(TUNE_ENV, "1") != "0"
+                and not torch.cuda.is_current_stream_capturing())
+        _chosen[key] = _fastest(kind, N, K, x, options) if tune else options[0]
+    return _chosen[key]
+
+
+def _fastest(kind: str, N: int, K: int, x: torch.Tensor, options: list[GemvConfig]) -> GemvConfig:
+    t0 = time.perf_counter()
+    rows = 2 * N if kind == "gate_up_silu" else N
+    weight = torch.randn(rows, K, device=x.device).to(x.dtype)
+    run = {"products": partial_products, "linear": linear, "gate_up_silu": gate_up_silu}[kind]
+    timed = {}
+    for config in options:
+        total = 0.0
+        for M in (1, BLOCK_M):
+            xs = torch.randn(M, K, device=x.device).to(x.dtype)
+            total += time_ms(lambda: run(xs, weight, config))
+        timed[config] = total
+    best = min(timed, key=timed.get)
+    log.info("gemv %s N=%d K=%d: %s (%s ms at 1 + %d rows; tried %d configs in %.1f s)", kind, N, K, best,
+             f"{timed[best]:.4f}", BLOCK_M, len(options), time.perf_counter() - t0)
+    return best
+
+
+def time_ms(fn, runs: int = 20) -> float:
+    """Mean GPU time of fn() over `runs` launches, after warm-up (its first call compiles)."""
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(runs):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / runs
+
+
+def chosen_configs() -> dict[str, str]:
+    """What has been chosen so far, for benchmark reports."""
+    return {f"{kind} N={N} K={K} {str(dtype).removeprefix('torch.')}": str(c)
+            for (kind, N, K, dtype, _), c in _chosen.items()}
+
+
+def forget_configs() -> None:
+    """Choose again at next use (tests; a benchmark comparing settings)."""
+    _chosen.clear()
+

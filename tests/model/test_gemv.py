@@ -1,0 +1,51 @@
+"""gemv.py's choices, without running a kernel: the row threshold, the split arithmetic, the configs per shape.
+(The kernels themselves run through Triton's interpreter in kernel_cases.py.)"""
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from qasr.model import gemv  # noqa: E402
+
+
+def test_max_rows_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(gemv.MAX_ROWS_ENV, raising=False)
+    assert gemv.max_rows() == gemv.DEFAULT_MAX_ROWS
+    monkeypatch.setenv(gemv.MAX_ROWS_ENV, "0")
+    assert gemv.max_rows() == 0
+    monkeypatch.setenv(gemv.MAX_ROWS_ENV, "-1")
+    with pytest.raises(ValueError, match="QASR_DECODE_GEMV"):
+        gemv.max_rows()
+
+
+@pytest.mark.parametrize("K,block_k,split,per_split,splits", [
+    (3072, 128, 16, 256, 12),  # the 0.6B down_proj: 192 rounds up to whole blocks, so 12 partial sums, not 16
+    (2048, 128, 16, 128, 16),
+    (1024, 128, 1, 1024, 1),
+    (200, 64, 3, 128, 2),
+])
+def test_a_split_covers_the_reduction_in_whole_blocks(K, block_k, split, per_split, splits):
+    config = gemv.GemvConfig(64, block_k, split)
+    assert (config.k_per_split(K), config.splits(K)) == (per_split, splits)
+    assert (config.splits(K) - 1) * per_split < K <= config.splits(K) * per_split
+
+
+def test_the_cpu_takes_one_config_sized_to_the_shape_and_keeps_it():
+    gemv.forget_configs()
+    x = torch.zeros(2, 64)
+    (only,) = gemv.candidates("linear", 151936, 64, x.device)
+    assert (only.block_n, only.block_k, only.splits(64)) == (4096, 64, 1)  # few interpreted programs
+    assert gemv.config_for("linear", 151936, 64, x) is gemv.config_for("linear", 151936, 64, x)
+    assert "linear N=151936 K=64 float32" in gemv.chosen_configs()
+    gemv.forget_configs()
+    assert gemv.chosen_configs() == {}
+    with pytest.raises(ValueError, match="kind"):
+        gemv.candidates("conv", 8, 8, x.device)
+
+
+def test_split_for_stops_at_the_program_target_and_at_whole_blocks():
+    assert gemv._split_for(1024, 2048, 64, 128, 264) == 16  # 16 column blocks x 16 = 256 programs
+    assert gemv._split_for(4096, 1024, 64, 128, 264) == 4
+    assert gemv._split_for(1024, 256, 64, 128, 264) == 2  # no split narrower than one block_k
+    assert gemv._split_for(151936, 1024, 64, 128, 264) == 1
