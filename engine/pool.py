@@ -173,7 +173,8 @@ class EnginePool:
 
     def stats(self) -> dict:
         """`engines`: each engine's own stats plus `streams` placed, `final_queue_ms` (p90, recent), `headroom` and
-        `serving` (0/1), in device order; `headroom` (the best serving engine's), `streams`, `partials_thinned`."""
+        `serving` (0/1), in device order; `headroom` (the best serving engine's) and `partials_thinned`. No key is
+        both the pool's and an engine's: /metrics shows the engines' with an `engine` label."""
         engines, best = [], None
         for member in self._members:
             headroom = self._headroom(member)
@@ -182,7 +183,7 @@ class EnginePool:
             engines.append(dict(member.engine.stats()) | {
                 "streams": len(member.streams), "final_queue_ms": member.final_queue.p90(), "headroom": headroom,
                 "serving": int(member.engine.ready)})
-        return {"engines": engines, "headroom": best if best is not None else 0.0, "streams": len(self._placed),
+        return {"engines": engines, "headroom": best if best is not None else 0.0,
                 "partials_thinned": self.partials_thinned}
 
     # -- placement -------------------------------------------------------------------------------------------

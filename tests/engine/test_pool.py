@@ -51,7 +51,7 @@ def test_new_streams_go_to_the_least_loaded_engine_and_stay_there():
             await pool.transcribe(request("s1", Priority.PARTIAL))
         await pool.transcribe(request("s1"))
         assert [c.request.stream_id for c in a.calls] == ["s1", "s3", "s1", "s1", "s1", "s1"]
-        assert pool.stats()["streams"] == 4 and [e["streams"] for e in pool.stats()["engines"]] == [2, 2]
+        assert [e["streams"] for e in pool.stats()["engines"]] == [2, 2]
 
     asyncio.run(main())
 

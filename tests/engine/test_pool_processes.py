@@ -47,7 +47,7 @@ def test_two_engine_processes_share_the_streams_and_one_failing_leaves_the_other
             for stream in ("s1", "s2"):  # one on each engine
                 await pool.transcribe(partial(stream, 144000))  # 9 s: one whole encoder window
             await until(lambda: cached() == [1, 1])
-            await pool.transcribe(partial("s1", 160000))  # s1's next partial: on its engine, which kept its window and KV
+            await pool.transcribe(partial("s1", 160000))  # its next partial: on its engine, which kept its window
 
             def reused() -> list[int]:
                 return [e.get("counters", {}).get("reused_windows", 0) for e in pool.stats()["engines"]]
