@@ -33,6 +33,7 @@ from websockets.http11 import Request, Response
 from qasr.engine.face import SpeechEngine
 from qasr.engine.request import DecodeRequest
 from qasr.server import errors
+from qasr.server.admission import Admission, AdmissionSettings
 from qasr.server.call_events import CallSubscriber, WebSocketPaths, call_id_of
 from qasr.server.calls import CallOptions, CallRegistry
 from qasr.server.connection import StreamConnection, WireAdapter
@@ -71,6 +72,8 @@ class ServerConfig:
     security: SecuritySettings = field(default_factory=SecuritySettings)  # auth, TLS, origins, client limits
     calls: CallOptions = field(default_factory=CallOptions)  # telephony calls out: replay, webhook URL (#13)
     webhooks: WebhookOptions | None = None  # signing and retries of call webhooks; None: no webhooks
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)  # new streams refused while the
+    # engines have no headroom (qasr.server.admission)
     worker: int | None = None  # front-end worker N of several on one port (qasr.server.workers): the port is bound
     # with SO_REUSEPORT and every handshake response says `X-Qasr-Worker: N/pid`; None: the only server process
 
@@ -119,6 +122,7 @@ class QasrServer:
         self.replica = replica
         self.config = config
         self.metrics = metrics or ServerMetrics()
+        self.admission = Admission(config.admission)  # refuses new streams past the engines' latency target
         self.connections: set[StreamConnection] = set()  # admitted streams
         self.stopping = False
         self._websocket_server: Server | None = None
@@ -263,8 +267,12 @@ class QasrServer:
         if response is not None or make_adapter is None:
             return response
         if self.stopping or not self.is_ready():  # before the upgrade, so a load balancer can retry elsewhere
+            self.metrics.stream_refused("shutting_down" if self.stopping else "not_ready")
             return _unavailable(connection, "the server is shutting down: connect again (another replica)"
                                 if self.stopping else "the model is still loading: try again shortly")
+        if not self.admission.admits(self.engine.stats()):  # the engines are at their latency target
+            self.metrics.stream_refused("headroom")
+            return _unavailable(connection, self.admission.refusal, retry_after_s=self.admission.retry_after_s)
         handshake = Handshake(request, self.config, self.engine.model_name if self.engine else "", calls=self.calls)
         try:
             self._adapters[connection] = make_adapter(handshake)
@@ -312,12 +320,18 @@ class QasrServer:
 
     def _admit(self, connection: StreamConnection, principal) -> None:
         if self.stopping:
+            self.metrics.stream_refused("shutting_down")
             raise errors.ShuttingDown("server is shutting down")
         if not self.is_ready():
+            self.metrics.stream_refused("not_ready")
             raise errors.NotReady("the model is still loading: try again shortly")
         if len(self.connections) >= self.config.limits.max_sessions:
+            self.metrics.stream_refused("max_sessions")
             raise errors.ServerFull(f"the server is full ({self.config.limits.max_sessions} streams): "
                                     "try again later")
+        if not self.admission.admits(self.engine.stats()):  # it changed since the handshake: 1013, retry hint
+            self.metrics.stream_refused("headroom")
+            raise errors.ServerFull(self.admission.refusal)
         self.key_usage.open_stream(principal)  # LimitExceeded (1008) past the key's concurrent streams
         connection.engine = self.engine
         self.connections.add(connection)
@@ -327,21 +341,26 @@ class QasrServer:
 RETRY_AFTER_S = 1  # what a 503'd handshake tells the client to wait
 
 
-def _unavailable(connection: ServerConnection, reason: str) -> Response:
-    """HTTP 503 for a stream upgrade the server cannot take now (loading, shutting down)."""
+def _unavailable(connection: ServerConnection, reason: str, *, retry_after_s: int = RETRY_AFTER_S) -> Response:
+    """HTTP 503 for a stream upgrade the server cannot take now (loading, shutting down, no headroom)."""
     log.info("handshake refused: 503 %s", reason)
     response = connection.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, f"{reason}\n")
-    response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    response.headers["Retry-After"] = str(retry_after_s)
     return response
 
 
 async def _warm_up(engine: SpeechEngine) -> None:
-    """One short decode through the whole path (mel, encoder, prefill, decode) before the first client's."""
+    """One short decode through the whole path (mel, encoder, prefill, decode) before the first client's; an engine
+    pool gets one per engine (concurrent new streams are placed one per engine)."""
     audio = np.random.default_rng(0).normal(0.0, 0.05, 16000).astype(np.float32)  # 1 s of quiet noise
+    engines = max(1, len(engine.stats().get("engines", ())))
+    streams = [WARM_UP_STREAM] + [f"{WARM_UP_STREAM}/{i}" for i in range(1, engines)]
     try:
-        await engine.transcribe(DecodeRequest(audio=audio, stream_id=WARM_UP_STREAM, max_new_tokens=4))
+        await asyncio.gather(*(engine.transcribe(DecodeRequest(audio=audio, stream_id=stream, max_new_tokens=4))
+                               for stream in streams))
     finally:
-        engine.release_stream(WARM_UP_STREAM)
+        for stream in streams:
+            engine.release_stream(stream)
 
 
 class _EngineView:

@@ -5,7 +5,9 @@ global registry would mix them) and is also the sessions' observer (partials, fi
 numbers are read at scrape time by `EngineStatsCollector` from `engine.stats()`: numbers become gauges
 `qasr_engine_<key>` (those that only grow, `ENGINE_STATS_COUNTERS`, counters `qasr_engine_<key>_total`), dicts of numbers one gauge with a `kind` label, lists of numbers (e.g. recent batch sizes)
 `_last`, `_mean` and `_max` gauges. Every family has a HELP line (`ENGINE_STATS_HELP`, or a generic one for a key
-an engine adds later).
+an engine adds later). An engine pool (qasr.engine.pool) reports each engine's stats under `engines`: the same
+families with an `engine` label (the device's position in `--devices`), and its `headroom` as
+`qasr_admission_headroom`.
 
 Several front-end processes (`qasr-server --workers N`, issue #15) use the library's multi-process mode: the
 supervisor sets `PROMETHEUS_MULTIPROC_DIR` (a private folder) before it spawns the workers, and then each worker's
@@ -59,8 +61,15 @@ ENGINE_STATS_HELP = {
     "thread_cpu_seconds": "CPU time of the engine loop's thread.",
     "process_cpu_seconds": "CPU time of the engine process (all threads).",
     "restarts": "Engine processes replaced after one died (a device error, out of memory, a kill).",
+    "streams": "Streams (segments) placed on the engine and not released (qasr.engine.pool).",
+    "final_queue_ms": "The p90 queue delay of the finals the engine answered in the last few seconds, ms.",
+    "headroom": "What the engine can still take: the smaller of 1 - recent final queue delay / the latency target "
+                "and 1 - decode rows in use / slots (1 idle, 0 at the target, below 0 past it).",
+    "serving": "1 while the engine can take work (0: restarting or failed).",
+    "partials_thinned": "Partials skipped because their engine was near its latency target (finals go first).",
 }
-ENGINE_STATS_COUNTERS = {"restarts"}  # stats that only grow: shown as counters (`qasr_engine_<key>_total`)
+# stats that only grow: shown as counters (`qasr_engine_<key>_total`)
+ENGINE_STATS_COUNTERS = {"restarts", "partials_thinned"}
 LIST_SUFFIX_HELP = {"last": "the last one", "mean": "their mean", "max": "their maximum"}
 
 
@@ -103,6 +112,10 @@ class ServerMetrics(SessionObserver):
         self.webhooks_undelivered_total = Counter(
             "qasr_webhooks_undelivered_total", "Call messages a webhook never received, by reason: unreachable, "
             "http_4xx, http_5xx, queue_full, stopping.", ["reason"], registry=registry)
+        self.streams_refused_total = Counter(
+            "qasr_streams_refused_total", "New streams turned away, by reason: headroom (the engines are at their "
+            "latency target: admission control), max_sessions, not_ready (loading or restarting), shutting_down.",
+            ["reason"], registry=registry)
         self.final_latency = Histogram("qasr_final_latency_seconds",
                                        "From a segment's end decision to its final being sent.",
                                        buckets=LATENCY_BUCKETS_S, registry=registry)
@@ -167,6 +180,9 @@ class ServerMetrics(SessionObserver):
     def connection_closed(self, close_code: int | None) -> None:
         self.closes_total.labels(str(close_code) if close_code is not None else "none").inc()
 
+    def stream_refused(self, reason: str) -> None:
+        self.streams_refused_total.labels(reason).inc()
+
     def webhook_undelivered(self, reason: str) -> None:
         """qasr.server.webhooks.WebhookSender's on_undelivered hook."""
         self.webhooks_undelivered_total.labels(reason).inc()
@@ -195,26 +211,50 @@ class EngineStatsCollector:
             stats = engine.stats()
         except Exception:  # a scrape must not fail because the engine is busy starting or stopping
             return
+        if "headroom" in stats:  # an engine pool's: what admission control reads (qasr.server.admission)
+            yield GaugeMetricFamily("qasr_admission_headroom", ADMISSION_HEADROOM_HELP, value=stats["headroom"])
+        per_engine = stats.get("engines") if isinstance(stats.get("engines"), list) else None
         for key, value in sorted(stats.items()):
-            yield from _stat_families(str(key), value)
+            if key not in ("engines", "headroom"):
+                yield from _stat_families(str(key), [((), value)])
+        if per_engine:  # an engine pool: each engine's stats with an `engine` label (its device's position)
+            keys = sorted({key for engine in per_engine for key in engine})
+            for key in keys:
+                yield from _stat_families(str(key), [((str(i),), engine[key]) for i, engine in
+                                                     enumerate(per_engine) if key in engine], ("engine",))
 
 
-def _stat_families(key: str, value) -> Iterable[GaugeMetricFamily]:
+ADMISSION_HEADROOM_HELP = ("What the engines can still take, for admission control: the best engine's headroom (1 "
+                           "idle, 0 at the latency target: new streams are refused, below 0 past it).")
+
+
+def _stat_families(key: str, samples: list[tuple[tuple[str, ...], object]],
+                   label_names: tuple[str, ...] = ()) -> Iterable[GaugeMetricFamily]:
+    """samples: (label values, the stat's value) for each engine that reports `key` (one, unlabelled, for a plain
+    engine); the stat's shape decides the families, as the module's docstring says."""
     name = "qasr_engine_" + _metric_name(key)
     help_text = ENGINE_STATS_HELP.get(key, f"The engine's `{key}` statistic.")
-    if _is_number(value) and key in ENGINE_STATS_COUNTERS:
-        yield CounterMetricFamily(name, help_text, value=value)
-    elif _is_number(value):
-        yield GaugeMetricFamily(name, help_text, value=value)
-    elif isinstance(value, dict) and value and all(_is_number(v) for v in value.values()):
-        family = GaugeMetricFamily(name, help_text, labels=["kind"])
-        for kind, number in sorted(value.items()):
-            family.add_metric([str(kind)], number)
+    values = [value for _, value in samples]
+    labels = list(label_names)
+    if all(_is_number(v) for v in values):
+        kind = CounterMetricFamily if key in ENGINE_STATS_COUNTERS else GaugeMetricFamily
+        family = kind(name, help_text, labels=labels)
+        for label_values, value in samples:
+            family.add_metric(list(label_values), value)
         yield family
-    elif isinstance(value, (list, tuple)) and value and all(_is_number(v) for v in value):
-        for suffix, number in (("last", value[-1]), ("mean", sum(value) / len(value)), ("max", max(value))):
-            yield GaugeMetricFamily(f"{name}_{suffix}", f"{help_text.rstrip('.')}: {LIST_SUFFIX_HELP[suffix]}.",
-                                    value=number)
+    elif all(isinstance(v, dict) and v and all(_is_number(n) for n in v.values()) for v in values):
+        family = GaugeMetricFamily(name, help_text, labels=labels + ["kind"])
+        for label_values, value in samples:
+            for kind, number in sorted(value.items()):
+                family.add_metric([*label_values, str(kind)], number)
+        yield family
+    elif all(isinstance(v, (list, tuple)) and v and all(_is_number(n) for n in v) for v in values):
+        for suffix, pick in (("last", lambda v: v[-1]), ("mean", lambda v: sum(v) / len(v)), ("max", max)):
+            family = GaugeMetricFamily(f"{name}_{suffix}", f"{help_text.rstrip('.')}: {LIST_SUFFIX_HELP[suffix]}.",
+                                       labels=labels)
+            for label_values, value in samples:
+                family.add_metric(list(label_values), pick(value))
+            yield family
 
 
 def _is_number(value) -> bool:
