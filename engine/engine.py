@@ -22,12 +22,12 @@ import torch
 from qasr.model import audio as qaudio
 from qasr.model.checkpoint import load_model, resolve_model_dir
 from qasr.model.modeling import Qwen3ASR
-from qasr.model.quantize import quantize_decoder_int8
 from qasr.model.tokenizer import Tokenizer
 
 from . import postprocess, prompting
 from .futures import settle
 from .aligner_runner import AlignerRunner
+from .audio_frontend import AudioFrontEnd
 from .options import EngineOptions, display_name
 from .request import DecodeRequest, DecodeResult, EngineClosed, Priority
 from .runner import ModelRunner
@@ -38,6 +38,8 @@ from .stream_cache import StreamCache, StreamState
 __all__ = ["AsyncEngine", "Engine", "EngineOptions", "display_name"]
 
 log = logging.getLogger(__name__)
+
+IDLE_ALIGNMENT_WAIT_S = 0.002  # an idle engine waits this long for an alignment in flight, then looks for new work
 
 
 class Engine:
@@ -60,7 +62,8 @@ class Engine:
             fused_kernels=options.fused_kernels,
         )
         self.scheduler = Scheduler(options.num_slots)
-        self.aligner = AlignerRunner(aligner, max_batch=options.aligner_max_batch) if aligner is not None else None
+        self.aligner = (AlignerRunner(aligner, max_batch=options.aligner_max_batch, cuda_graphs=options.cuda_graphs)
+                        if aligner is not None else None)
         self._last_alignment = -math.inf
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
         self._lock = threading.Lock()  # guards the stream cache's release from other threads
@@ -72,7 +75,8 @@ class Engine:
         # prefix, encoder windows computed vs kept from a stream's earlier partial
         # decode_rows / steps is the mean decode batch
         self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0,
-                         "decode_rows": 0}
+                         "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0}
+        self.frontend = AudioFrontEnd(self.runner, self.counters)  # mel + encoder, a partial's only for what is new
         # where the engine thread's time goes (wall seconds): admissions (encode + prefill), decode steps (launch and
         # wait for the GPU), the host's per-row work after each step, and (AsyncEngine) waiting for work. Their
         # rates under load say whether the GPU, the engine's Python or something outside it (the event loop) bounds
@@ -85,8 +89,6 @@ class Engine:
     def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
         model_dir = resolve_model_dir(model)
         qwen = load_model(model_dir, device=device, dtype=dtype)
-        if options.quantize == "int8":
-            quantize_decoder_int8(qwen)
         aligner = None
         if options.aligner is not None:
             from qasr.model.aligner import ForcedAligner
@@ -128,7 +130,8 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.running) or len(self.scheduler) > 0 or self._num_parked() > 0
+        return (bool(self.scheduler.running) or len(self.scheduler) > 0
+                or (self.aligner is not None and self.aligner.has_work()))
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -141,20 +144,26 @@ class Engine:
             self.seconds["admit"] += self._last_admission - start
         if self.scheduler.running:
             self._decode()
-        if self._num_parked() and self._alignment_due():
-            start = time.perf_counter()
-            self.aligner.run()
+        if self.aligner is not None:
+            self._align()
+
+    def _align(self) -> None:
+        """Finish the alignment in flight if it is done; launch the next one when due. Both return at once: the
+        aligner runs on its own stream while decoding goes on (aligner_runner.py). With nothing else to do, wait a
+        little for the batch in flight instead of spinning."""
+        start = time.perf_counter()
+        idle = not self.scheduler.running and len(self.scheduler) == 0
+        self.aligner.poll(wait_s=IDLE_ALIGNMENT_WAIT_S if idle and not self.aligner.can_launch() else 0.0)
+        if self.aligner.can_launch() and self._alignment_due():
+            self.aligner.launch()
             self._last_alignment = time.perf_counter()
-            self.seconds["align"] += self._last_alignment - start
+            self.aligner.poll()  # on the CPU the forward ran in launch(): its finals go out in this step
+        self.seconds["align"] += time.perf_counter() - start
 
     def _admission_due(self) -> bool:
         """Admit at once when nothing decodes; otherwise batch arrivals into one admission per interval of decoding."""
         interval = self.options.admission_interval_ms / 1e3
         return not self.scheduler.running or time.perf_counter() - self._last_admission >= interval
-
-    def _num_parked(self) -> int:
-        """Decoded finals waiting for their word times."""
-        return len(self.aligner) if self.aligner is not None else 0
 
     def _alignment_due(self) -> bool:
         """As admissions: at once when nothing decodes; otherwise the finals that stopped during one interval of
@@ -186,8 +195,10 @@ class Engine:
             "steps": self.steps,
             "batch_sizes": list(self.recent_batch_sizes),
             "counters": dict(self.counters),
-            **({"aligner": {"parked": len(self.aligner), "batches": self.aligner.num_batches,
-                            "rows": self.aligner.num_rows}} if self.aligner is not None else {}),
+            **({"aligner": {"parked": len(self.aligner), "in_flight": self.aligner.num_in_flight,
+                            "batches": self.aligner.num_batches, "graphed": self.aligner.num_graphed,
+                            "rows": self.aligner.num_rows, "launch_seconds": self.aligner.launch_seconds}}
+               if self.aligner is not None else {}),
             "seconds": dict(self.seconds),
             "thread_cpu_seconds": self.thread_cpu_seconds,
         }
@@ -263,54 +274,32 @@ class Engine:
             self.runner.start_rows(live_slots, live_first, live_pos, live_budget)
 
     def _encode(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
-        """Mel + encoder for the admitted sequences (windows of all of them in one call) -> prompt embeddings.
+        """Mel + encoder for the admitted sequences (a stream's partial only what is new; see audio_frontend.py)
+        -> prompt embeddings.
 
         Returns the sequences that fit (the others are finished with their error), each one's full prompt
         embeddings [T, D], and how many leading positions can be copied from a retained KV prefix.
         """
-        feats, frames = self.runner.log_mel([s.request.audio for s in seqs])
         fitting = []
-        for seq, f, mel in zip(seqs, frames.tolist(), feats):
+        for seq in seqs:
+            frames = qaudio.num_frames(seq.request.audio.size)
             try:
                 seq.prompt, seq.budget = prompting.prepare_prompt(
-                    self.tokenizer, self.options, seq.request, int(qaudio.num_audio_tokens(f)),
+                    self.tokenizer, self.options, seq.request, int(qaudio.num_audio_tokens(frames)),
                     self._rolled_back_answer(seq))
             except ValueError as e:  # this request only
                 seq.finish(e)
                 continue
-            fitting.append((seq, f, mel))
+            fitting.append(seq)
         if not fitting:
             return [], [], []
-        tails, continued, reused = [], [], []
-        for seq, f, mel in fitting:
-            state = self._stream_state(seq)
-            # windows wholly inside the audio (plus 2 frames of margin for the STFT's edge) never change
-            keep = min(len(state.windows), self._whole_windows(f)) if state else 0
-            reused.append(keep)
-            tails.append(mel[:, keep * qaudio.WINDOW_FRAMES : f])
-            continued.append(keep > 0)
-        per_seq = self.runner.encode(tails, continued)
-        self.counters["encoded_windows"] += sum(len(windows) for windows in per_seq)
-        self.counters["reused_windows"] += sum(reused)
-        audio, starts = [], []
-        for (seq, f, _mel), keep, new in zip(fitting, reused, per_seq):
-            state = self._stream_state(seq)
-            if state is not None:
-                kept = state.windows[:keep]
-                fresh = [w for w in new[: self._whole_windows(f) - keep] if w.shape[0] == self.runner.window_tokens]
-                state.windows = kept + fresh
-                audio.append(torch.cat(kept + new))
-            else:
-                audio.append(torch.cat(new))
-            starts.append(self._reusable_positions(seq, keep))
-        embeds = self.runner.embed_prompts([seq.prompt for seq, _, _ in fitting], audio)
-        return [seq for seq, _, _ in fitting], embeds, starts
+        embedded = self.frontend.embed([seq.request.audio for seq in fitting],
+                                       [self._stream_state(seq) for seq in fitting])
+        embeds = self.runner.embed_prompts([seq.prompt for seq in fitting], [e.audio for e in embedded])
+        starts = [self._reusable_positions(seq, e.kept_windows) for seq, e in zip(fitting, embedded)]
+        return fitting, embeds, starts
 
     # -- what a stream keeps between its partials ------------------------------------------------------------------
-
-    @staticmethod
-    def _whole_windows(frames: int) -> int:
-        return max(0, frames - 2) // qaudio.WINDOW_FRAMES
 
     def _stream_state(self, seq: Sequence) -> StreamState | None:
         """Partials of a stream share cached state; finals never read it (they must equal offline decoding)."""

@@ -257,22 +257,51 @@ class ModelRunner:
         return self.model.encoder.cfg.window_tokens
 
     @torch.inference_mode()
-    def log_mel(self, clips: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-mel features of 16 kHz clips -> (features [B, mels, frames] on the device, frames per clip [B]).
+    def log_spectrogram(self, clips: list[np.ndarray], first_frames: list[int]) -> torch.Tensor:
+        """Raw log10 mel frames (before the clip-wide floor) of 16 kHz clips, each from first_frames[i] to its end
+        -> [B, mels, n_max] on the device, zero past clip i's num_frames(len) - first_frames[i] frames.
 
-        Every clip crosses to the device in one copy (one per clip cost ~0.3 ms of CPU each in a large admission)."""
-        sizes = [clip.size for clip in clips]
-        flat = torch.from_numpy(np.concatenate(clips).astype(np.float32, copy=False))
-        return qaudio.log_mel_batch(list(torch.split(flat.to(self.device), sizes)), device=self.device)
+        Only the samples those frames read cross to the device, all clips in one copy (one per clip cost ~0.3 ms of
+        CPU each in a large admission)."""
+        tails = [clip[qaudio.stft_start_sample(first):] for clip, first in zip(clips, first_frames)]
+        flat = torch.from_numpy(np.concatenate(tails).astype(np.float32, copy=False)).to(self.device)
+        log_spec, _ = qaudio.log_spectrogram_batch(list(torch.split(flat, [tail.size for tail in tails])),
+                                                   [clip.size for clip in clips], first_frames, device=self.device)
+        return log_spec
 
     @torch.inference_mode()
-    def encode(self, mels: list[torch.Tensor], continued: list[bool]) -> list[list[torch.Tensor]]:
-        """The audio encoder over several clips' mels [mels, F_i], their windows packed into one call -> per clip,
-        its windows' outputs [tokens, D]. continued[i]: mel i continues earlier windows (a stream's kept ones)."""
-        encoder = self.model.encoder
-        windows, lengths, owners = encoder.pack_windows(encoder.embed_clips(mels, continued))
+    def chunk_extremes(self, log_spec: torch.Tensor, counts: list[int]) -> np.ndarray:
+        """The least and greatest value of each 100-frame chunk of `log_spec` [B, mels, n_max] (chunk-aligned frames;
+        clip i has counts[i]) -> host [2, B, chunks]: (min, max), +inf/-inf past a clip's frames. One read for all."""
+        B, _, n = log_spec.shape
+        chunks = -(-n // qaudio.CHUNK_FRAMES)
+        padded = torch.nn.functional.pad(log_spec, (0, chunks * qaudio.CHUNK_FRAMES - n))
+        beyond = (torch.arange(padded.shape[-1], device=self.device)[None, :]
+                  >= torch.tensor(counts, device=self.device)[:, None])[:, None, :]  # [B, 1, frames]
+        lows = padded.masked_fill(beyond, float("inf")).view(B, qaudio.N_MELS, chunks, -1).amin(dim=(1, 3))
+        highs = padded.masked_fill(beyond, float("-inf")).view(B, qaudio.N_MELS, chunks, -1).amax(dim=(1, 3))
+        return torch.stack([lows, highs]).cpu().numpy()
+
+    @torch.inference_mode()
+    def floor_log_spectrogram(self, log_spec: torch.Tensor, clip_maxes: list[float]) -> torch.Tensor:
+        """The features: each clip's raw frames [B, mels, n] floored 8 below its whole clip's maximum, then scaled."""
+        clip_max = torch.tensor(clip_maxes, dtype=log_spec.dtype).to(self.device).view(-1, 1, 1)
+        return qaudio.floor_log_spectrogram(log_spec, clip_max)
+
+    @torch.inference_mode()
+    def embed_chunks(self, mels: list[torch.Tensor], continued: list[bool]) -> list[torch.Tensor]:
+        """The encoder's conv front end over mels [mels, F_i] in 100-frame chunks -> tokens [num_tokens(F_i), D] each.
+        continued[i]: mel i continues earlier chunks (a stream's kept ones), so its last chunk is padded like a long
+        clip's."""
+        return self.model.encoder.embed_clips(mels, continued)
+
+    @torch.inference_mode()
+    def encode(self, clips: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """The encoder's transformer over several clips' conv tokens [T_i, D] (each starting at a window boundary),
+        their windows packed into one call -> per clip, its windows' outputs [tokens, out]."""
+        windows, lengths, owners = self.model.encoder.pack_windows(clips)
         out = self.encode_windows(windows, lengths)
-        per_clip: list[list[torch.Tensor]] = [[] for _ in mels]
+        per_clip: list[list[torch.Tensor]] = [[] for _ in clips]
         for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
             per_clip[owner].append(out[w, :n])
         return per_clip
