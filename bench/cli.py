@@ -62,7 +62,6 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager-requests", type=int, default=40,
                    help="of those, how many are also decoded by the plain eager batch-1 path, the reference "
                         "(default: %(default)s)")
-    p.add_argument("--quantize", choices=["int8"], default=None, help="int8 weight-only decoder projections (opt-in)")
     p.add_argument("--official", action="store_true", help="time the official qwen-asr backend in the same run")
     p.add_argument("--official-batch", type=int, default=128,
                    help="the official backend's batch size (default: %(default)s)")

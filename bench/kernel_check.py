@@ -18,7 +18,6 @@ from torch.profiler import ProfilerActivity, profile
 
 from qasr.model import kernels
 from qasr.model.modeling import RMSNorm, rotate_half
-from qasr.model.quantize import quantize_decoder_int8
 from qasr.model.testmodel import make_test_model
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest
@@ -173,28 +172,7 @@ def main(argv=None) -> None:
         del runner
         torch.cuda.empty_cache()
     res["decode_step_ms_context_200"] = steps
-    res["int8"] = int8_vs_bf16(engine)
     print(json.dumps(res, indent=2), flush=True)
-
-
-def int8_vs_bf16(engine: Engine) -> dict:
-    """Opt-in int8 weight-only decoder: forced 40-token transcripts of 24 clips against bf16, and the B=1 step."""
-    opts = EngineOptions(num_slots=32, max_len=320, num_retained=0, ignore_eos=True, repetition_window=0)
-    clips = [speech_like(2.0 + 0.4 * i, seed=500 + i) for i in range(24)]
-    reqs = [DecodeRequest(audio=c, max_new_tokens=40) for c in clips]
-    bf16 = Engine(engine.model, engine.tokenizer, opts)
-    ref = bf16.transcribe(reqs)
-    bf16_step = step_ms(bf16.runner, 1, 200)
-    del bf16
-    quantize_decoder_int8(engine.model)
-    int8 = Engine(engine.model, engine.tokenizer, opts)
-    got = int8.transcribe(reqs)
-    same = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(got, ref))
-    first = [next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), 40) for a, b in zip(got, ref)]
-    return {"token_agreement": same / sum(len(r.token_ids) for r in ref),
-            "exact_transcripts": f"{sum(a.token_ids == b.token_ids for a, b in zip(got, ref))}/{len(ref)}",
-            "median_first_divergence": statistics.median(first),
-            "step_ms_B1": {"bf16": bf16_step, "int8": step_ms(int8.runner, 1, 200)}}
 
 
 if __name__ == "__main__":

@@ -73,8 +73,7 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     clip = speech_like(args.clip_seconds, seed=1)
     opts = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
-                         repetition_window=0, max_prefill_tokens=args.prefill_tokens,
-                         quantize=args.quantize)
+                         repetition_window=0, max_prefill_tokens=args.prefill_tokens)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0

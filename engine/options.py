@@ -24,7 +24,6 @@ class EngineOptions:
     fused_kernels: bool | None = None  # Triton kernels for the decoder (None: on CUDA when Triton is installed)
     repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
     ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
-    quantize: str | None = None  # "int8": weight-only int8 decoder projections (opt-in; see model/quantize.py)
     rollback_tokens: int = 5  # a partial continues its stream's previous partial minus this many last tokens (the
     # least settled ones, re-decoded); 0: partials decode from the audio alone
     aligner: str | None = None  # a Qwen3-ForcedAligner checkpoint (directory or Hugging Face id), loaded beside the
@@ -36,8 +35,6 @@ class EngineOptions:
                 or self.admission_interval_ms < 0 or self.rollback_tokens < 0
                 or self.aligner_max_batch < 1):
             raise ValueError(f"invalid engine options: {self}")
-        if self.quantize not in (None, "int8"):
-            raise ValueError(f"quantize must be None or 'int8', got {self.quantize!r}")
 
 
 def display_name(model: str) -> str:

@@ -102,8 +102,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "which it decodes again (0: every partial decodes from the audio alone)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
-    parser.add_argument("--quantize", choices=["int8"], default=None,
-                        help="weight-only int8 decoder projections (opt-in; transcripts can differ slightly)")
     parser.add_argument("--workers", type=int, default=1,
                         help="front-end processes (WebSockets, sessions, VAD) sharing the port (SO_REUSEPORT) and "
                              "feeding the engine process over their own connections (1: one server process)")
@@ -168,7 +166,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     slots = args.slots or (EngineOptions().num_slots if resolve_device(args.device).type == "cuda" else CPU_SLOTS)
     retained = slots if args.retained_slots is None else args.retained_slots
     return EngineOptions(num_slots=slots, max_len=args.max_len, num_retained=retained,
-                         quantize=args.quantize, base_tokens=args.base_tokens,
+                         base_tokens=args.base_tokens,
                          tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
                          admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
                          max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner)
