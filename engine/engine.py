@@ -27,6 +27,7 @@ from qasr.model.tokenizer import Tokenizer
 from . import postprocess, prompting
 from .futures import settle
 from .aligner_runner import AlignerRunner
+from .audio_frontend import AudioFrontEnd
 from .options import EngineOptions, display_name
 from .request import DecodeRequest, DecodeResult, EngineClosed, Priority
 from .runner import ModelRunner
@@ -71,7 +72,8 @@ class Engine:
         # prefix, encoder windows computed vs kept from a stream's earlier partial
         # decode_rows / steps is the mean decode batch
         self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0,
-                         "decode_rows": 0}
+                         "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0}
+        self.frontend = AudioFrontEnd(self.runner, self.counters)  # mel + encoder, a partial's only for what is new
         # where the engine thread's time goes (wall seconds): admissions (encode + prefill), decode steps (launch and
         # wait for the GPU), the host's per-row work after each step, and (AsyncEngine) waiting for work. Their
         # rates under load say whether the GPU, the engine's Python or something outside it (the event loop) bounds
@@ -260,54 +262,32 @@ class Engine:
             self.runner.start_rows(live_slots, live_first, live_pos, live_budget)
 
     def _encode(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
-        """Mel + encoder for the admitted sequences (windows of all of them in one call) -> prompt embeddings.
+        """Mel + encoder for the admitted sequences (a stream's partial only what is new; see audio_frontend.py)
+        -> prompt embeddings.
 
         Returns the sequences that fit (the others are finished with their error), each one's full prompt
         embeddings [T, D], and how many leading positions can be copied from a retained KV prefix.
         """
-        feats, frames = self.runner.log_mel([s.request.audio for s in seqs])
         fitting = []
-        for seq, f, mel in zip(seqs, frames.tolist(), feats):
+        for seq in seqs:
+            frames = qaudio.num_frames(seq.request.audio.size)
             try:
                 seq.prompt, seq.budget = prompting.prepare_prompt(
-                    self.tokenizer, self.options, seq.request, int(qaudio.num_audio_tokens(f)),
+                    self.tokenizer, self.options, seq.request, int(qaudio.num_audio_tokens(frames)),
                     self._rolled_back_answer(seq))
             except ValueError as e:  # this request only
                 seq.finish(e)
                 continue
-            fitting.append((seq, f, mel))
+            fitting.append(seq)
         if not fitting:
             return [], [], []
-        tails, continued, reused = [], [], []
-        for seq, f, mel in fitting:
-            state = self._stream_state(seq)
-            # windows wholly inside the audio (plus 2 frames of margin for the STFT's edge) never change
-            keep = min(len(state.windows), self._whole_windows(f)) if state else 0
-            reused.append(keep)
-            tails.append(mel[:, keep * qaudio.WINDOW_FRAMES : f])
-            continued.append(keep > 0)
-        per_seq = self.runner.encode(tails, continued)
-        self.counters["encoded_windows"] += sum(len(windows) for windows in per_seq)
-        self.counters["reused_windows"] += sum(reused)
-        audio, starts = [], []
-        for (seq, f, _mel), keep, new in zip(fitting, reused, per_seq):
-            state = self._stream_state(seq)
-            if state is not None:
-                kept = state.windows[:keep]
-                fresh = [w for w in new[: self._whole_windows(f) - keep] if w.shape[0] == self.runner.window_tokens]
-                state.windows = kept + fresh
-                audio.append(torch.cat(kept + new))
-            else:
-                audio.append(torch.cat(new))
-            starts.append(self._reusable_positions(seq, keep))
-        embeds = self.runner.embed_prompts([seq.prompt for seq, _, _ in fitting], audio)
-        return [seq for seq, _, _ in fitting], embeds, starts
+        embedded = self.frontend.embed([seq.request.audio for seq in fitting],
+                                       [self._stream_state(seq) for seq in fitting])
+        embeds = self.runner.embed_prompts([seq.prompt for seq in fitting], [e.audio for e in embedded])
+        starts = [self._reusable_positions(seq, e.kept_windows) for seq, e in zip(fitting, embedded)]
+        return fitting, embeds, starts
 
     # -- what a stream keeps between its partials ------------------------------------------------------------------
-
-    @staticmethod
-    def _whole_windows(frames: int) -> int:
-        return max(0, frames - 2) // qaudio.WINDOW_FRAMES
 
     def _stream_state(self, seq: Sequence) -> StreamState | None:
         """Partials of a stream share cached state; finals never read it (they must equal offline decoding)."""
