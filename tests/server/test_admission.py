@@ -220,3 +220,31 @@ def test_the_warm_up_reaches_every_engine_of_a_pool():
     assert [len(engine.calls) for engine in engines] == [1, 1]
     assert engines[0].calls[0].request.stream_id == WARM_UP_STREAM
     assert engines[0].released == [WARM_UP_STREAM] and engines[1].released == [f"{WARM_UP_STREAM}/1"]
+
+
+def test_metrics_label_each_engine_of_a_pool_and_show_the_headroom():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from qasr.server.metrics import ServerMetrics
+
+    engines = [LoadedFake(), LoadedFake()]
+    pool = EnginePool(engines, LoadPolicy(target_ms=TARGET_MS, window_s=60.0))
+
+    async def main():
+        await load_with_finals(pool, engines[0], queue_ms=0.5 * TARGET_MS, count=1)  # on engine 0, released
+        await pool.transcribe(DecodeRequest(audio=np.zeros(16000, np.float32), stream_id="held"))  # engine 0 again
+
+    run(main())
+    page = ServerMetrics().render(pool)
+    families = [family.name for family in text_string_to_metric_families(page)]
+    assert len(families) == len(set(families))  # one family per name: the engines' stats are labelled, not repeated
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(page) for s in family.samples}
+    assert samples[("qasr_engine_streams", (("engine", "0"),))] == 1
+    assert samples[("qasr_engine_streams", (("engine", "1"),))] == 0
+    assert samples[("qasr_engine_final_queue_ms", (("engine", "0"),))] == 0.5 * TARGET_MS
+    assert samples[("qasr_engine_headroom", (("engine", "0"),))] == 0.5
+    assert samples[("qasr_engine_headroom", (("engine", "1"),))] == 1.0
+    assert samples[("qasr_engine_queue_depth", (("engine", "0"), ("kind", "final")))] == 0
+    assert samples[("qasr_admission_headroom", ())] == 1.0  # the best engine's
+    assert samples[("qasr_engine_partials_thinned_total", ())] == 0
