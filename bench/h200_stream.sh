@@ -11,7 +11,9 @@
 # not reported), PYSPY=1 (sample the server's and the engine process's Python stacks mid-run into OUTDIR), ALIGNER=1
 # (word times: a random Qwen3-ForcedAligner-0.6B-shaped aligner beside the model, every client asks with --words),
 # WORKERS=N (front-end worker processes: qasr-server --workers N; /metrics then sums the workers, and the server CPU
-# below is all workers' together).
+# below is all workers' together), DEVICES=0,1 (qasr-server --devices: an engine per GPU; default every visible GPU;
+# the engine rows below are then summed over the engines), ADMISSION_MS=N (qasr-server --admission-target-ms: 0 turns
+# admission control off to see raw capacity; each run prints the streams it refused and the partials it thinned).
 # After each run it prints where the engine's time went and how late the event loop ran (from /metrics).
 set -uo pipefail
 out=${1:?OUTDIR}; mkdir -p "$out"; counts=${2:-"100 400 1000"}
@@ -24,7 +26,8 @@ if [ -n "${ALIGNER:-}" ]; then
   [ -d /tmp/a06 ] || python3 -m qasr.model.testmodel /tmp/a06 --aligner --size 0.6B --dtype bfloat16 || exit 1
   aligner=(--aligner /tmp/a06) words=(--words --language English)  # a forced language: random weights detect none the aligner takes
 fi
-python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --workers "${WORKERS:-1}" --device cuda --port 8765 --slots 256 --retained-slots 1024 \
+python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --workers "${WORKERS:-1}" --device cuda ${DEVICES:+--devices "$DEVICES"} \
+  ${ADMISSION_MS:+--admission-target-ms "$ADMISSION_MS"} --port 8765 --slots 256 --retained-slots 1024 \
   --max-len 640 --max-sessions 2048 --max-pending-per-address 4096 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
   > "$out/server.log" 2>&1 &
 server=$!
@@ -37,8 +40,19 @@ metrics() { python3 -c "import urllib.request; print(urllib.request.urlopen('htt
 # CPU of the engine thread, the engine process and the server process, and how late the event loop woke its timers
 run_split() { python3 - "$1" "$2" <<'PY'
 import re, sys
+def merged(text):
+    """An engine pool's per-engine samples summed over its engines (the engine label dropped), one line each."""
+    sums = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        key, _, value = line.rpartition(" ")
+        key = re.sub(r'engine="\d+",?', "", key).replace(",}", "}").replace("{}", "")
+        sums[key] = sums.get(key, 0.0) + float(value)
+    return "\n".join(f"{key} {value}" for key, value in sums.items())
 def read(path):
-    text = open(path).read()
+    raw = open(path).read()
+    text = merged(raw)
     out = {k: float(v) for k, v in re.findall(r'^qasr_engine_seconds\{kind="(\w+)"\} (\S+)$', text, re.M)}
     for name in ("qasr_engine_steps", "qasr_engine_thread_cpu_seconds", "process_cpu_seconds_total",
                  "qasr_engine_process_cpu_seconds", "qasr_worker_cpu_seconds",
@@ -50,6 +64,11 @@ def read(path):
     for what in ("sum", "count"):
         m = re.search(rf"^qasr_final_latency_seconds_{what} (\S+)$", text, re.M)
         out[f"final {what}"] = float(m.group(1)) if m else 0.0
+    out["engines"] = len(set(re.findall(r'^qasr_engine_steps\{engine="(\d+)"\}', raw, re.M))) or 1
+    m = re.search(r'^qasr_streams_refused_total\{reason="headroom"\} (\S+)$', text, re.M)
+    out["refused"] = float(m.group(1)) if m else 0.0
+    m = re.search(r'^qasr_engine_partials_thinned_total (\S+)$', text, re.M)
+    out["thinned"] = float(m.group(1)) if m else 0.0
     out["lag"] = {le: float(v) for le, v in re.findall(r'^qasr_event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', text, re.M)}
     return out
 a, b = read(sys.argv[1]), read(sys.argv[2])
@@ -57,9 +76,12 @@ d = {k: b[k] - a.get(k, 0.0) for k in b if k != "lag"}
 if b["qasr_worker_cpu_seconds"]:  # WORKERS=N: every worker's CPU (the supervisor's own is negligible)
     d["process_cpu_seconds_total"] = d["qasr_worker_cpu_seconds"]
 wall = sum(d[k] for k in ("admit", "decode_gpu", "decode_host", "idle")) or 1.0
+engines = int(b["engines"])  # DEVICES: the engine rows are summed over the engines: per second, per engine
+run_s = wall / engines
 print(f"engine thread over {wall:.1f} s:", ", ".join(f"{k} {d[k] / wall:.0%}" for k in ("admit", "decode_gpu", "decode_host", "idle")),
       f"| steps/s {d['qasr_engine_steps'] / wall:.0f} | CPU/s: engine thread {d['qasr_engine_thread_cpu_seconds'] / wall:.2f},"
-      f" engine process {d['qasr_engine_process_cpu_seconds'] / wall:.2f}, server process {d['process_cpu_seconds_total'] / wall:.2f}")
+      f" engine process {d['qasr_engine_process_cpu_seconds'] / wall:.2f}, server process {d['process_cpu_seconds_total'] / run_s:.2f}"
+      + (f" | {engines} engines, per engine" if engines > 1 else ""))
 for prio in ("final", "partial"):
     parts = [(st, d.get(f"stage {prio} {st} sum", 0) / d[f"stage {prio} {st} count"] * 1e3)
              for st in ("queue", "encode", "prefill", "decode") if d.get(f"stage {prio} {st} count")]
@@ -71,6 +93,7 @@ if n:
     lag = {le: b["lag"][le] - a["lag"].get(le, 0) for le in b["lag"]}
     over = ", ".join(f"> {le} s {1 - lag[le] / n:.0%}" for le in ("0.005", "0.02", "0.05", "0.1") if le in lag)
     print(f"event loop lag: mean {d['qasr_event_loop_lag_seconds_sum'] / n * 1e3:.1f} ms over {n:.0f} timers; {over}")
+print(f"admission control: {d['refused']:.0f} streams refused (no headroom), {d['thinned']:.0f} partials thinned")
 PY
 }
 # PYSPY=1: sample the server's Python stacks mid-run (all threads, then only the thread holding the GIL), raw folded
