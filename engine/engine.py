@@ -39,6 +39,8 @@ __all__ = ["AsyncEngine", "Engine", "EngineOptions", "display_name"]
 
 log = logging.getLogger(__name__)
 
+IDLE_ALIGNMENT_WAIT_S = 0.002  # an idle engine waits this long for an alignment in flight, then looks for new work
+
 
 class Engine:
     """Synchronous core. `add()` and `release_stream()` are thread-safe; `step()` must be called from one thread."""
@@ -60,7 +62,8 @@ class Engine:
             fused_kernels=options.fused_kernels,
         )
         self.scheduler = Scheduler(options.num_slots)
-        self.aligner = AlignerRunner(aligner, max_batch=options.aligner_max_batch) if aligner is not None else None
+        self.aligner = (AlignerRunner(aligner, max_batch=options.aligner_max_batch, cuda_graphs=options.cuda_graphs)
+                        if aligner is not None else None)
         self._last_alignment = -math.inf
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
         self._lock = threading.Lock()  # guards the stream cache's release from other threads
@@ -127,7 +130,8 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self.scheduler.running) or len(self.scheduler) > 0 or self._num_parked() > 0
+        return (bool(self.scheduler.running) or len(self.scheduler) > 0
+                or (self.aligner is not None and self.aligner.has_work()))
 
     @torch.inference_mode()
     def step(self) -> None:
@@ -140,20 +144,26 @@ class Engine:
             self.seconds["admit"] += self._last_admission - start
         if self.scheduler.running:
             self._decode()
-        if self._num_parked() and self._alignment_due():
-            start = time.perf_counter()
-            self.aligner.run()
+        if self.aligner is not None:
+            self._align()
+
+    def _align(self) -> None:
+        """Finish the alignment in flight if it is done; launch the next one when due. Both return at once: the
+        aligner runs on its own stream while decoding goes on (aligner_runner.py). With nothing else to do, wait a
+        little for the batch in flight instead of spinning."""
+        start = time.perf_counter()
+        idle = not self.scheduler.running and len(self.scheduler) == 0
+        self.aligner.poll(wait_s=IDLE_ALIGNMENT_WAIT_S if idle and not self.aligner.can_launch() else 0.0)
+        if self.aligner.can_launch() and self._alignment_due():
+            self.aligner.launch()
             self._last_alignment = time.perf_counter()
-            self.seconds["align"] += self._last_alignment - start
+            self.aligner.poll()  # on the CPU the forward ran in launch(): its finals go out in this step
+        self.seconds["align"] += time.perf_counter() - start
 
     def _admission_due(self) -> bool:
         """Admit at once when nothing decodes; otherwise batch arrivals into one admission per interval of decoding."""
         interval = self.options.admission_interval_ms / 1e3
         return not self.scheduler.running or time.perf_counter() - self._last_admission >= interval
-
-    def _num_parked(self) -> int:
-        """Decoded finals waiting for their word times."""
-        return len(self.aligner) if self.aligner is not None else 0
 
     def _alignment_due(self) -> bool:
         """As admissions: at once when nothing decodes; otherwise the finals that stopped during one interval of
@@ -185,8 +195,10 @@ class Engine:
             "steps": self.steps,
             "batch_sizes": list(self.recent_batch_sizes),
             "counters": dict(self.counters),
-            **({"aligner": {"parked": len(self.aligner), "batches": self.aligner.num_batches,
-                            "rows": self.aligner.num_rows}} if self.aligner is not None else {}),
+            **({"aligner": {"parked": len(self.aligner), "in_flight": self.aligner.num_in_flight,
+                            "batches": self.aligner.num_batches, "graphed": self.aligner.num_graphed,
+                            "rows": self.aligner.num_rows, "launch_seconds": self.aligner.launch_seconds}}
+               if self.aligner is not None else {}),
             "seconds": dict(self.seconds),
             "thread_cpu_seconds": self.thread_cpu_seconds,
         }

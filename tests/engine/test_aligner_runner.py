@@ -1,7 +1,8 @@
 """Word times in the engine (qasr.engine.aligner_runner) on the CPU: a tiny ASR model and a tiny random aligner.
 
-Finals that ask are aligned after their decode, many per aligner forward; finals that do not ask are handed out as
-before, never waiting for the aligner; partials never get words."""
+Finals that ask are aligned after their decode, many per aligner forward, one forward in flight at a time while
+decoding goes on (a held event stands in for a slow GPU); finals that do not ask are handed out as before, never
+waiting for the aligner; partials never get words."""
 
 import asyncio
 
@@ -9,7 +10,7 @@ import pytest
 
 from qasr.engine.aligner_runner import FAILED_REASON
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.request import DecodeRequest, Priority
+from qasr.engine.request import DecodeRequest, EngineClosed, Priority
 from qasr.model.aligner import ForcedAligner
 from qasr.model.aligner_words import split_words
 
@@ -57,20 +58,20 @@ def test_finals_without_words_are_unchanged_and_never_wait_for_the_aligner(tiny_
     plain = make_engine(tiny_model_dir).transcribe([final(c, words=False) for c in clips])
     done = {}
     delivered_when_aligning = []
-    run = engine.aligner.run
+    launch = engine.aligner.launch
 
-    def watched_run():
+    def watched_launch():
         delivered_when_aligning.append(set(done))
-        return run()
+        return launch()
 
-    engine.aligner.run = watched_run
+    engine.aligner.launch = watched_launch
     batches = engine.aligner.num_batches
     try:
         for i, clip in enumerate(clips):  # the same budgets: all four stop in the same step
             engine.add(final(clip, words=i % 2 == 0), lambda r, i=i: done.__setitem__(i, r))
         engine.run_until_done()
     finally:
-        engine.aligner.run = run
+        engine.aligner.launch = launch
     assert engine.aligner.num_batches == batches + 1  # both finals with words in one forward
     assert delivered_when_aligning == [{1, 3}]  # those without words were out before the aligner ran
     for i, clip in enumerate(clips):
@@ -79,6 +80,94 @@ def test_finals_without_words_are_unchanged_and_never_wait_for_the_aligner(tiny_
             assert done[i].words is None and done[i].words_reason is None and "align_ms" not in done[i].timings
         else:
             assert_word_times(done[i].words, clip)
+
+
+class HeldEvent:
+    """Stands in for the CUDA event of a batch in flight: its device work has not completed until `release()`."""
+
+    def __init__(self):
+        self.released = False
+
+    def query(self) -> bool:
+        return self.released
+
+    def release(self) -> None:
+        self.released = True
+
+
+@pytest.fixture
+def held(engine, monkeypatch) -> HeldEvent:
+    """Every alignment the engine launches stays in flight until the test releases it (as a slow GPU would)."""
+    event = HeldEvent()
+    launch = engine.aligner._launch
+
+    def held_launch(finals, inputs):
+        flight = launch(finals, inputs)
+        flight.done = event
+        return flight
+
+    monkeypatch.setattr(engine.aligner, "_launch", held_launch)
+    return event
+
+
+def step_until(engine, condition, limit=200):
+    for _ in range(limit):
+        if condition():
+            return
+        engine.step()
+    raise AssertionError("the engine never got there")
+
+
+def test_finals_without_words_decode_and_finish_while_an_alignment_is_in_flight(engine, held):
+    done = {}
+    engine.add(final(speech(1.0, seed=40), budget=2), lambda r: done.__setitem__("words", r))
+    step_until(engine, lambda: engine.aligner.num_in_flight == 1)
+    for i in range(3):  # arriving after the launch: admitted, decoded and finished beside the alignment
+        engine.add(final(speech(1.2 + i, seed=41 + i), words=False, budget=6), lambda r, i=i: done.__setitem__(i, r))
+    step_until(engine, lambda: {0, 1, 2} <= done.keys())
+    assert "words" not in done and engine.aligner.num_in_flight == 1 and engine.has_work()
+    assert all(done[i].text and done[i].words is None for i in range(3))
+    held.release()
+    step_until(engine, lambda: "words" in done)
+    assert done["words"].words and done["words"].timings["align_ms"] > 0
+    assert not engine.has_work() and engine.stats()["aligner"]["in_flight"] == 0
+    assert_idle(engine)
+
+
+def test_finals_stopping_during_an_alignment_wait_and_share_the_next_one(engine, held):
+    done = {}
+    batches = engine.aligner.num_batches
+    engine.add(final(speech(1.0, seed=50), budget=2), lambda r: done.__setitem__(0, r))
+    step_until(engine, lambda: engine.aligner.num_in_flight == 1)
+    for i in (1, 2):
+        engine.add(final(speech(1.0 + i, seed=50 + i), budget=3), lambda r, i=i: done.__setitem__(i, r))
+    step_until(engine, lambda: len(engine.aligner) == 2)  # decoded, parked: one batch in flight at a time
+    assert engine.aligner.num_batches == batches + 1 and engine.stats()["aligner"]["parked"] == 2
+    held.release()
+    engine.run_until_done()
+    assert engine.aligner.num_batches == batches + 2  # the two parked ones in one forward
+    assert all(done[i].words for i in range(3))
+
+
+def test_a_final_cancelled_while_its_alignment_is_in_flight_is_dropped(engine, held):
+    outcomes = []
+    seq = engine.add(final(speech(1.0, seed=60), budget=2), outcomes.append)
+    step_until(engine, lambda: engine.aligner.num_in_flight == 1)
+    seq.cancelled = True
+    held.release()
+    engine.run_until_done()
+    assert len(outcomes) == 1 and isinstance(outcomes[0], asyncio.CancelledError)
+
+
+def test_stopping_the_engine_fails_finals_in_flight_and_parked(engine, held):
+    outcomes = []
+    engine.add(final(speech(1.0, seed=70), budget=2), outcomes.append)
+    step_until(engine, lambda: engine.aligner.num_in_flight == 1)
+    engine.add(final(speech(1.5, seed=71), budget=2), outcomes.append)
+    step_until(engine, lambda: len(engine.aligner) == 1)
+    engine.fail_all(EngineClosed("closed"))
+    assert len(outcomes) == 2 and all(isinstance(o, EngineClosed) for o in outcomes)
+    assert not engine.has_work()
 
 
 def test_a_language_the_aligner_does_not_support_gives_a_reason_not_an_error(engine):
@@ -100,8 +189,26 @@ def test_a_failing_aligner_still_delivers_the_final_with_a_reason(engine, monkey
     def broken(*args, **kwargs):
         raise RuntimeError("device error")
 
-    monkeypatch.setattr(engine.aligner.aligner, "align", broken)
+    monkeypatch.setattr(engine.aligner.aligner, "forward", broken)
     result = engine.transcribe([final(speech(1.0, seed=32))])[0]
+    assert result.text and result.words == () and result.words_reason == FAILED_REASON
+    assert not engine.has_work()
+
+
+def test_a_device_error_surfacing_when_polled_still_delivers_the_final_with_a_reason(engine, monkeypatch):
+    class FailingEvent:
+        def query(self):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    launch = engine.aligner._launch
+
+    def failing_launch(finals, inputs):
+        flight = launch(finals, inputs)
+        flight.done = FailingEvent()
+        return flight
+
+    monkeypatch.setattr(engine.aligner, "_launch", failing_launch)
+    result = engine.transcribe([final(speech(1.0, seed=36))])[0]
     assert result.text and result.words == () and result.words_reason == FAILED_REASON
 
 
@@ -125,8 +232,9 @@ def test_stats_count_aligner_batches(engine):
     before = engine.stats()["aligner"]
     engine.transcribe([final(speech(1.0, seed=34)), final(speech(1.3, seed=35))])
     after = engine.stats()["aligner"]
-    assert after["parked"] == 0 and after["rows"] == before["rows"] + 2
-    assert engine.stats()["seconds"]["align"] > 0
+    assert after["parked"] == 0 and after["in_flight"] == 0 and after["rows"] == before["rows"] + 2
+    assert after["batches"] > before["batches"] and after["graphed"] == 0  # the CPU runs the forward eagerly
+    assert after["launch_seconds"] > before["launch_seconds"] and engine.stats()["seconds"]["align"] > 0
 
 
 def test_aligner_options_are_validated():
