@@ -1,12 +1,16 @@
-"""GPU check of the fused decoder kernels at real shapes: each kernel against the PyTorch reference in bf16, then the
-decode step on both paths (graph replay time, kernels per step) and the encoder graphs against eager.
+"""GPU check of the fused decoder kernels at real shapes: each kernel against the PyTorch reference in bf16, the
+small-batch GEMV kernels (model/gemv.py) against cuBLAS (agreement, row independence across buckets, time), then the
+decode step on three paths (plain PyTorch, fused kernels with cuBLAS products, fused with GEMV: graph replay time,
+kernels per step) and the encoder graphs against eager.
 
 `python -m qasr.bench.kernel_check [0.6B|1.7B]` on a CUDA machine; prints one JSON object.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -14,16 +18,14 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
-from qasr.model import kernels
+from qasr.model import gemv, kernels
 from qasr.model.modeling import RMSNorm, rotate_half
 from qasr.model.testmodel import make_test_model
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.request import DecodeRequest
 from qasr.engine.runner import ModelRunner
 
-from .synthetic import speech_like
+from .offline import kernels_per_step
 
 
 def compare(got: torch.Tensor, expected: torch.Tensor) -> dict:
@@ -117,16 +119,56 @@ def step_ms(runner: ModelRunner, B: int, context: int, runs: int = 50) -> float:
     return statistics.median(samples[3:])
 
 
-def kernels_per_step(runner: ModelRunner, B: int, context: int) -> int:
-    runner.positions[:B] = context
-    runner._step(B)
-    torch.cuda.synchronize()
-    runner.positions[:B] = context
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        runner._step(B)
-        torch.cuda.synchronize()
-    runner.positions.fill_(-1)
-    return sum(e.count for e in prof.key_averages() if e.device_type.name == "CUDA")
+def summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Split-K partial sums [S, M, N] added in split order and rounded, as the kernels that take them do."""
+    acc = parts[0]
+    for p in parts[1:]:
+        acc = acc + p
+    return acc.to(dtype)
+
+
+def gemv_cases(cfg, device) -> dict:
+    """Each decode-step product at its real shape: GEMV against cuBLAS (F.linear) in bf16 at 1, 16 and 32 rows, the
+    same row's bits at every row count (row independence across buckets), and both times at 1 and 16 rows."""
+    torch.manual_seed(2)
+    bf = torch.bfloat16
+    D, I, q_out = cfg.hidden_size, cfg.intermediate_size, (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    shapes = {"qkv": (q_out, D), "o_proj": (D, cfg.num_attention_heads * cfg.head_dim), "gate_up_silu": (2 * I, D),
+              "down": (D, I), "lm_head": (cfg.vocab_size, D)}
+    out = {}
+    for name, (N, K) in shapes.items():
+        w = (torch.randn(N, K, device=device) / K ** 0.5).to(bf)
+        x = torch.randn(32, K, device=device, dtype=bf)
+        if name == "gate_up_silu":
+            run = lambda a: gemv.gate_up_silu(a, w)  # noqa: E731
+            ref = lambda a: F.silu(F.linear(a, w[: N // 2])) * F.linear(a, w[N // 2 :])  # noqa: E731
+        elif name == "lm_head":
+            run, ref = (lambda a: gemv.linear(a, w)), (lambda a: F.linear(a, w))
+        else:
+            run, ref = (lambda a: summed(gemv.partial_products(a, w), bf)), (lambda a: F.linear(a, w))
+        got = {M: run(x[:M]) for M in (1, 16, 32)}
+        row_independent = all(torch.equal(got[M][:1], got[1]) and torch.equal(got[32][:M], got[M]) for M in (1, 16))
+        kind = "gate_up_silu" if name == "gate_up_silu" else "linear" if name == "lm_head" else "products"
+        config = gemv.config_for(kind, N // 2 if kind == "gate_up_silu" else N, K, x)
+        out[name] = compare(got[32], ref(x)) | {
+            "row_independent_1_16_32": row_independent, "config": str(config),
+            "ms_gemv_1_16": [gemv.time_ms(lambda: run(x[:M])) for M in (1, 16)],
+            "ms_cublas_1_16": [gemv.time_ms(lambda: ref(x[:M])) for M in (1, 16)]}
+    return out
+
+
+@contextlib.contextmanager
+def gemv_rows(rows: int):
+    """$QASR_DECODE_GEMV for the runners made inside (their layer ops read it once)."""
+    before = os.environ.get(gemv.MAX_ROWS_ENV)
+    os.environ[gemv.MAX_ROWS_ENV] = str(rows)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[gemv.MAX_ROWS_ENV]
+        else:
+            os.environ[gemv.MAX_ROWS_ENV] = before
 
 
 def main(argv=None) -> None:
@@ -139,13 +181,16 @@ def main(argv=None) -> None:
                                                               cuda_graphs=False))
     model = engine.model
     res = {"size": size, "kernels_bf16_vs_pytorch": kernel_cases(model.cfg.text, device)}
+    t = time.perf_counter()
+    res["gemv_bf16_vs_cublas"] = gemv_cases(model.cfg.text, device)
+    res["gemv_cases_s"] = time.perf_counter() - t
     steps = {}
-    for fused in (False, True):
-        runner = ModelRunner(model, num_slots=64, max_len=320, fused_kernels=fused)
-        name = "fused" if fused else "pytorch"
-        steps[name] = {B: step_ms(runner, B, 200) for B in (1, 8, 64)}
-        steps[name + "_kernels_per_step_B1"] = kernels_per_step(runner, 1, 200)
-        if fused:  # encoder graphs against the eager encoder, same windows
+    for name, fused, rows in (("pytorch", False, 0), ("fused_cublas", True, 0), ("fused_gemv", True, gemv.max_rows())):
+        with gemv_rows(rows):
+            runner = ModelRunner(model, num_slots=64, max_len=320, fused_kernels=fused)
+        steps[name] = {B: step_ms(runner, B, 200) for B in (1, 8, 16, 32, 64)}
+        steps[name + "_kernels_per_step"] = {B: kernels_per_step(runner, B, 200) for B in (1, 64)}
+        if name == "fused_gemv":  # encoder graphs against the eager encoder, same windows
             enc = model.encoder
             torch.manual_seed(1)
             windows = torch.randn(3, enc.cfg.window_tokens, enc.cfg.d_model, device=device, dtype=model.dtype)
@@ -172,6 +217,7 @@ def main(argv=None) -> None:
         del runner
         torch.cuda.empty_cache()
     res["decode_step_ms_context_200"] = steps
+    res["gemv_configs"] = gemv.chosen_configs()
     print(json.dumps(res, indent=2), flush=True)
 
 

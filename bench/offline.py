@@ -1,4 +1,5 @@
-"""`qasr-bench offline`: latency, throughput, decode-step time, energy and row correctness, beside the official backend.
+"""`qasr-bench offline`: latency, throughput, decode-step time and kernels per step, energy and row correctness, beside
+the official backend.
 
 Real 0.6B / 1.7B shapes with random weights (a generated checkpoint), decoding forced to a fixed token count, the
 official qwen-asr transformers backend timed in the same run on the same checkpoint. Prints a table and writes JSON.
@@ -16,9 +17,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest
+from qasr.model import gemv
 
 from .synthetic import speech_like
 
@@ -66,6 +69,37 @@ class Energy:
         return self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle) / 1e3
 
 
+def joules_per_audio_hour(joules_before: float, joules_after: float, audio_seconds: float) -> float:
+    """GPU energy of a run, scaled to one hour of audio transcribed."""
+    if audio_seconds <= 0 or joules_after < joules_before:
+        raise ValueError(f"need audio > 0 s and a counter that did not run backwards, got {audio_seconds} s, "
+                         f"{joules_before} -> {joules_after} J")
+    return (joules_after - joules_before) / audio_seconds * 3600
+
+
+def count_kernels(events, replays: int) -> float:
+    """Kernels per replay from profiler events (key_averages() rows: .key, .count, .device_type): the CUDA events
+    that are kernels (copies and memsets are not), divided by the replays profiled."""
+    total = sum(e.count for e in events if e.device_type.name == "CUDA" and not e.key.startswith(("Memcpy", "Memset")))
+    return total / replays
+
+
+def kernels_per_step(runner, B: int, context: int, replays: int = 3) -> float:
+    """Kernels one decode step of bucket B launches: over `replays` graph replays (CUPTI sees a graph's kernel
+    nodes), or eager steps where the bucket has no graph. Every row live at position `context`."""
+    runner.budgets[:B] = 1 << 30
+    runner.positions[:B] = context  # rows stay live (a step only moves them on by one)
+    step = runner.graphs[B].replay if B in runner.graphs else lambda: runner._step(B)
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            step()
+        torch.cuda.synchronize()
+    runner.positions.fill_(-1)
+    return count_kernels(prof.key_averages(), replays)
+
+
 def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
     return [DecodeRequest(audio=c, max_new_tokens=tokens) for c in clips]
 
@@ -109,7 +143,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     out["qasr_throughput_tokens_per_s"] = sum(len(r.token_ids) for r in results) / elapsed
     out["qasr_throughput_clips"] = args.num_clips
     if e0 is not None:
-        out["qasr_energy_j_per_audio_hour"] = (e1 - e0) / audio_s * 3600
+        out["qasr_energy_j_per_audio_hour"] = joules_per_audio_hour(e0, e1, audio_s)
         out["qasr_avg_power_w"] = (e1 - e0) / elapsed
     steps = engine.steps - steps0
     out["qasr_mean_decode_batch"] = (engine.counters["decode_rows"] - rows0) / steps if steps else 0.0
@@ -118,8 +152,12 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     engine.recent_batch_sizes = collections.deque(maxlen=64)
 
     # decode step per bucket against the bandwidth floor
+    out["gemv_rows"] = getattr(engine.runner.layer_ops, "gemv_rows", 0)  # 0: every product on cuBLAS
+    out["gemv_configs"] = gemv.chosen_configs()
     if device.type == "cuda":
         out["decode_step_ms"] = step_times(engine, args)
+        out["decode_kernels_per_step"] = {B: kernels_per_step(engine.runner, B, args.context)
+                                          for B in engine.runner.buckets if B in (1, 8, 32, 64, 256)}
         bw = copy_bandwidth(device)
         out["copy_bandwidth_TBps"] = bw / 1e12
         out["decode_floor_ms"] = step_floors(engine, args, bw)

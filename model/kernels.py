@@ -5,7 +5,8 @@ cast, mul); in a CUDA graph each still costs ~2.5 us of GPU time, so at batch 1 
 bandwidth bound (docs/benchmarks.md). These kernels bring a layer down to nine: add+RMSNorm, qkv matmul,
 q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up matmul, SiLU*mul, down matmul. Prefill uses the same
 nine (its attention reads the cache in place: no gathered copies, masks or SDPA), so a small admission is ~250
-launches instead of ~1,500.
+launches instead of ~1,500. In the decode step's small buckets the matmuls are gemv.py's instead of cuBLAS's; the
+add+RMSNorm and q/k-norm+RoPE kernels then take the matmul's split-K partial sums and add them up themselves.
 
 Each kernel rounds to the activation dtype wherever the PyTorch reference does (modeling.py), so the two paths differ
 only in reduction order. Every row is computed by its own programs: a row's result never depends on its batch mates.
