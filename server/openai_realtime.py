@@ -22,7 +22,7 @@ carries the true transcript. Every problem with a client event is an `error` eve
 from __future__ import annotations
 
 import binascii
-import json
+import itertools
 import re
 import time
 import urllib.parse
@@ -33,7 +33,7 @@ from qasr.audio import ENCODINGS, AudioError, decode_pcm
 from qasr.server.commands import Audio, Command, Flush, Reply, Start
 from qasr.server.errors import UnsupportedFormat
 from qasr.server.openai_session import ConfigError, RealtimeConfig
-from qasr.server.wire_decode import b64decode, json_loads
+from qasr.server.wire_decode import b64decode, json_dumps, json_loads
 from qasr.streaming import events
 from qasr.streaming.settings import SettingsError, StreamLimits, StreamSettings
 
@@ -49,6 +49,17 @@ CLIENT_ERRORS = {"malformed", "unsupported", "message_too_big", "unknown_field",
 
 def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:22]}"
+
+
+class _IdSequence:
+    """new_id's shape for every event of a session without a random draw each: a random stem, then a count."""
+
+    def __init__(self, prefix: str):
+        self._stem = new_id(prefix)[:-8]
+        self._count = itertools.count()
+
+    def next(self) -> str:
+        return f"{self._stem}{next(self._count):08x}"
 
 
 @dataclass
@@ -94,6 +105,7 @@ class OpenAIRealtimeAdapter:
         self.defaults = defaults
         self.limits = limits
         self.session_id = new_id("sess")
+        self._event_ids = _IdSequence("event")
         self.expires_at = int(clock()) + SESSION_LIFETIME_S
         self.config = RealtimeConfig(model=model_name)
         self.settings = self._checked(self.config, "session")
@@ -124,25 +136,27 @@ class OpenAIRealtimeAdapter:
         if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             return [self._error('every client event must be a JSON object with a string "type"', param="type",
                                 code="invalid_event")]
-        client_event_id = event.get("event_id") if isinstance(event.get("event_id"), str) else None
-        kind = event["type"]
-        handler = {
-            "session.update": lambda: self._update(event, ga=True),
-            "transcription_session.update": lambda: self._update(event, ga=False),
-            "input_audio_buffer.append": lambda: self._append(event),
-            "input_audio_buffer.commit": self._commit,
-            "input_audio_buffer.clear": self._clear,
-        }.get(kind)
+        handler = self.HANDLERS.get(event["type"])
         if handler is None:
-            if kind in NOT_TRANSCRIPTION:
-                message = f"{kind} is not available in a transcription session"
-            else:
-                message = f"unknown event type {kind!r}"
-            return [self._error(message, param="type", code="invalid_event", event_id=client_event_id)]
+            return [self._refused(event)]
         try:
-            return handler()
+            return handler(self, event)
         except ConfigError as error:
-            return [self._error(str(error), param=error.param, code=error.code, event_id=client_event_id)]
+            return [self._error(str(error), param=error.param, code=error.code, event_id=_client_event_id(event))]
+
+    def _refused(self, event: dict) -> Reply:
+        kind = event["type"]
+        if kind in NOT_TRANSCRIPTION:
+            message = f"{kind} is not available in a transcription session"
+        else:
+            message = f"unknown event type {kind!r}"
+        return self._error(message, param="type", code="invalid_event", event_id=_client_event_id(event))
+
+    def _update_ga(self, event: dict) -> list[Command]:
+        return self._update(event, ga=True)
+
+    def _update_beta(self, event: dict) -> list[Command]:
+        return self._update(event, ga=False)
 
     def _update(self, event: dict, *, ga: bool) -> list[Command]:
         config = self.config.updated(event.get("session"), ga=ga)
@@ -158,30 +172,38 @@ class OpenAIRealtimeAdapter:
                                    session=config.to_beta(self.session_id, self.expires_at))])]
 
     def _append(self, event: dict) -> list[Command]:
+        """The hot path (one append per 20-100 ms of every stream): the base64 decodes straight to the bytes the
+        samples are read from; the remainder of a partial sample costs a copy only when there is one."""
         audio = event.get("audio")
         if not isinstance(audio, str):
             raise ConfigError("audio", "audio must be a base64 string", code="invalid_value")
         try:
-            data = self._remainder + b64decode(audio)
+            data = b64decode(audio)
         except (binascii.Error, ValueError):
             raise ConfigError("audio", "audio is not valid base64", code="invalid_value") from None
-        sample_bytes = ENCODINGS[self.settings.encoding]
-        whole = len(data) - len(data) % sample_bytes
-        data, self._remainder = data[:whole], data[whole:]
+        if self._remainder:
+            data = self._remainder + data
+        settings = self.settings
+        partial = len(data) % ENCODINGS[settings.encoding]
+        if partial:
+            data, self._remainder = data[:-partial], data[-partial:]
+        else:
+            self._remainder = b""
         if not data:
             return []
         try:
-            samples = decode_pcm(data, self.settings.encoding, 1)
+            samples = decode_pcm(data, settings.encoding, 1)
         except AudioError as error:
             raise ConfigError("audio", str(error), code="invalid_value") from None
-        seconds = len(samples) / self.settings.sample_rate
+        seconds = len(samples) / settings.sample_rate
         self._position_s += seconds
         self._uncommitted_s += seconds
-        commands: list[Command] = [] if self.started else [Start(self.settings)]
+        if self.started:
+            return [Audio(samples)]
         self.started = True
-        return [*commands, Audio(samples)]
+        return [Start(settings), Audio(samples)]
 
-    def _commit(self) -> list[Command]:
+    def _commit(self, event: dict) -> list[Command]:
         if self._uncommitted_s * 1000 < MIN_COMMIT_MS:
             raise ConfigError(None, f"Error committing input audio buffer: buffer too small. Expected at least "
                                     f"{MIN_COMMIT_MS}ms of audio, but buffer only has "
@@ -191,7 +213,7 @@ class OpenAIRealtimeAdapter:
         self._turn_start_s = self._position_s
         return [Flush()]
 
-    def _clear(self) -> list[Command]:
+    def _clear(self, event: dict) -> list[Command]:
         since = self._turn_start_s if self.config.manual_turns else None
         self._uncommitted_s = 0.0
         self._remainder = b""
@@ -201,6 +223,14 @@ class OpenAIRealtimeAdapter:
             self._clears.append(_Clear(self._position_s, since))
             commands.append(Flush())
         return [*commands, Reply([self._frame("input_audio_buffer.cleared")])]
+
+    HANDLERS = {  # client event type -> handler(self, event), looked up once per message
+        "session.update": _update_ga,
+        "transcription_session.update": _update_beta,
+        "input_audio_buffer.append": _append,
+        "input_audio_buffer.commit": _commit,
+        "input_audio_buffer.clear": _clear,
+    }
 
     def _checked(self, config: RealtimeConfig, param: str) -> StreamSettings:
         try:
@@ -289,12 +319,17 @@ class OpenAIRealtimeAdapter:
     # -- frames ----------------------------------------------------------------------------------------------
 
     def _frame(self, kind: str, **fields) -> str:
-        return json.dumps({"type": kind, "event_id": new_id("event"), **fields}, ensure_ascii=False,
-                          separators=(",", ":"))
+        return json_dumps({"type": kind, "event_id": self._event_ids.next(), **fields})
 
     def _error(self, message: str, *, code: str, param: str | None = None, event_id: str | None = None) -> Reply:
         return Reply([self._frame("error", error={"type": "invalid_request_error", "code": code, "message": message,
                                                   "param": param, "event_id": event_id})])
+
+
+def _client_event_id(event: dict) -> str | None:
+    """The client event's own id, which an error about it names."""
+    value = event.get("event_id")
+    return value if isinstance(value, str) else None
 
 
 def _ms(seconds: float) -> int:

@@ -87,6 +87,21 @@ def test_audio_starts_the_stream_and_partial_frames_wait_for_the_rest():
     assert metadata["created"] == "2025-01-02T03:04:05.678Z"
 
 
+@pytest.mark.parametrize("buffer", [bytes, bytearray, memoryview])
+def test_audio_in_any_buffer_is_decoded_and_a_frame_split_over_messages_is_whole_once(buffer):
+    dg = adapter("encoding=linear16&sample_rate=16000&channels=2")
+    data = np.array([0, 16384, -16384, 8192, 4096, -8192], dtype="<i2").tobytes()  # three stereo frames
+    received = []
+    for piece in (data[:3], data[3:9], data[9:]):  # less than a frame; the rest of it and half the next; the rest
+        held = bytearray(piece)
+        received += dg.receive(buffer(held))
+        held[:] = bytes(len(held))  # the caller reusing its buffer changes nothing the adapter kept
+    audio = np.concatenate([command.samples for command in received if isinstance(command, Audio)])
+    np.testing.assert_allclose(audio, [[0.0, 0.5], [-0.5, 0.25], [0.125, -0.25]])
+    [metadata] = decoded(dg.encode(events.Summary(0, 3 / 16000, 0.0)))
+    assert metadata["sha256"] == hashlib.sha256(data).hexdigest()
+
+
 def test_control_messages():
     dg = adapter()
     assert isinstance(dg.receive(json.dumps({"type": "KeepAlive"}))[0], Start)  # the first message starts it

@@ -144,6 +144,31 @@ def test_first_append_starts_the_stream_and_odd_bytes_wait_for_the_next_append()
     np.testing.assert_allclose(rest.samples[:, 0], [-0.5])
 
 
+def test_an_append_shorter_than_a_sample_starts_nothing_until_the_sample_is_whole():
+    realtime = adapter()
+    samples = np.array([16384, -16384], dtype="<i2").tobytes()
+    assert append(realtime, samples[:1]) == []
+    start, first = append(realtime, samples[1:3])  # completes the first sample, begins the second
+    assert isinstance(start, Start)
+    np.testing.assert_allclose(first.samples[:, 0], [0.5])
+    [second] = append(realtime, samples[3:])
+    np.testing.assert_allclose(second.samples[:, 0], [-0.5])
+
+
+def test_every_server_event_has_an_id_of_its_own_across_sessions():
+    ids = []
+    for realtime in (adapter(), adapter()):
+        frames = realtime.greeting()
+        for command in [*send(realtime, type="session.update", session={"type": "transcription"}),
+                        *append(realtime, pcm(0.2))]:
+            frames += command.frames if isinstance(command, Reply) else []
+        frames += realtime.encode(events.SpeechStarted(0, 0.0))
+        frames += realtime.encode(events.Final(0, "hello there", "English", 0.0, 0.2, "silence", 5.0))
+        ids += [payload["event_id"] for payload in decoded(frames)]
+    assert len(ids) == 12 and len(set(ids)) == len(ids)
+    assert all(len(event_id) == len("event_") + 22 for event_id in ids)  # the shape event ids always had
+
+
 def test_commit_needs_100_ms_of_new_audio():
     realtime = adapter()
     [error] = replies(send(realtime, type="input_audio_buffer.commit", event_id="e1"))

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from qasr.server.wire_decode import b64decode, json_loads
+from qasr.server.wire_decode import b64decode, json_dumps, json_loads
 
 
 def outcome(function, text):
@@ -53,3 +53,23 @@ def test_base64_agrees_with_the_standard_library_on_random_text_near_base64():
         else:
             text = "".join(rng.choice(alphabet) for _ in range(rng.randrange(0, 12)))
         assert outcome(b64decode, text) == outcome(lambda t: base64.b64decode(t, validate=True), text), text
+
+
+@pytest.mark.parametrize("value", [
+    {"type": "conversation.item.input_audio_transcription.delta", "event_id": "event_1", "item_id": "item_2",
+     "content_index": 0, "delta": "naïve café 東京 \u2028 \"quoted\" back\\slash \n\t\x00\x1f\x7f /"},
+    {"type": "Results", "start": 12.345, "duration": 0.1, "is_final": True, "words": [], "x": None, "n": -7,
+     "usage": {"seconds": 1e16}, "big": 1.2345678901234568e+17, "t": (1, 2), "z": -0.0},
+    [1, 2.5, "a"], "text", 3, None, True,
+])
+def test_json_dumps_writes_what_the_standard_library_writes(value):
+    assert json_dumps(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+@pytest.mark.parametrize("value", [{"n": 18446744073709551616}, {"s": "\ud800"}, {1: "int key"}])
+def test_json_dumps_leaves_what_orjson_refuses_to_the_standard_library(value):
+    assert json_dumps(value) == json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+
+
+def test_json_dumps_writes_a_tiny_float_positionally_as_the_same_number():
+    assert json_dumps({"t": 1e-05}) == '{"t":0.00001}' and json.loads(json_dumps({"t": 1e-05})) == {"t": 1e-05}
