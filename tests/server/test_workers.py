@@ -1,0 +1,224 @@
+"""`qasr-server --workers 2` on the tiny model (CPU, a real engine process): streams spread over both front-end
+workers and each gets its finals; /metrics from either worker sums both; a killed worker is restarted while the other
+serves; a killed engine process costs the streams of both workers one segment (`decode_failed`, an empty final) and
+comes back; SIGTERM drains both workers with every final delivered and stops everything. The tests run in order on
+one server (it takes a while to start on a loaded CPU); the last one stops it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from websockets.asyncio.client import connect
+
+from fakes import speech_like, to_s16le  # tests/ is on sys.path (conftest)
+
+SEGMENT = [("speech", 1.0), ("silence", 1.0)]  # one segment, closed by the silence after it
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def running(pid) -> bool:
+    """Alive and not a zombie (an exited child no one reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+class Replica:
+    def __init__(self, model_dir: Path):
+        self.port = free_port()
+        # every final decodes 150 tokens (EOS ignored): the engine is still busy with them when it is killed
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "qasr.server.cli", "--model", str(model_dir), "--device", "cpu", "--port",
+             str(self.port), "--workers", "2", "--slots", "8", "--retained-slots", "0", "--max-len", "512",
+             "--ignore-eos", "--base-tokens", "150", "--tokens-per-second", "0", "--log-level", "info"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=10) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+        except OSError:
+            return 0, ""
+
+    def metric(self, name: str) -> float:
+        text = self.get("/metrics")[1]
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+
+    def children(self) -> set[int]:
+        return {int(pid) for children in Path(f"/proc/{self.process.pid}/task").glob("*/children")
+                for pid in children.read_text().split() if running(pid)}
+
+    def engine_pid(self, worker_pids: set[int]) -> int:
+        """The supervisor's child that is neither a worker nor multiprocessing's resource tracker."""
+        others = [pid for pid in self.children() - worker_pids
+                  if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(others) == 1, others
+        return others[0]
+
+
+def until(condition, timeout_s: float = 240.0, interval_s: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(interval_s)
+
+
+@pytest.fixture(scope="module")
+def replica(tiny_model_dir):
+    replica = Replica(tiny_model_dir)
+    try:
+        try:  # three processes load on a CPU the other tests share: it can take minutes
+            until(lambda: replica.get("/readyz")[0] == 200 or replica.process.poll() is not None, 900)
+        except AssertionError:
+            replica.process.send_signal(signal.SIGTERM)
+            raise AssertionError("the replica did not get ready:\n" + replica.process.communicate(timeout=60)[0].decode())
+        assert replica.process.poll() is None, replica.process.communicate()[0].decode()
+        yield replica
+    finally:
+        if replica.process.poll() is None:
+            replica.process.kill()
+        replica.output = replica.process.communicate()[0].decode()
+
+
+async def open_stream(port: int):
+    """A started native stream -> (websocket, the worker that took it: (index, pid))."""
+    websocket = await connect(f"ws://127.0.0.1:{port}/v1/stream")
+    index, pid = websocket.response.headers["X-Qasr-Worker"].split("/")
+    await websocket.send(json.dumps({"type": "start", "partials": False}))
+    assert json.loads(await websocket.recv())["type"] == "ready"
+    return websocket, (int(index), int(pid))
+
+
+async def events_until_closed(websocket) -> list[dict]:
+    return [json.loads(message) async for message in websocket]
+
+
+async def streams_on_both_workers(port: int, count: int = 4, limit: int = 40):
+    """Open streams until `count` are open and both workers hold at least one (the kernel spreads connections by a
+    hash of the client's address and port: a few attempts find both); the others are closed."""
+    opened = []
+    for _ in range(limit):
+        opened.append(await open_stream(port))
+        if len(opened) >= count and {worker for _, (worker, _) in opened} == {0, 1}:
+            break
+    assert {worker for _, (worker, _) in opened} == {0, 1}, "every stream went to one worker"
+    kept = [next(stream for stream in opened if stream[1][0] == worker) for worker in (0, 1)]
+    kept += [stream for stream in opened if stream not in kept][:count - 2]
+    for stream in opened:
+        if stream not in kept:
+            await stream[0].close()
+    return kept
+
+
+def test_streams_spread_over_both_workers_each_gets_its_finals_and_metrics_sum_both(replica):
+    async def main():
+        streams = await streams_on_both_workers(replica.port)
+        for seed, (websocket, _) in enumerate(streams):
+            await websocket.send(to_s16le(speech_like(SEGMENT * 2, seed=seed)[0]))
+            await websocket.send(json.dumps({"type": "end"}))
+        return [(worker, await events_until_closed(websocket), websocket.close_code)
+                for websocket, worker in streams]
+
+    before = replica.metric("qasr_finals_total")
+    results = asyncio.run(asyncio.wait_for(main(), 300))
+    assert {pid for (_, pid), _, _ in results} <= replica.children() and len({w for w, _, _ in results}) == 2
+    for worker, events, close_code in results:
+        kinds = [event["type"] for event in events]
+        assert close_code == 1000 and kinds.count("final") == 2 and kinds[-1] == "summary", (worker, kinds)
+    # either worker answers /metrics with the sum of both: ask a few times (each request lands on one of them)
+    assert all(replica.metric("qasr_finals_total") - before == 2 * len(results) for _ in range(6))
+    assert replica.metric("qasr_sessions_active") == 0 and replica.metric("qasr_worker_cpu_seconds") > 0
+    assert replica.metric("qasr_engine_steps") > 0  # the engine's stats once, not per worker
+
+
+def test_a_killed_worker_is_restarted_while_the_other_serves(replica):
+    async def main():
+        streams = await streams_on_both_workers(replica.port, count=2)
+        victim = next(worker for _, worker in streams if worker[0] == 0)
+        survivor = next(websocket for websocket, worker in streams if worker[0] == 1)
+        os.kill(victim[1], signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        await survivor.send(to_s16le(speech_like(SEGMENT, seed=7)[0]))  # the other worker serves on
+        await survivor.send(json.dumps({"type": "end"}))
+        events = await events_until_closed(survivor)
+        return victim, events
+
+    victim, events = asyncio.run(asyncio.wait_for(main(), 300))
+    assert [event["type"] for event in events].count("final") == 1
+    assert victim[1] not in replica.children()
+    until(lambda: replica.get("/readyz")[0] == 200)  # the replacement is up: both workers serve again
+
+    async def worker_zero():
+        streams = await streams_on_both_workers(replica.port, count=2)
+        for websocket, _ in streams:
+            await websocket.close()
+        return next(pid for _, (index, pid) in streams if index == 0)
+
+    assert asyncio.run(worker_zero()) not in (victim[1], None)
+
+
+def test_a_killed_engine_process_costs_each_workers_streams_one_segment_and_comes_back(replica):
+    async def main():
+        streams = await streams_on_both_workers(replica.port, count=2)
+        for seed, (websocket, _) in enumerate(streams):
+            await websocket.send(to_s16le(speech_like(SEGMENT, seed=seed)[0]))
+        until_async = asyncio.to_thread(until, lambda: replica.metric("qasr_engine_running") >= 2, 120, 0.05)
+        await until_async
+        os.kill(replica.engine_pid({pid for _, (_, pid) in streams}), signal.SIGKILL)
+        await asyncio.to_thread(until, lambda: replica.get("/readyz")[0] == 503, 60, 0.05)
+        health = replica.get("/healthz")[0]
+        await asyncio.to_thread(until, lambda: replica.get("/readyz")[0] == 200)
+        for seed, (websocket, _) in enumerate(streams):  # the next segment decodes on the new engine process
+            await websocket.send(to_s16le(speech_like(SEGMENT, seed=10 + seed)[0]))
+            await websocket.send(json.dumps({"type": "end"}))
+        return health, [await events_until_closed(websocket) for websocket, _ in streams]
+
+    health, results = asyncio.run(asyncio.wait_for(main(), 400))
+    assert health == 200  # restarting is not a failure
+    for events in results:
+        shown = [(event["type"], event.get("code")) for event in events]
+        assert ("error", "decode_failed") in shown, shown
+        finals = [event for event in events if event["type"] == "final"]
+        assert len(finals) == 2 and finals[0]["text"] == "" and finals[1]["text"] != "", shown
+    assert replica.metric("qasr_engine_restarts_total") == 1
+
+
+def test_sigterm_drains_both_workers_with_every_final_and_stops_everything(replica):
+    async def main():
+        streams = await streams_on_both_workers(replica.port, count=2)
+        for seed, (websocket, _) in enumerate(streams):
+            await websocket.send(to_s16le(speech_like(SEGMENT, seed=20 + seed)[0]))
+        await asyncio.to_thread(until, lambda: replica.metric("qasr_engine_running") >= 1, 120, 0.05)
+        children = replica.children()
+        replica.process.send_signal(signal.SIGTERM)
+        return children, [await events_until_closed(websocket) for websocket, _ in streams], \
+            [websocket.close_code for websocket, _ in streams]
+
+    children, results, close_codes = asyncio.run(asyncio.wait_for(main(), 300))
+    exit_code = replica.process.wait(120)
+    assert exit_code == 0
+    assert close_codes == [1001, 1001]
+    for events in results:
+        finals = [event for event in events if event["type"] == "final"]
+        assert len(finals) == 1 and finals[0]["text"] != "", events  # drained: decoded, not dropped
+    until(lambda: not any(running(str(pid)) for pid in children), 20)
