@@ -51,6 +51,24 @@ def capture_graph(fn, stream: torch.cuda.Stream, pool, warmups: int) -> tuple[to
     return graph, out
 
 
+def advance_rows(next_tokens: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
+                 budgets: torch.Tensor, eos: torch.Tensor, out: torch.Tensor) -> None:
+    """After a decode step's argmax, in place, for rows b < B = len(next_tokens): a live row (positions[b] >= 0)
+    counts its token and finishes on an EOS id or its budget; out[0, b] = its token or -1, out[1, b] = finished;
+    tokens[b] takes the token; positions[b] moves on by one, or goes idle (-1) once finished.
+    kernels.advance_rows does the same in one launch."""
+    B = next_tokens.shape[0]
+    pos = positions[:B]
+    live = pos >= 0
+    n = counts[:B] + live.long()
+    finished = live & ((next_tokens[:, None] == eos[None, :]).any(-1) | (n >= budgets[:B]))
+    out[0, :B] = torch.where(live, next_tokens, -1)
+    out[1, :B] = finished.long()
+    tokens[:B] = torch.where(live, next_tokens, tokens[:B])
+    positions[:B] = torch.where(live & ~finished, pos + 1, -1)
+    counts[:B] = n
+
+
 class PrefillBucket:
     """Static inputs of one (sequences, tokens) prefill shape and, on CUDA, its captured graph.
 
@@ -132,17 +150,11 @@ class ModelRunner:
 
     def _step(self, B: int) -> None:
         """One decode step for rows [0, B): pure tensor ops on persistent buffers, so it can be graphed."""
-        pos = self.positions[:B]
-        live = pos >= 0
-        logits = self.model.decoder.decode(self.tokens[:B], pos, self.cache, self.layer_ops)
+        logits = self.model.decoder.decode(self.tokens[:B], self.positions[:B], self.cache, self.layer_ops)
         nxt = logits.argmax(dim=-1)
-        counts = self.counts[:B] + live.long()
-        finished = live & ((nxt[:, None] == self.eos[None, :]).any(-1) | (counts >= self.budgets[:B]))
-        self.out[0, :B] = torch.where(live, nxt, -1)
-        self.out[1, :B] = finished.long()
-        self.tokens[:B] = torch.where(live, nxt, self.tokens[:B])
-        self.positions[:B] = torch.where(live & ~finished, pos + 1, -1)
-        self.counts[:B] = counts
+        # the bookkeeping after the argmax: one fused launch instead of ~18 small ones where the kernels run
+        advance = kernels.advance_rows if self.fused_kernels else advance_rows
+        advance(nxt, self.tokens, self.positions, self.counts, self.budgets, self.eos, self.out)
 
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)

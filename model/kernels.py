@@ -206,6 +206,26 @@ if triton is not None:
         tl.store(OUT + row * I + cols, (act * up).to(dt), mask=mask)
 
 
+    @triton.jit
+    def _advance_rows_kernel(NXT, TOKENS, POSITIONS, COUNTS, BUDGETS, EOS, OUT, B, stride_out,
+                             NUM_EOS: tl.constexpr, BLOCK: tl.constexpr):
+        # the decode step's bookkeeping for rows [0, B) in one launch (see advance_rows)
+        b = tl.arange(0, BLOCK)
+        m = b < B
+        nxt = tl.load(NXT + b, mask=m, other=0)
+        pos = tl.load(POSITIONS + b, mask=m, other=-1)
+        live = pos >= 0
+        counts = tl.load(COUNTS + b, mask=m, other=0) + live.to(tl.int64)
+        stop = counts >= tl.load(BUDGETS + b, mask=m, other=0)
+        for e in tl.static_range(NUM_EOS):
+            stop = stop | (nxt == tl.load(EOS + e))
+        finished = live & stop
+        tl.store(OUT + b, tl.where(live, nxt, -1), mask=m)
+        tl.store(OUT + stride_out + b, finished.to(tl.int64), mask=m)
+        tl.store(TOKENS + b, tl.where(live, nxt, tl.load(TOKENS + b, mask=m, other=0)), mask=m)
+        tl.store(POSITIONS + b, tl.where(live & ~finished, pos + 1, -1), mask=m)
+        tl.store(COUNTS + b, counts, mask=m)
+
 def _splits(x: torch.Tensor, dtype: torch.dtype) -> int:
     """0 for a plain input of `dtype` [N, W]; S for float32 split-K partial sums [S, N, W] (gemv.partial_products)."""
     if x.dim() == 3 and x.dtype == torch.float32:
@@ -308,3 +328,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     _silu_mul_kernel[(N, triton.cdiv(I, block))](gate_up, out, I, BLOCK=block, num_warps=4)
     return out
+
+
+def advance_rows(next_tokens: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
+                 budgets: torch.Tensor, eos: torch.Tensor, out: torch.Tensor) -> None:
+    """The decode step's per-row bookkeeping in one launch, in place (the ~18 small PyTorch ops of
+    runner.advance_rows, which it must equal): for rows b < B = len(next_tokens), a live row (positions[b] >= 0)
+    counts its token, finishes on an EOS id or its budget; out[0, b] = its token or -1, out[1, b] = finished;
+    tokens[b] takes the token, positions[b] moves on by one or goes idle (-1).
+
+    next_tokens: [B] long; tokens, positions, counts, budgets: [S >= B] long; eos: [E] long; out: [2, S] long.
+    """
+    B = next_tokens.shape[0]
+    for t in (next_tokens, tokens, positions, counts, budgets, eos, out):
+        assert t.dtype == torch.long and t.is_contiguous()
+    _advance_rows_kernel[(1,)](next_tokens, tokens, positions, counts, budgets, eos, out, B, out.stride(0),
+                               NUM_EOS=eos.shape[0], BLOCK=max(16, triton.next_power_of_2(B)), num_warps=4)

@@ -206,6 +206,28 @@ def test_qk_norm_rope_store_sums_split_partial_products():
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
+@pytest.mark.parametrize("B", [1, 7, 40])
+def test_advance_rows_in_one_launch_equals_the_pytorch_bookkeeping(B):
+    S = 48
+    g = torch.Generator().manual_seed(B)
+    state = {"tokens": torch.randint(0, 50, (S,), generator=g),
+             "positions": torch.randint(-1, 30, (S,), generator=g),  # -1: idle rows
+             "counts": torch.randint(0, 10, (S,), generator=g),
+             "budgets": torch.randint(1, 12, (S,), generator=g)}  # some rows reach theirs
+    nxt = torch.randint(0, 12, (B,), generator=g)  # 10 and 11 are EOS ids: some rows end on one
+    eos = torch.tensor([10, 11])
+    runs = []
+    for advance in (runner_module.advance_rows, kernels.advance_rows):
+        st = {k: v.clone() for k, v in state.items()}
+        out = torch.full((2, S), 7)
+        advance(nxt, st["tokens"], st["positions"], st["counts"], st["budgets"], eos, out)
+        runs.append((st, out))
+    (ref, ref_out), (got, got_out) = runs
+    assert torch.equal(got_out, ref_out) and all(torch.equal(got[k], ref[k]) for k in state)
+    assert torch.equal(got["positions"][B:], state["positions"][B:])  # rows past B untouched
+    assert (got_out[1, :B] == 1).any() or B == 1
+
+
 # -- the engine on the kernels ---------------------------------------------------------------------------------------
 
 
