@@ -3,7 +3,8 @@ small-batch GEMV kernels (model/gemv.py) against cuBLAS (agreement, row independ
 decode step on three paths (plain PyTorch, fused kernels with cuBLAS products, fused with GEMV: graph replay time,
 kernels per step) and the encoder graphs against eager.
 
-`python -m qasr.bench.kernel_check [0.6B|1.7B]` on a CUDA machine; prints one JSON object.
+`python -m qasr.bench.kernel_check [0.6B|1.7B]` on a CUDA machine; prints one JSON object per line, a section each,
+as each completes (so a time limit leaves the sections that finished).
 """
 
 from __future__ import annotations
@@ -180,16 +181,21 @@ def main(argv=None) -> None:
                                         options=EngineOptions(num_slots=64, max_len=320, num_retained=0,
                                                               cuda_graphs=False))
     model = engine.model
-    res = {"size": size, "kernels_bf16_vs_pytorch": kernel_cases(model.cfg.text, device)}
+
+    def emit(section: str, value) -> None:
+        print(json.dumps({section: value}), flush=True)
+
+    emit("size", size)
+    emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
     t = time.perf_counter()
-    res["gemv_bf16_vs_cublas"] = gemv_cases(model.cfg.text, device)
-    res["gemv_cases_s"] = time.perf_counter() - t
-    steps = {}
-    for name, fused, rows in (("pytorch", False, 0), ("fused_cublas", True, 0), ("fused_gemv", True, gemv.max_rows())):
+    emit("gemv_bf16_vs_cublas", gemv_cases(model.cfg.text, device))
+    emit("gemv_cases_s", time.perf_counter() - t)
+    emit("gemv_configs", gemv.chosen_configs())
+    for name, fused, rows in (("fused_gemv", True, gemv.max_rows()), ("fused_cublas", True, 0), ("pytorch", False, 0)):
         with gemv_rows(rows):
             runner = ModelRunner(model, num_slots=64, max_len=320, fused_kernels=fused)
-        steps[name] = {B: step_ms(runner, B, 200) for B in (1, 8, 16, 32, 64)}
-        steps[name + "_kernels_per_step"] = {B: kernels_per_step(runner, B, 200) for B in (1, 64)}
+        emit(f"decode_step_ms_context_200_{name}", {B: step_ms(runner, B, 200) for B in (1, 8, 16, 32, 64)})
+        emit(f"kernels_per_step_{name}", {B: kernels_per_step(runner, B, 200) for B in (1, 64)})
         if name == "fused_gemv":  # encoder graphs against the eager encoder, same windows
             enc = model.encoder
             torch.manual_seed(1)
@@ -197,9 +203,9 @@ def main(argv=None) -> None:
             lengths = torch.tensor([enc.cfg.window_tokens, 40, 7], device=device)
             eager = enc.encode_windows(windows, lengths)
             graphed = runner.encode_windows(windows, lengths)
-            res["encoder_graph_vs_eager"] = compare(
+            emit("encoder_graph_vs_eager", compare(
                 torch.cat([graphed[i, :n] for i, n in enumerate(lengths.tolist())]),
-                torch.cat([eager[i, :n] for i, n in enumerate(lengths.tolist())]))
+                torch.cat([eager[i, :n] for i, n in enumerate(lengths.tolist())])))
             for W in (2, 16):
                 w = torch.randn(W, enc.cfg.window_tokens, enc.cfg.d_model, device=device, dtype=model.dtype)
                 n = torch.full((W,), enc.cfg.window_tokens, device=device)
@@ -213,12 +219,9 @@ def main(argv=None) -> None:
                         fn()
                     torch.cuda.synchronize()
                     times[label] = (time.perf_counter() - t) / 20 * 1e3
-                res[f"encoder_ms_{W}_windows"] = times
+                emit(f"encoder_ms_{W}_windows", times)
         del runner
         torch.cuda.empty_cache()
-    res["decode_step_ms_context_200"] = steps
-    res["gemv_configs"] = gemv.chosen_configs()
-    print(json.dumps(res, indent=2), flush=True)
 
 
 if __name__ == "__main__":
