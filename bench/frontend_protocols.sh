@@ -6,12 +6,13 @@
 #
 # Environment (defaults in brackets):
 #   STREAMS     stream counts to run                                      ["20 40"]
-#   PROTOCOLS   PROTOCOL[:OPTION][@CHUNK_MS]: native, openai, twilio                              [see below]
+#   PROTOCOLS   PROTOCOL[:OPTION][@CHUNK_MS]: native, openai, deepgram, twilio                    [see below]
 #               twilio:both gives a call the agent's track too; native:RATE[-ENCODING] sends that audio (native:24000
-#               is an OpenAI client's, native:8000-mulaw a Twilio call's; default 16000 s16le); @N sends N ms of audio
-#               per message (default 100; Twilio's frames are always 20 ms, @N paces them: @20 sends each as it is
-#               due, as Twilio does). Default: each adapter beside native on the same audio in the same messages,
-#               and native as most clients send it: "native native:24000 openai native:8000-mulaw@20 twilio@20"
+#               is what the OpenAI and Deepgram clients send, native:8000-mulaw a Twilio call's; default 16000 s16le);
+#               @N sends N ms of audio per message (default 100; Twilio's frames are always 20 ms, @N paces them: @20
+#               sends each as it is due, as Twilio does). Default: each adapter beside native on the same audio in the
+#               same messages, and native as most clients send it:
+#               "native native:24000 openai deepgram native:8000-mulaw@20 twilio@20"
 #   DURATION    seconds each stream sends, real time                      [20]
 #   REPEATS     runs of each protocol and count, interleaved              [3]
 #   STAGGER_S   client starts spread over this long                       [2]
@@ -23,7 +24,7 @@ set -euo pipefail
 
 OUTDIR=${1:?usage: bench/frontend_protocols.sh OUTDIR}
 STREAMS=${STREAMS:-"20 40"}
-PROTOCOLS=${PROTOCOLS:-"native native:24000 openai native:8000-mulaw@20 twilio@20"}
+PROTOCOLS=${PROTOCOLS:-"native native:24000 openai deepgram native:8000-mulaw@20 twilio@20"}
 DURATION=${DURATION:-20}
 REPEATS=${REPEATS:-3}
 STAGGER_S=${STAGGER_S:-2}

@@ -10,6 +10,10 @@
             `commit` (the open turn ends) and a `session.update` that answers after every event made before it.
             speech_started -> speech_started, delta -> partial (no audio end: no partial latency),
             completed -> final whose latency is speech_stopped -> completed of its item, on arrival.
+    deepgram  /v1/listen?encoding=linear16&sample_rate=24000&interim_results=true&vad_events=true: binary PCM
+            chunks (the same audio and messages as an OpenAI client's, without base64 JSON), then `CloseStream`;
+            SpeechStarted -> speech_started, Results -> partial / final (the n-th final is the n-th segment's),
+            Metadata ends the stream.
     twilio  one call on /v1/twilio: `connected`, `start` (audio/x-mulaw 8 kHz, the inbound track or both), 20 ms
             `media` frames, `stop`. The transcripts come from /v1/calls/{callSid}/events, subscribed before `start`
             (native events plus channel/track); the call is drained once `call_ended` arrives.
@@ -43,7 +47,11 @@ OPENAI_TURN_DETECTION = {"type": "server_vad", "threshold": 0.5, "prefix_padding
 TWILIO_RATE = 8000  # Hz: Twilio's audio/x-mulaw
 TWILIO_FRAME = TWILIO_RATE // 50  # samples: Twilio sends 20 ms per media message
 TWILIO_TRACKS = ("inbound", "outbound")  # in channel order
-PATHS = {"native": "/v1/stream", "openai": "/v1/realtime?intent=transcription", "twilio": "/v1/twilio"}
+DEEPGRAM_RATE = 24000  # Hz: the bench's Deepgram clients send what its OpenAI clients send, as binary linear16
+DEEPGRAM_QUERY = (f"encoding=linear16&sample_rate={DEEPGRAM_RATE}&channels=1&interim_results=true&vad_events=true"
+                  "&utterance_end_ms=1000&model=nova-3")
+PATHS = {"native": "/v1/stream", "openai": "/v1/realtime?intent=transcription", "twilio": "/v1/twilio",
+         "deepgram": f"/v1/listen?{DEEPGRAM_QUERY}"}
 OPEN_TIMEOUT_S = 30.0
 MEDIA_CLOSE_TIMEOUT_S = 10.0  # after call_ended
 
@@ -301,6 +309,91 @@ async def run_openai(args, record: ClientRecord, tracks: list[np.ndarray], stop_
         record.close_code = websocket.close_code
 
 
+# ---- Deepgram live ----------------------------------------------------------------------------------------------
+
+
+DEEPGRAM_CLOSE = json.dumps({"type": "CloseStream"})
+
+
+class DeepgramTranscripts:
+    """A Deepgram live stream's messages -> native-schema events for a ClientRecord. Deepgram names no segments:
+    each SpeechStarted opens the next one (vad_events=true), and each final Results (is_final) is the oldest open
+    segment's; interim Results are the newest open segment's partials."""
+
+    def __init__(self):
+        self.started = 0  # SpeechStarted messages seen
+        self.finals = 0  # final Results seen
+        self.ended = False  # Metadata (the summary after CloseStream) arrived
+
+    def take(self, message: dict) -> dict | None:
+        kind = message.get("type")
+        if kind == "SpeechStarted":
+            self.started += 1
+            return {"type": "speech_started", "segment_id": self.started - 1, "start": message["timestamp"]}
+        if kind == "Results":
+            start, duration = message["start"], message["duration"]
+            text = message["channel"]["alternatives"][0]["transcript"]
+            if message.get("is_final"):
+                self.finals += 1
+                return {"type": "final", "segment_id": self.finals - 1, "text": text, "end": start + duration}
+            return {"type": "partial", "segment_id": self.started - 1, "text": text, "end": start + duration}
+        if kind == "Metadata":
+            self.ended = True
+        elif kind == "Error":
+            return {"type": "error", "code": message.get("variant"), "message": message.get("description", "")}
+        return None
+
+
+async def run_deepgram(args, record: ClientRecord, tracks: list[np.ndarray], stop_at: float,
+                       bench_start: float) -> None:
+    """One Deepgram live stream: binary 24 kHz linear16 chunks, CloseStream, read until Metadata and the close."""
+    import soxr
+
+    audio = soxr.resample(tracks[0], SAMPLE_RATE, DEEPGRAM_RATE).astype(np.float32)
+    chunk = int(args.chunk_ms * DEEPGRAM_RATE / 1000)
+    url = endpoint(args.url, "deepgram")
+    if args.language:
+        url += ("&" if "?" in url else "?") + f"language={args.language}"
+    record.pre_roll_s = VadSettings().pre_roll_ms / 1000  # the server's default: Deepgram cannot ask for another
+    transcripts = DeepgramTranscripts()
+    try:
+        websocket = await connect(url, open_timeout=OPEN_TIMEOUT_S, max_size=None, compression=None)
+    except (OSError, InvalidHandshake, asyncio.TimeoutError) as error:
+        record.error = f"{type(error).__name__}: {error}"
+        return
+
+    async def receive() -> None:
+        try:
+            async for frame in websocket:  # until the server closes after Metadata
+                arrived, message = time.perf_counter(), json.loads(frame)
+                record.session_id = record.session_id or message.get("metadata", {}).get("request_id", "")
+                event = transcripts.take(message)
+                if event is not None:
+                    record.events.append((arrived, event))
+        except ConnectionClosed as closed:
+            record.error = f"closed by the server: {closed}"
+        record.drained = transcripts.ended
+        if not record.drained:
+            record.error = record.error or "closed by the server before Metadata"
+
+    receiving = asyncio.ensure_future(receive())
+    try:
+        async for k in paced(record, -(-len(audio) // chunk), chunk / DEEPGRAM_RATE / args.speed, stop_at=stop_at,
+                             bench_start=bench_start, done=receiving):
+            piece = audio[k * chunk : (k + 1) * chunk]
+            await websocket.send(pcm16(piece))
+            record.audio_seconds += len(piece) / DEEPGRAM_RATE
+        if not receiving.done():
+            await websocket.send(DEEPGRAM_CLOSE)
+        await _drain(receiving, args.drain_timeout_s, record)
+    except ConnectionClosed as closed:
+        record.error = record.error or f"closed by the server: {closed}"
+    finally:
+        receiving.cancel()
+        await websocket.close()
+        record.close_code = websocket.close_code
+
+
 # ---- Twilio Media Streams ----------------------------------------------------------------------------------------
 
 
@@ -410,4 +503,5 @@ async def run_twilio(args, record: ClientRecord, tracks: list[np.ndarray], stop_
         await subscriber.close()
 
 
-CLIENTS: dict[str, Callable] = {"native": run_native, "openai": run_openai, "twilio": run_twilio}
+CLIENTS: dict[str, Callable] = {"native": run_native, "openai": run_openai, "deepgram": run_deepgram,
+                                 "twilio": run_twilio}

@@ -3,6 +3,7 @@
     qasr-bench stream --url ws://127.0.0.1:8765 --clients 32 --duration 60 --server-pid $(pgrep -n qasr-server) \\
         --out stream.json --plot stream.png
     qasr-bench stream --protocol openai ...     # OpenAI Realtime transcription sessions on /v1/realtime
+    qasr-bench stream --protocol deepgram ...   # Deepgram live streams on /v1/listen (24 kHz linear16)
     qasr-bench stream --protocol twilio ...     # Twilio calls on /v1/twilio (--tracks both: caller and agent)
     qasr-bench stream --sample-rate 8000 --encoding mulaw --chunk-ms 20 ...   # native, a Twilio call's audio
     qasr-bench stream --words ...               # native streams ask for word times (a server with --aligner)
@@ -10,8 +11,8 @@
     qasr-bench stream --plot scaling.png --from run-*.json                    # no run: the scaling curve of runs
 
 Every client streams audio in real time (or --speed times faster) for --duration seconds in the --protocol's wire
-format (qasr.bench.protocol_clients: native through qasr.client's StreamClient, OpenAI Realtime and Twilio Media
-Streams on plain websockets; native at --sample-rate in --encoding, so that it can send the audio an adapter gets): a WAV file (--audio, each
+format (qasr.bench.protocol_clients: native through qasr.client's StreamClient, OpenAI Realtime, Deepgram and Twilio
+Media Streams on plain websockets; native at --sample-rate in --encoding, so that it can send the audio an adapter gets): a WAV file (--audio, each
 client starting at its own offset, looped), or generated speech-like utterances with pauses (a seed per client).
 Then it ends the stream and waits for its last finals.
 Measured per segment and client, with "when speech happened" taken as the moment the audio would have been captured
@@ -21,7 +22,7 @@ live (start + stream time / speed):
 - partial latency: the end of the audio a partial heard to its arrival (native and twilio: OpenAI deltas say no
   audio end); partial cadence: gaps between a segment's partials (OpenAI: deltas);
 - final latency (endpoint ->): native, twilio: the final's `latency_ms`, from the endpoint decision to sending;
-  openai: the item's `speech_stopped` to its `completed` arriving;
+  openai: the item's `speech_stopped` to its `completed` arriving; deepgram: none (its wire says no endpoint time);
 - end of speech to final: the segment's end to the final arriving (includes the VAD's end silence);
 - send lag: how far each chunk's send finished behind its real-time schedule (backpressure or an overloaded client);
 - finals per segment: each segment must get exactly one (missing and duplicate finals are counted);
@@ -51,8 +52,8 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from qasr.audio import SAMPLE_RATE
-from qasr.bench.protocol_clients import (CLIENTS, NATIVE_ENCODINGS, OPENAI_RATE, TWILIO_RATE, ClientRecord,
-                                         endpoint)
+from qasr.bench.protocol_clients import (CLIENTS, DEEPGRAM_RATE, NATIVE_ENCODINGS, OPENAI_RATE, TWILIO_RATE,
+                                         ClientRecord, endpoint)
 from qasr.bench.synthetic import speech_like
 from qasr.client import FileSource
 
@@ -335,6 +336,7 @@ def plot(path: str, records: list[ClientRecord], summary_series: dict, out: dict
 def audio_format(args) -> str:
     """What the clients' audio is on the wire: "16000 Hz s16le", "8000 Hz mulaw"."""
     rate, encoding = {"native": (args.sample_rate, args.encoding), "openai": (OPENAI_RATE, "s16le"),
+                      "deepgram": (DEEPGRAM_RATE, "s16le"),
                       "twilio": (TWILIO_RATE, "mulaw")}[args.protocol]
     return f"{rate} Hz {encoding}"
 
@@ -451,8 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qasr-bench stream", description=__doc__.split("\n\n")[0].replace("`", ""))
     p.add_argument("--protocol", choices=sorted(CLIENTS), default="native",
                    help="the clients' wire format: native (/v1/stream), openai (Realtime transcription on "
-                        "/v1/realtime), twilio (Media Streams calls on /v1/twilio, transcripts from "
-                        "/v1/calls/{callSid}/events) (default: %(default)s)")
+                        "/v1/realtime), deepgram (live streams on /v1/listen), twilio (Media Streams calls on "
+                        "/v1/twilio, transcripts from /v1/calls/{callSid}/events) (default: %(default)s)")
     p.add_argument("--tracks", choices=("inbound", "both"), default="inbound",
                    help="twilio: the caller's track alone, or the agent's too (different speech) "
                         "(default: %(default)s)")

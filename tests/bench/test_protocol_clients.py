@@ -11,6 +11,7 @@ import pytest
 from qasr.audio import decode_pcm
 from qasr.bench import protocol_clients as clients
 from qasr.server.calls import CallRegistry
+from qasr.server.deepgram import DeepgramAdapter
 from qasr.server.commands import Audio, End, Flush, Reply, Start
 from qasr.server.openai_realtime import OpenAIRealtimeAdapter
 from qasr.server.twilio import TwilioAdapter
@@ -26,6 +27,7 @@ def test_a_url_without_a_path_gets_the_protocols_path_and_a_full_one_is_kept():
     assert clients.endpoint("ws://h:1", "native") == "ws://h:1/v1/stream"
     assert clients.endpoint("ws://h:1/", "openai") == "ws://h:1/v1/realtime?intent=transcription"
     assert clients.endpoint("wss://h:1", "twilio") == "wss://h:1/v1/twilio"
+    assert clients.endpoint("ws://h:1", "deepgram") == f"ws://h:1/v1/listen?{clients.DEEPGRAM_QUERY}"
     assert clients.endpoint("ws://h:1/custom/path?x=1", "openai") == "ws://h:1/custom/path?x=1"
     assert clients.subscriber_url("ws://h:1", "CA12") == "ws://h:1/v1/calls/CA12/events"
     with pytest.raises(ValueError, match="ws://"):
@@ -99,6 +101,51 @@ def test_an_openai_item_that_failed_or_an_error_event_is_an_error_and_the_item_n
     assert failed["type"] == "error" and failed["segment_id"] == 0 and not transcripts.pending
     error = transcripts.take(2.0, {"type": "error", "error": {"code": "invalid_value", "message": "bad"}})
     assert error == {"type": "error", "code": "invalid_value", "message": "bad"}
+
+
+# ---- Deepgram ----------------------------------------------------------------------------------------------------
+
+
+def deepgram_adapter() -> DeepgramAdapter:
+    return DeepgramAdapter(clients.DEEPGRAM_QUERY, defaults=StreamSettings(), limits=StreamLimits())
+
+
+def test_the_deepgram_client_asks_for_24khz_linear16_with_interims_and_vad_events_and_its_frames_are_the_audio():
+    adapter = deepgram_adapter()
+    signal = tone(300, 0.25, clients.DEEPGRAM_RATE)
+    start, first = adapter.receive(clients.pcm16(signal[:2400]))
+    [second] = adapter.receive(clients.pcm16(signal[2400:]))
+    settings = start.settings
+    assert (settings.sample_rate, settings.encoding, settings.channels) == (24000, "s16le", 1)
+    assert settings.partials and adapter.options.vad_events and adapter.options.utterance_end_ms == 1000
+    received = np.concatenate([first.samples[:, 0], second.samples[:, 0]])
+    np.testing.assert_allclose(received, signal, atol=1.5 / 32768)
+    assert adapter.receive(clients.DEEPGRAM_CLOSE) == [End()]
+
+
+def test_the_deepgram_clients_reading_numbers_segments_by_speech_started_and_finals_in_order():
+    adapter = deepgram_adapter()
+    adapter.receive(clients.pcm16(tone(300, 0.1, clients.DEEPGRAM_RATE)))
+    transcripts = clients.DeepgramTranscripts()
+    session_events = [
+        events.SpeechStarted(0, 0.5), events.Partial(0, "the quick", "English", 0.5, 1.5),
+        events.SpeechStarted(1, 3.0),  # the next segment begins before the first one's final arrives
+        events.Final(0, "the quick brown", "English", 0.5, 2.8, "silence", 9.0),
+        events.Partial(1, "fox", "English", 3.0, 4.0),
+        events.Final(1, "fox jumps", "English", 3.0, 4.5, "end", 9.0), events.Summary(2, 4.5, 0.0),
+    ]
+    native = []
+    for event in session_events:
+        for frame in adapter.encode(event):
+            taken = transcripts.take(json.loads(frame))
+            native += [] if taken is None else [taken]
+    assert [(event["type"], event["segment_id"]) for event in native] == [
+        ("speech_started", 0), ("partial", 0), ("speech_started", 1), ("final", 0), ("partial", 1), ("final", 1)]
+    assert native[3]["text"] == "the quick brown" and native[3]["end"] == pytest.approx(2.8)
+    assert native[1]["end"] == pytest.approx(1.5) and native[0]["start"] == 0.5
+    assert transcripts.ended  # Metadata came
+    error = transcripts.take({"type": "Error", "variant": "DATA-0000", "description": "bad audio"})
+    assert error == {"type": "error", "code": "DATA-0000", "message": "bad audio"}
 
 
 # ---- Twilio ------------------------------------------------------------------------------------------------------
