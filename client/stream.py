@@ -24,12 +24,16 @@ summary, and the server closes with 1000; the iteration then simply finishes. An
 `StreamClosed` (`ConnectionLost` when the connection just dropped) after every event that did arrive was yielded.
 With `reconnect=N`, a stream the server dropped mid-way (restart, 1001/1006/1013) is reopened up to N times in a
 row, with the same credential; the source carries on, and times and segment ids continue from where the last
-connection stopped (the segment open when a connection was lost without finals is lost with it).
+connection stopped. A server that shuts down (1001) finalises what it read and says in its `summary` how much that
+was; audio sent but never read (in a socket or a proxy when the server stopped reading) is sent again first on the
+next connection (at most the last `replay_s` seconds; `Reconnecting.resend_s` says how much), so a drain loses no
+audio, even after `end` was sent. A connection lost without a summary (1006) loses its open segment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import socket
@@ -45,6 +49,7 @@ from qasr.client.errors import (NORMAL_CLOSURE, AccessDenied, AuthenticationFail
                                 TooManyConnections)
 from qasr.client.protocol import (END, FLUSH, Credentials, StreamOptions, bytes_per_frame, encode_audio,
                                   parse_event, start_message)
+from qasr.client.replay import SentAudio
 from qasr.streaming.events import Error, Final, Partial, Ready, ServerEvent, SpeechStarted, Summary, Word
 
 
@@ -57,6 +62,9 @@ class Reconnecting:
     max_attempts: int
     delay_s: float  # wait before this attempt
     reason: str  # why the previous connection ended
+    resend_s: float = 0.0  # audio the previous connection's server never read (its summary says what it read): sent
+    # again first on the next connection, at its true place on the timeline
+    lost_s: float = 0.0  # unread audio older than the replay window (AudioStream's replay_s): it cannot be sent again
 
 
 @dataclass(frozen=True)
@@ -194,8 +202,18 @@ class StreamClient:
 
     @property
     def complete(self) -> bool:
-        """The client ended the stream and the server answered with its summary: nothing more can arrive."""
-        return self.ended and self.summary is not None
+        """The client ended the stream and the server's summary covers every frame sent: nothing more can arrive.
+        (A server that shut down after `end` went out but before it read everything answers with a shorter one.)"""
+        return self.ended and self.summary is not None and self.unheard_samples <= 0
+
+    @property
+    def unheard_samples(self) -> int | None:
+        """Frames sent on this connection that the server never read, by its summary's `audio_seconds` (a shutdown's
+        summary counts what was read before reading stopped); None before a summary. Negative when the server read a
+        frame whose send was cut short (not counted in samples_sent)."""
+        if self.summary is None:
+            return None
+        return self.samples_sent - round(self.summary.audio_seconds * self.options.sample_rate)
 
     async def close(self) -> None:
         """Close the connection (1000). Without `end` first, the server drops what it has not finalised."""
@@ -255,9 +273,11 @@ class AudioStream:
 
     def __init__(self, url: str, source: AsyncIterable[np.ndarray], options: StreamOptions, *, reconnect: int = 0,
                  reconnect_delay_s: float = 1.0, open_timeout_s: float = 10.0, api_key: str | None = None,
-                 token: str | None = None):
+                 token: str | None = None, replay_s: float = 30.0):
         if reconnect < 0:
             raise ValueError(f"reconnect must be >= 0 (attempts in a row), got {reconnect}")
+        if not replay_s >= 0:
+            raise ValueError(f"replay_s must be >= 0 seconds, got {replay_s}")
         self.url = url
         self.source = source
         self.options = options
@@ -269,7 +289,10 @@ class AudioStream:
         self._stopping = asyncio.Event()
         self._chunks: AsyncIterator[np.ndarray] | None = None
         self._next_chunk_task: asyncio.Task | None = None  # survives a reconnect: no chunk is pulled twice
-        self._unsent: np.ndarray | None = None  # a chunk whose send failed: the next connection sends it first
+        # sent before the source's next chunk: what a server never read, then a chunk whose send failed
+        self._pending: collections.deque[np.ndarray] = collections.deque()
+        # the current connection's audio, for a reconnect (kept only when there can be one)
+        self._sent = SentAudio(round(replay_s * options.sample_rate) if reconnect else 0)
         self._source_error: BaseException | None = None
         self._source_done = False  # the source ran out (or failed): `end` goes out after the last chunk
         self._iterating = False
@@ -312,27 +335,54 @@ class AudioStream:
                         raise self._source_error
                     return
                 except (ServerUnreachable, StreamClosed, HandshakeRefused) as error:
+                    await _cancelled(pump)  # before the unread audio goes in front of a chunk it failed to send
+                    pump = None
+                    covered, resend, lost = self._carry_over_unread(self.client)
                     if not self._may_retry(error, attempts):
                         raise
                     attempts += 1
-                    timeline.advance(self.client)
+                    timeline.advance(self.client, covered)
                     delay = self.reconnect_delay_s * attempts
-                    yield Reconnecting(attempts, self.reconnect, delay, str(error))
+                    rate = self.options.sample_rate
+                    yield Reconnecting(attempts, self.reconnect, delay, str(error), resend / rate, lost / rate)
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(self._stopping.wait(), delay)
-                    if self.stopping:  # stopped while disconnected: nothing left to finalise
+                    if self.stopping and not self._pending:  # stopped while disconnected, nothing left to send
                         raise error
                 finally:
-                    if pump is not None:
-                        pump.cancel()
-                        await asyncio.wait({pump})
+                    await _cancelled(pump)
                     await self.client.close()
         finally:
             await self._close_source()
 
     def _may_retry(self, error: ClientError, attempts: int) -> bool:
-        return (error.retryable and attempts < self.reconnect and not self.stopping and not self._source_done
-                and not (self.client is not None and self.client.ended))
+        """Retryable, attempts left, and audio still to send: the source's, or what no server has read yet."""
+        finished = self.stopping or self._source_done or (self.client is not None and self.client.ended)
+        return error.retryable and attempts < self.reconnect and (bool(self._pending) or not finished)
+
+    def _carry_over_unread(self, client: StreamClient) -> tuple[int, int, int]:
+        """After a connection ended early: put the audio its server never read (by its summary) in front of what
+        the next connection sends. -> (frames of this connection now behind the timeline, frames to send again,
+        frames unread but older than the replay window). Without a summary everything sent counts as covered."""
+        sent, unread = client.samples_sent, client.unheard_samples
+        held = self._sent
+        self._sent = SentAudio(held.window_samples)
+        if client.ready is None or not unread:
+            return sent, 0, 0
+        if unread < 0:  # the server read (part of) the chunk whose send was cut short: that part is not sent again
+            self._drop_pending(-unread)
+            return sent - unread, 0, 0
+        resend = held.tail(unread)
+        num_resend = sum(len(chunk) for chunk in resend)
+        self._pending.extendleft(reversed(resend))
+        return sent - num_resend, num_resend, unread - num_resend
+
+    def _drop_pending(self, num_samples: int) -> None:
+        while num_samples > 0 and self._pending:
+            chunk = self._pending.popleft()
+            if len(chunk) > num_samples:
+                self._pending.appendleft(chunk[num_samples:])
+            num_samples -= len(chunk)
 
     def _newly_dropped(self) -> AudioDropped | None:
         dropped_s = getattr(self.source, "dropped_s", 0.0)
@@ -349,11 +399,12 @@ class AudioStream:
                 try:
                     await client.send_audio(chunk)
                 except StreamClosed:  # the receiving side reports how; keep the chunk for a reconnect
-                    self._unsent = chunk
+                    self._pending.appendleft(chunk)
                     return
-                except asyncio.CancelledError:  # a reconnect cut a send stuck on backpressure: not sent either
-                    self._unsent = chunk
+                except asyncio.CancelledError:  # a reconnect cut a send stuck on backpressure: counted as unsent
+                    self._pending.appendleft(chunk)  # (a summary that says the server read it drops it again)
                     raise
+                self._sent.add(chunk)
         except Exception as error:  # the source (or a chunk it produced) failed
             self._source_error = error
             self._source_done = True
@@ -363,9 +414,8 @@ class AudioStream:
     async def _next_chunk(self) -> np.ndarray | None:
         """The next chunk from the source; None once it ends or stop() was called. A live source that can stop
         capturing (`stop_capture`, the microphone) is drained on stop(): what it already recorded is still sent."""
-        if self._unsent is not None:
-            chunk, self._unsent = self._unsent, None
-            return chunk
+        if self._pending:
+            return self._pending.popleft()
         if self._source_done:
             return None
         stop_capture = getattr(self.source, "stop_capture", None)
@@ -408,22 +458,23 @@ def stream_audio(url: str, source: AsyncIterable[np.ndarray], *, language: str |
                  format: str = "json", partials: bool = True, partial_interval_ms: int | None = None,
                  vad: Mapping[str, float] | None = None, words: bool = False, reconnect: int = 0,
                  reconnect_delay_s: float = 1.0, open_timeout_s: float = 10.0, api_key: str | None = None,
-                 token: str | None = None) -> AudioStream:
+                 token: str | None = None, replay_s: float = 30.0) -> AudioStream:
     """Stream `source` to the server at `url`; iterate the result for events (see the module docstring).
 
     sample_rate/channels: of the source's chunks; None takes the source's own `sample_rate`/`channels`
     attributes (file_source and microphone_source have them), else 16000 Hz mono. reconnect: how many times in a
-    row to reopen a stream the server dropped (0: raise at once). api_key / token: for a server that requires
-    one (see StreamClient). words: every Final carries `words` (Word: word, start, end in stream seconds) or a
-    `words_reason`; a server without an aligner refuses the stream (StreamClosed 1003). The other options are the
-    `start` message's.
+    row to reopen a stream the server dropped (0: raise at once). replay_s: with reconnect, the last seconds sent on
+    a connection are kept, so that what a shutting-down server never read is sent again. api_key / token: for a
+    server that requires one (see StreamClient). words: every Final carries `words` (Word: word, start, end in
+    stream seconds) or a `words_reason`; a server without an aligner refuses the stream (StreamClosed 1003). The
+    other options are the `start` message's.
     """
     options = StreamOptions(sample_rate=sample_rate or getattr(source, "sample_rate", 16000),
                             channels=channels or getattr(source, "channels", 1), encoding=encoding,
                             language=language, context=context, format=format, partials=partials,
                             partial_interval_ms=partial_interval_ms, vad=vad, words=words)
     return AudioStream(url, source, options, reconnect=reconnect, reconnect_delay_s=reconnect_delay_s,
-                       open_timeout_s=open_timeout_s, api_key=api_key, token=token)
+                       open_timeout_s=open_timeout_s, api_key=api_key, token=token, replay_s=replay_s)
 
 
 class _Timeline:
@@ -437,10 +488,11 @@ class _Timeline:
         self._next_segment = 0  # on the current connection
         self._speech_now = 0.0
 
-    def advance(self, client: StreamClient) -> None:
-        """A connection ended early: the next one continues after it."""
+    def advance(self, client: StreamClient, covered_samples: int) -> None:
+        """A connection ended early: the next one continues `covered_samples` (frames) after its start (what its
+        server read; the rest of what was sent goes again)."""
         if client.ready is not None:
-            self.offset_s += client.samples_sent / client.options.sample_rate
+            self.offset_s += covered_samples / client.options.sample_rate
         self.segment_offset += self._next_segment
         self.speech_s += self._speech_now
         self._next_segment, self._speech_now = 0, 0.0
@@ -466,6 +518,12 @@ class _Timeline:
                            audio_seconds=event.audio_seconds + self.offset_s,
                            speech_seconds=event.speech_seconds + self.speech_s)
         return event
+
+
+async def _cancelled(task: asyncio.Task | None) -> None:
+    if task is not None:
+        task.cancel()
+        await asyncio.wait({task})
 
 
 def _first_line(body: bytes | None, limit: int = 300) -> str:

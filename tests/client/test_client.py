@@ -448,3 +448,68 @@ def test_a_send_stuck_on_backpressure_when_the_connection_drops_is_resent_after_
     assert isinstance(summary, Summary)
     # every sample of the file reached a server, once: the timeline after the reconnect is the file's own
     assert summary.audio_seconds == pytest.approx(sum(seconds for _, seconds in pattern), abs=0.01)
+
+
+async def stream_across_a_drain_behind_the_reader(port: int, wav, *, drain_when) -> tuple[list, float]:
+    """Stream `wav` (4x speed, reconnecting) to a server that stops reading once segment 0's final is pending (its
+    engine answers only when told, max_pending_finals=1): the client sends on into the socket. When
+    `drain_when(client)` holds, the server is stopped (SIGTERM: it finalises what it read, summary, 1001) and a
+    fresh one takes the port. -> (all events, seconds the client had sent when the drain began)."""
+    first_engine = FakeEngine(manual=True)
+    events, drained_at = [], []
+    async with contextlib.AsyncExitStack() as servers:
+        first = await servers.enter_async_context(serving(first_engine, port=port, max_pending_finals=1))
+        stream = stream_audio(stream_url(port), file_source(wav, speed=4.0), vad=EXACT, partials=False,
+                              reconnect=5, reconnect_delay_s=0.05)
+
+        async def drain_behind_the_reader():
+            while stream.client is None or stream.client.ready is None or not drain_when(stream.client):
+                await asyncio.sleep(0.01)
+            drained_at.append(stream.client.samples_sent / 16000)
+            stopping = asyncio.ensure_future(first.stop())
+            while not stopping.done():  # the drain's finals are decoded as soon as they are asked for
+                for call in first_engine.pending():
+                    first_engine.complete(call)
+                await asyncio.sleep(0.01)
+
+        drain = asyncio.ensure_future(drain_behind_the_reader())
+        restarted = False
+        try:
+            async for event in stream:
+                events.append(event)
+                if isinstance(event, Reconnecting) and not restarted:
+                    await first.wait_stopped()
+                    await servers.enter_async_context(serving(fake_engine(), port=port))
+                    restarted = True
+        finally:
+            drain.cancel()
+    return events, drained_at[0]
+
+
+@pytest.mark.parametrize("drain_when", ["mid_stream", "after_end"])
+def test_audio_a_draining_server_never_read_is_sent_again_after_the_reconnect(tmp_path, drain_when):
+    """A drain ends reading at once: audio already sent (in the socket, a proxy, the server's queue) was never
+    transcribed. The drain's summary says how much the server read; the rest goes again on the next connection, at
+    its own place on the timeline, also when the source had ended and `end` had gone out (which the drained server
+    never read either). Every burst gets a final; every sample is heard exactly once."""
+    pattern = [("silence", 0.3), ("speech", 1.0), ("silence", 0.8), ("speech", 1.5), ("silence", 0.8),
+               ("speech", 1.0), ("silence", 0.8), ("speech", 1.0), ("silence", 0.8)]
+    truth = write_wav(tmp_path / "talk.wav", pattern)
+    condition = {"mid_stream": lambda client: client.samples_sent >= 5 * 16000,  # two bursts unread
+                 "after_end": lambda client: client.ended}[drain_when]
+
+    events, drained_at_s = run(stream_across_a_drain_behind_the_reader(free_port(), tmp_path / "talk.wav",
+                                                                        drain_when=condition))
+    heard_s = of_type(events, Summary)[0].audio_seconds  # the drained server's
+    assert heard_s < 2.5 < drained_at_s  # it stopped reading after the first burst; the client sent on
+    finals = of_type(events, Final)
+    assert [final.segment_id for final in finals] == list(range(len(finals)))
+    assert all(a.end <= b.start for a, b in zip(finals, finals[1:]))
+    for start, end in truth:  # no burst went without a final
+        assert any(final.start < end and start < final.end for final in finals), (start, end, finals)
+    summary = events[-1]
+    assert isinstance(summary, Summary)
+    assert summary.audio_seconds == pytest.approx(sum(seconds for _, seconds in pattern), abs=1e-6)
+    reconnect = of_type(events, Reconnecting)[0]
+    assert "shutting down" in reconnect.reason
+    assert reconnect.resend_s == pytest.approx(drained_at_s - heard_s) and reconnect.lost_s == 0
