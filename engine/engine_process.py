@@ -223,19 +223,29 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_se
     owner = _Peer(conn, owner=True)
     peers = _Peers(owner)
     owner.reply(("ready", engine.model_name))
-    threading.Thread(target=_serve_requests, args=(owner, core, engine, peers), name="qasr-engine-requests",
-                     daemon=True).start()
+    requests = threading.Thread(target=_serve_requests, args=(owner, core, engine, peers),
+                                name="qasr-engine-requests", daemon=True)
+    requests.start()
     listener = _listen(*listen) if listen is not None else None
     if listener is not None:
         threading.Thread(target=_accept_clients, args=(listener, core, engine, peers), name="qasr-engine-accept",
                          daemon=True).start()
-    threading.Thread(target=_report_stats, args=(engine, peers), name="qasr-engine-stats", daemon=True).start()
+    stats = threading.Thread(target=_report_stats, args=(engine, peers), name="qasr-engine-stats", daemon=True)
+    stats.start()
     engine.run()  # returns once "close" arrives (or the owner vanished), after failing what was left
     if listener is not None:
         listener.close()  # removes the socket file
     peers.broadcast(("stats", _stats(engine)))
     if engine.error is not None:
         peers.broadcast(("failed", f"{type(engine.error).__name__}: {engine.error}"))
+    # These threads hold the engine and end by themselves now. Joined, so that neither drops the last reference
+    # during the interpreter's exit: it would free the model's tensors there, torch releases the GIL to do it, and a
+    # daemon thread retaking the GIL after finalization began is ended by pthread_exit, whose unwinding through
+    # torch's C++ aborts ("terminate called without an active exception"). The owner's reader ended the loop itself
+    # unless the loop failed; then it may still wait on the pipe (holding, not freeing, the engine).
+    stats.join()
+    if engine.error is None:
+        requests.join()
 
 
 class _Peer:
