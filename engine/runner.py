@@ -287,6 +287,8 @@ class ModelRunner:
         clip i has counts[i]) -> host [2, B, chunks]: (min, max), +inf/-inf past a clip's frames. One read for all."""
         B, _, n = log_spec.shape
         chunks = -(-n // qaudio.CHUNK_FRAMES)
+        if chunks == 0:  # no clip has new frames
+            return np.zeros((2, B, 0), dtype=np.float32)
         padded = torch.nn.functional.pad(log_spec, (0, chunks * qaudio.CHUNK_FRAMES - n))
         beyond = (torch.arange(padded.shape[-1], device=self.device)[None, :]
                   >= torch.tensor(counts, device=self.device)[:, None])[:, None, :]  # [B, 1, frames]

@@ -1,0 +1,175 @@
+"""The incremental audio front end: a stream's partial computes only what is new, and still equals a fresh encode.
+
+Driven through `Engine.frontend` on the tiny random model (CPU, fp32). A growing clip is embedded with the stream's
+state after each append, and compared with the model's own offline encoder (`AudioEncoder.forward` over `log_mel`) of
+the same audio: equal to ~1e-6 (the pieces are batched differently, so float rounding may differ). The engine's
+counters say what each partial computed: mel frames, conv chunks, encoder windows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from qasr.bench.synthetic import speech_like
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.request import DecodeRequest, Priority
+from qasr.engine.stream_cache import StreamState
+from qasr.model import audio as qaudio
+
+SR = qaudio.SAMPLE_RATE
+ATOL = 1e-6  # fp32 on the CPU (the embeddings are O(1)); in practice they come out equal
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir) -> Engine:
+    options = EngineOptions(num_slots=4, max_len=2048, num_retained=4)
+    return Engine.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32", options=options)
+
+
+@torch.inference_mode()
+def offline_embedding(engine: Engine, clip: np.ndarray) -> torch.Tensor:
+    return engine.model.encoder([qaudio.log_mel(clip)])[0]
+
+
+def embed(engine: Engine, clip: np.ndarray, state: StreamState | None):
+    """-> (the clip's audio embedding, the windows it kept, what it computed: counter deltas)."""
+    before = dict(engine.counters)
+    with torch.inference_mode():
+        out = engine.frontend.embed([clip], [state])[0]
+    return out.audio, out.kept_windows, {key: engine.counters[key] - before[key] for key in before}
+
+
+def grow(engine: Engine, audio: np.ndarray, ends: list[int], state: StreamState | None = None) -> list[dict]:
+    """Embed audio[:end] for each end with one stream state, checking each against the offline encoder."""
+    state = StreamState() if state is None else state
+    rows = []
+    for end in ends:
+        clip = audio[:end]
+        got, kept, work = embed(engine, clip, state)
+        expected = offline_embedding(engine, clip)
+        assert got.shape == expected.shape == (qaudio.num_audio_tokens(qaudio.num_frames(end)), expected.shape[1])
+        torch.testing.assert_close(got, expected, rtol=0, atol=ATOL, msg=lambda m: f"at {end / SR:.3f} s: {m}")
+        rows.append(dict(end=end, kept=kept, **work))
+    return rows
+
+
+def loud_start_speech(seconds: float, seed: int) -> np.ndarray:
+    """Speech-like audio whose loudest stretch is at 0.5-1.0 s: the clip maximum, so the floor, never moves later."""
+    audio = speech_like(seconds, seed)
+    audio[SR // 2 : SR] *= 3.0
+    return audio
+
+
+# (first end, step, last end) in seconds: appends of 0.1 s to 10 s, crossing window boundaries (8 s, 16 s)
+GROWTH = {"0.1 s over 8 s": (7.5, 0.1, 8.6), "0.37 s": (0.37, 0.37, 9.0), "1 s": (1.0, 1.0, 18.0),
+          "3.3 s": (3.3, 3.3, 18.0), "10 s": (1.0, 10.0, 21.0)}
+
+
+@pytest.mark.parametrize("growth", GROWTH)
+def test_growing_clip_equals_the_offline_encoder_and_computes_only_what_is_new(engine, growth):
+    first, step, last = GROWTH[growth]
+    audio = loud_start_speech(last + 0.5, seed=int(step * 10))
+    ends = [int(round(t * SR)) for t in np.arange(first, last + 1e-9, step)]
+    rows = grow(engine, audio, ends)
+    previous = 0
+    for row in rows:
+        new_frames = qaudio.num_frames(row["end"]) - qaudio.num_frames(previous)
+        # the chunk in progress (< 100 settled frames + the 1-2 unsettled ones) plus the new audio's frames
+        assert row["mel_frames"] <= qaudio.CHUNK_FRAMES + new_frames + 2, row
+        assert row["conv_chunks"] <= 2 + new_frames // qaudio.CHUNK_FRAMES, row
+        assert row["encoded_windows"] <= 2 + new_frames // qaudio.WINDOW_FRAMES, row  # + the one in progress
+        whole_before = qaudio.num_settled_frames(previous) // qaudio.WINDOW_FRAMES
+        assert row["kept"] == row["reused_windows"] == whole_before, row
+        previous = row["end"]
+
+
+def test_a_clip_without_state_is_computed_whole(engine):
+    audio = speech_like(17.0, seed=3)
+    got, kept, work = embed(engine, audio, None)
+    torch.testing.assert_close(got, offline_embedding(engine, audio), rtol=0, atol=ATOL)
+    frames = qaudio.num_frames(audio.size)
+    assert (kept, work["mel_frames"], work["conv_chunks"], work["encoded_windows"]) == (
+        0, frames, -(-frames // qaudio.CHUNK_FRAMES), -(-frames // qaudio.WINDOW_FRAMES))
+
+
+def test_the_same_audio_again_computes_only_the_unsettled_end(engine):
+    audio = loud_start_speech(9.0, seed=4)
+    state = StreamState()
+    rows = grow(engine, audio, [audio.size, audio.size])
+    assert rows[1]["mel_frames"] <= qaudio.CHUNK_FRAMES and rows[1]["kept"] == 1 and rows[1]["encoded_windows"] == 1
+    # at a window boundary with every frame settled, nothing is left to compute: all of it comes from the cache
+    end = qaudio.WINDOW_SAMPLES + 40  # 800 frames, all settled (the last one's window ends at sample 128040)
+    assert qaudio.num_settled_frames(end) == qaudio.num_frames(end) == qaudio.WINDOW_FRAMES
+    rows = grow(engine, audio, [end, end], state)
+    assert (rows[1]["mel_frames"], rows[1]["conv_chunks"], rows[1]["encoded_windows"], rows[1]["kept"]) == (0, 0, 0, 1)
+
+
+def test_a_louder_sound_later_moves_the_floor_and_what_it_changed_is_computed_again(engine):
+    audio = loud_start_speech(20.0, seed=5)
+    audio[: SR // 4] = 0  # digital silence at the start: floored at any maximum
+    audio[12 * SR : 13 * SR] *= 20  # louder than anything before: the clip maximum rises by ~2.6 (log10)
+    assert qaudio.log_mel(audio[: 12 * SR]).max() < qaudio.log_mel(audio).max() - 0.2  # features: log10 / 4
+    ends = [s * SR for s in range(1, 21)]
+    rows = grow(engine, audio, ends)
+    at = {row["end"] // SR: row for row in rows}
+    assert at[12]["kept"] == 1  # before the loud second: the first window is kept
+    assert at[13]["kept"] == 0 and at[13]["mel_frames"] >= 13 * qaudio.FRAMES_PER_SECOND - 2  # all of it again
+    assert at[14]["kept"] == 1 and at[14]["mel_frames"] <= qaudio.CHUNK_FRAMES + qaudio.FRAMES_PER_SECOND + 2
+
+
+def test_a_rise_of_the_maximum_that_floors_no_kept_chunk_keeps_them(engine):
+    # white noise: every mel bin within ~5.3 (log10) of the loudest, so a louder burst floors nothing that was kept
+    audio = (0.1 * np.random.default_rng(6).standard_normal(16 * SR)).astype(np.float32)
+    audio[12 * SR : 13 * SR] *= 3
+    assert qaudio.log_mel(audio[: 12 * SR]).max() < qaudio.log_mel(audio).max() - 0.1  # features: log10 / 4
+    rows = grow(engine, audio, [s * SR for s in range(11, 15)])
+    assert [row["kept"] for row in rows] == [0, 1, 1, 1]
+    assert all(row["mel_frames"] <= qaudio.CHUNK_FRAMES + qaudio.FRAMES_PER_SECOND + 2 for row in rows[1:])
+
+
+def test_audio_that_does_not_continue_the_stream_starts_it_over(engine):
+    first, other = speech_like(18.0, seed=7), speech_like(18.0, seed=8)
+    state = StreamState()
+    grow(engine, first, [10 * SR, 17 * SR], state)
+    assert len(state.windows) == 2
+    rows = grow(engine, other, [17 * SR + 100], state)  # longer, but other audio: nothing of `first` enters
+    assert rows[0]["kept"] == 0 and rows[0]["mel_frames"] == qaudio.num_frames(17 * SR + 100)
+    rows = grow(engine, other, [16 * SR], state)  # shorter than what was seen: starts over too
+    assert rows[0]["kept"] == 0
+
+
+def test_streams_in_one_batch_stay_apart(engine):
+    clips = [speech_like(14.0, seed=9), speech_like(14.0, seed=10) * 3, speech_like(5.0, seed=11)]
+    clips[1][: SR // 2] = 0
+    states = [StreamState(), StreamState(), None]
+    for seconds in (3, 9, 11, 14):
+        batch = [clip[: min(seconds * SR, clip.size)] for clip in clips]
+        with torch.inference_mode():
+            out = engine.frontend.embed(batch, states)
+        for clip, got in zip(batch, out):
+            torch.testing.assert_close(got.audio, offline_embedding(engine, clip), rtol=0, atol=ATOL)
+
+
+def test_partials_decode_the_same_tokens_as_fresh_ones_when_the_floor_moves(engine):
+    """The retained KV of windows the floor changed is not reused: every partial equals one decoded from scratch."""
+    audio = loud_start_speech(17.0, seed=12)
+    audio[: SR // 4] = 0
+    audio[12 * SR : 13 * SR] *= 20
+    for seconds in range(9, 17):
+        request = dict(audio=audio[: seconds * SR], priority=Priority.PARTIAL, max_new_tokens=4)
+        copied = engine.counters["reused_tokens"]
+        reused = engine.transcribe([DecodeRequest(stream_id="floor", **request)])[0]
+        copied = engine.counters["reused_tokens"] - copied
+        # the retained KV holds window 1 from 10 s on; at 13 s the floor moved into it: none of it may be copied
+        assert (copied == 0) == (seconds in (9, 13)), (seconds, copied)
+        engine.streams.get("fresh").answer_ids = ()
+        fresh = engine.transcribe([DecodeRequest(stream_id="fresh", **request)])[0]
+        engine.release_stream("fresh")
+        engine.step()
+        engine.streams.get("floor").answer_ids = ()  # both from the same (empty) given prefix
+        assert reused.token_ids == fresh.token_ids, seconds
+    engine.release_stream("floor")
+    engine.step()
+    assert engine.streams.peek("floor") is None  # released: its windows, chunks and KV slot with it
