@@ -19,7 +19,8 @@ them all) and `QASR_TOKEN_SECRET` when unset (a token one worker issued is good 
 - a worker that dies is restarted (at most 3 times in 5 minutes; past that the replica has failed: /healthz 500);
 - SIGTERM or SIGINT: every worker drains as one server does (new streams refused, open ones get their finals, 1001),
   then the engine process is closed, the private folder removed, exit 0;
-- the engine cannot be loaded at start: the workers are stopped, exit 1.
+- the engine cannot be loaded at start, or a worker cannot start (e.g. --max-len too small for --max-segment-s): the
+  workers are stopped, exit 1.
 
 Health, the same from whichever worker answers (`ReplicaHealth`, shared memory each worker writes every 100 ms):
 /readyz is 200 only when every worker can take a stream (it is up, its engine connection is up, it is not stopping)
@@ -78,6 +79,9 @@ class ReplicaHealth:
 
     def set_ready(self, worker: int, ready: bool) -> None:
         self._ready[worker] = int(ready)
+
+    def is_ready(self, worker: int) -> bool:
+        return bool(self._ready[worker])
 
     def num_ready(self) -> int:
         return sum(self._ready)
@@ -144,6 +148,7 @@ class _Supervisor:
         self.budget = RestartBudget(*WORKER_RESTARTS)
         self.engine = None
         self.engine_failed: BaseException | None = None
+        self.served = [False] * self.num_workers  # each worker has been ready once (a later death is a crash)
         self.port: int | None = None
 
     def run(self) -> int:
@@ -204,8 +209,13 @@ class _Supervisor:
             sentinels = {process.sentinel: worker for worker, process in enumerate(self.workers)
                          if process is not None}
             for sentinel in multiprocessing.connection.wait(list(sentinels), timeout=0.2):
+                worker = sentinels[sentinel]
+                if not self.served[worker] and self.workers[worker].exitcode == 1:  # as one server would: exit 1
+                    log.error("front-end worker %d could not start (its log says why): stopping", worker)
+                    return 1
                 if not self.stopping.is_set():
-                    self._worker_died(sentinels[sentinel])
+                    self._worker_died(worker)
+            self.served = [served or self.health.is_ready(worker) for worker, served in enumerate(self.served)]
         return 0
 
     def _worker_died(self, worker: int) -> None:

@@ -47,7 +47,7 @@ class Replica:
         # every final decodes 150 tokens (EOS ignored): the engine is still busy with them when it is killed
         self.process = subprocess.Popen(
             [sys.executable, "-m", "qasr.server.cli", "--model", str(model_dir), "--device", "cpu", "--port",
-             str(self.port), "--workers", "2", "--slots", "8", "--retained-slots", "0", "--max-len", "512",
+             str(self.port), "--workers", "2", "--slots", "8", "--retained-slots", "0", "--max-len", "1024",
              "--ignore-eos", "--base-tokens", "150", "--tokens-per-second", "0", "--log-level", "info"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
