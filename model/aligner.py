@@ -28,6 +28,7 @@ core/transformers_backend/modeling_qwen3_asr.py) and transformers' conversion sc
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Sequence
@@ -47,6 +48,8 @@ from .checkpoint import CheckpointError, checkpoint_files, load_weights, parse_d
 from .config import AlignerConfig, ModelConfig
 from .modeling import AudioEncoder, TextDecoder, rope_inv_freq, sinusoids
 from .tokenizer import TIMESTAMP, Tokenizer
+
+WORD_CACHE_SIZE = 1 << 16  # distinct words whose tokens ForcedAligner.prepare keeps
 
 # (checkpoint prefix, our prefix) per layout: the ASR model's, with the timestamp head as `classifier`
 ALIGNER_PREFIXES = {
@@ -165,6 +168,8 @@ class ForcedAligner:
         self.tokenizer = tokenizer
         self.config = config
         self._languages = {name.lower(): name for name in config.languages}
+        # a word's tokens, remembered: the engine prepares every final's words on its thread, and speech repeats words
+        self._word_ids = functools.lru_cache(maxsize=WORD_CACHE_SIZE)(lambda word: tuple(tokenizer.encode(word)))
 
     @classmethod
     def from_pretrained(
@@ -210,8 +215,8 @@ class ForcedAligner:
             return AlignerInput((), (), str(e))
         if not words:
             return AlignerInput((), (), "the text has no words to align")
-        slots = [self.config.timestamp_token_id] * 2
-        text_ids = [token for word in words for token in [*self.tokenizer.encode(word), *slots]]
+        slots = (self.config.timestamp_token_id,) * 2
+        text_ids = [token for word in words for token in self._word_ids(word) + slots]
         return AlignerInput(tuple(words), tuple(text_ids))
 
     def can_split(self, language: str) -> bool:

@@ -91,38 +91,41 @@ def plan_batch(num_samples: list[int], text_ids: list[tuple[int, ...]], cfg: Aud
     """The exact (unpadded) layout of clips of `num_samples` samples with the ids that follow their audio."""
     if len(num_samples) != len(text_ids) or not num_samples:
         raise ValueError(f"need one text per clip and at least one clip, got {len(num_samples)} and {len(text_ids)}")
-    size, per_window = cfg.chunk_frames, cfg.window_tokens // cfg.tokens_per_chunk  # 100 frames, 8 chunks
-    if per_window * cfg.tokens_per_chunk != cfg.window_tokens:
-        raise ValueError(f"an encoder window of {cfg.window_tokens} tokens is not whole chunks of {cfg.tokens_per_chunk}")
+    size, window, per_chunk = cfg.chunk_frames, cfg.window_tokens, cfg.tokens_per_chunk  # 100 frames, 104, 13
+    per_window = window // per_chunk  # 8 chunks
+    if per_window * per_chunk != window:
+        raise ValueError(f"an encoder window of {window} tokens is not whole chunks of {per_chunk}")
     frames = [int(num_frames(n)) for n in num_samples]
     tokens = [cfg.num_tokens(f) for f in frames]
     chunks = [-(-f // size) for f in frames]
-    windows = [-(-t // cfg.window_tokens) for t in tokens]
+    windows = [-(-t // window) for t in tokens]
     max_chunks, num_clips = max(chunks), len(num_samples)
-    chunk_source, chunk_valid, window_lengths, rows, audio_index = [], [], [], [], []
+    lengths = [n + 2 + len(text) for n, text in zip(tokens, text_ids)]
+    ids = np.full((num_clips, max(lengths)), pad_id, dtype=np.int64)
+    index = np.zeros_like(ids)
+    chunk_source = np.full(per_window * sum(windows), num_clips * max_chunks, dtype=np.int64)  # the zero chunk
+    chunk_valid = np.empty_like(chunk_source)
+    window_lengths, slots = [], []
     first_window = 0
-    for b, (f, n_tokens, n_chunks, n_windows) in enumerate(zip(frames, tokens, chunks, windows)):
-        slots = per_window * n_windows
-        chunk_source += [b * max_chunks + j for j in range(n_chunks)] + [num_clips * max_chunks] * (slots - n_chunks)
-        chunk_valid += [min(f, size)] * slots
-        window_lengths += [min(cfg.window_tokens, n_tokens - w * cfg.window_tokens) for w in range(n_windows)]
-        rows.append([audio_start_id, *[audio_pad_id] * n_tokens, audio_end_id, *text_ids[b]])
-        audio_index.append([0, *range(first_window * cfg.window_tokens, first_window * cfg.window_tokens + n_tokens)])
+    for b, (f, n_tokens, n_chunks, n_windows, text) in enumerate(zip(frames, tokens, chunks, windows, text_ids)):
+        first_slot = per_window * first_window
+        chunk_source[first_slot : first_slot + n_chunks] = np.arange(b * max_chunks, b * max_chunks + n_chunks)
+        chunk_valid[first_slot : first_slot + per_window * n_windows] = min(f, size)
+        window_lengths += [min(window, n_tokens - w * window) for w in range(n_windows)]
+        ids[b, 0], ids[b, 1 : 1 + n_tokens], ids[b, 1 + n_tokens] = audio_start_id, audio_pad_id, audio_end_id
+        text = np.asarray(text, dtype=np.int64)
+        ids[b, 2 + n_tokens : lengths[b]] = text
+        index[b, 1 : 1 + n_tokens] = np.arange(first_window * window, first_window * window + n_tokens)
+        slots.append(2 + n_tokens + np.flatnonzero(text == timestamp_id))
         first_window += n_windows
-    T = max(len(row) for row in rows)
-    ids = np.full((num_clips, T), pad_id, dtype=np.int64)
-    index = np.zeros((num_clips, T), dtype=np.int64)
-    for b, (row, audio) in enumerate(zip(rows, audio_index)):
-        ids[b, : len(row)] = row
-        index[b, : len(audio)] = audio
     return AlignerBatch(
-        chunk_source=np.asarray(chunk_source, dtype=np.int64),
-        chunk_valid=np.asarray(chunk_valid, dtype=np.int64),
+        chunk_source=chunk_source,
+        chunk_valid=chunk_valid,
         window_lengths=np.asarray(window_lengths, dtype=np.int64),
         ids=ids,
         audio_index=index,
-        lengths=np.asarray([len(row) for row in rows], dtype=np.int64),
+        lengths=np.asarray(lengths, dtype=np.int64),
         num_clips=num_clips,
         max_chunks=max_chunks,
-        slots=tuple(np.flatnonzero(ids[b] == timestamp_id) for b in range(num_clips)),
+        slots=tuple(slots),
     )

@@ -87,7 +87,13 @@ def japanese_available() -> bool:
 
 def clean(token: str) -> str:
     """`token` without the characters the aligner ignores: keeps letters, numbers and the apostrophe."""
+    if token.isascii():  # the common case, without a category lookup per character (the engine splits every final)
+        return token.translate(_ASCII_IGNORED)
     return "".join(ch for ch in token if ch == "'" or unicodedata.category(ch)[0] in "LN")
+
+
+# ASCII's letters and numbers (Unicode L* and N*) are exactly [A-Za-z0-9]
+_ASCII_IGNORED = {code: None for code in range(128) if not (chr(code).isalnum() or chr(code) == "'")}
 
 
 def is_cjk(ch: str) -> bool:
@@ -96,6 +102,8 @@ def is_cjk(ch: str) -> bool:
 
 
 def _split_ideographs(segment: str) -> list[str]:
+    if segment.isascii():  # no ideograph below U+3400
+        return [segment]
     units, run = [], ""
     for ch in segment:
         if is_cjk(ch):

@@ -1,6 +1,7 @@
 """qasr.model.aligner_words: the aligner's units are the official Qwen3ForceAlignProcessor's, language by language."""
 
 import random
+import unicodedata
 
 import pytest
 
@@ -93,6 +94,14 @@ def test_cleaning_keeps_letters_numbers_and_apostrophes_only():
     assert split_spaced("a - b") == ["a", "b"]
     assert split_spaced("今天hello世界") == ["今", "天", "hello", "世", "界"]
     assert split_spaced("!!! ... ，。") == []
+
+
+def test_the_ascii_fast_paths_keep_the_unicode_rule():
+    every_ascii = "".join(map(chr, range(128)))
+    by_category = "".join(ch for ch in every_ascii if ch == "'" or unicodedata.category(ch)[0] in "LN")
+    assert clean(every_ascii) == by_category == "'0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+    assert clean("don't!") == "don't" and clean("café,") == "café"  # not ASCII: the category rule
+    assert split_spaced("call 911, now. 我们 ok") == ["call", "911", "now", "我", "们", "ok"]
 
 
 def test_japanese_without_nagisa_is_unavailable_not_wrong(monkeypatch):
