@@ -1,16 +1,25 @@
-"""What word times cost per final (#17): the forced aligner alone, and inside the engine beside the ASR model.
+"""What word times cost per final (#17): the forced aligner alone (eager and from CUDA graphs), its host part, what
+an alignment in flight costs the decode steps beside it, and the engine end to end.
 
     python -m qasr.bench.aligner_cost --size 0.6B --device cuda --out aligner_cost.json     # the H200 run
     python -m qasr.bench.aligner_cost --model DIR --aligner DIR --device cpu --batches 1,2   # tiny models
 
 Random weights at the real shapes (--size 0.6B writes a 0.6B ASR checkpoint and a Qwen3-ForcedAligner-0.6B-shaped
 aligner into a temporary folder; or give --model/--aligner), speech-like clips of --seconds, transcripts of
---words-per-second words. Two measurements, each the median of --repeats:
-- "aligner": one `ForcedAligner.timestamp_classes` call (mel, encoder, decoder, head, one device-to-host copy) over
-  B clips, for each B in --batches: ms per call and per final; B = 1 is a final aligned alone.
-- "engine": B finals through the engine (decoding forced to --tokens tokens), with and without words: the aligner's
-  share of the engine's time (its `seconds["align"]`) and the extra wall time, per final.
-Prints one JSON object (and writes it to --out). Eager aligner forward: no CUDA graphs for it yet.
+--words-per-second words. Each figure is the median of --repeats:
+- "aligner": B clips aligned in one call, for each B in --batches (B = 1 is a final aligned alone): `eager_ms` (the
+  eager forward at the batch's own shape) beside `graphed_ms` (padded to its bucket and replayed from the engine's
+  CUDA graphs; on a CPU the same padded buffers run eagerly and `cuda_graphs` is false); ms per call and per final.
+  Both include the mel, the upload and the one device-to-host read.
+- "host": the engine thread's part of a launch: `prepare_ms` (split and tokenize the words), `plan_ms` (the batch's
+  layout, padded to its bucket), and `launch_ms`, the whole `AlignerRunner.launch()` (host part, copies, mel and
+  graph launches queued on the aligner's stream; on a CPU it also runs the forward).
+- "overlap": --decode-rows rows decode (CUDA-graph steps) while one alignment batch of B finals is in flight on the
+  side stream: the decode step's ms alone and during the alignment, the steps that ran meanwhile, and the
+  alignment's wall ms from launch to done while decoding vs alone.
+- "engine": B finals through the engine (decoding forced to --tokens tokens), with and without words: the aligner
+  stage's share of the engine thread (its `seconds["align"]`) and the extra wall time, per final.
+Prints one JSON object (and writes it to --out).
 """
 
 from __future__ import annotations
@@ -26,8 +35,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qasr.engine.aligner_graphs import AlignerGraphs
+from qasr.engine.aligner_runner import AlignerRunner
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.request import DecodeRequest
+from qasr.engine.request import DecodeRequest, DecodeResult
+from qasr.engine.sequence import Sequence
 from qasr.model.aligner import ForcedAligner
 from qasr.model.testmodel import make_test_aligner, make_test_model
 
@@ -51,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--words-per-second", type=float, default=2.5, help="transcript length per second of audio")
     parser.add_argument("--tokens", type=int, default=20, help="tokens each final decodes in the engine measurement")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--skip-engine", action="store_true", help="only the aligner alone")
+    parser.add_argument("--decode-rows", type=int, default=128, help="rows decoding beside an alignment (overlap)")
+    parser.add_argument("--skip-engine", action="store_true", help="only the aligner alone, its host part and overlap")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     return parser
 
@@ -79,14 +92,120 @@ def timed(fn, device: torch.device, repeats: int) -> float:
     return statistics.median(times)
 
 
-def aligner_alone(aligner: ForcedAligner, batches: list[int], args) -> list[dict]:
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def aligner_alone(aligner: ForcedAligner, graphs: AlignerGraphs, batches: list[int], args) -> list[dict]:
     rows = []
     for batch in batches:
         clips, texts = clips_and_texts(batch, args.seconds, args.words_per_second)
         inputs = [aligner.prepare(text, "English") for text in texts]
-        ms = timed(lambda: aligner.timestamp_classes(clips, inputs), aligner.device, args.repeats)
-        rows.append({"batch": batch, "ms_per_call": round(ms, 3), "ms_per_final": round(ms / batch, 3),
-                     "words_per_final": len(inputs[0].words)})
+        eager = timed(lambda: aligner.timestamp_classes(clips, inputs), aligner.device, args.repeats)
+        row = {"batch": batch, "words_per_final": len(inputs[0].words), "eager_ms_per_call": round(eager, 3),
+               "eager_ms_per_final": round(eager / batch, 3)}
+        plan = aligner.plan(clips, inputs)
+        shape = graphs.shape_for(plan)
+        row["bucket"] = shape
+        if shape is not None:
+            padded = plan.padded(*shape, pad_id=aligner.tokenizer.endoftext_id)
+
+            def replay():
+                with torch.inference_mode():
+                    return padded.read_classes(graphs.run(padded, aligner.upload_clips(clips)).cpu().numpy())
+
+            graphed = timed(replay, aligner.device, args.repeats)
+            row.update(graphed_ms_per_call=round(graphed, 3), graphed_ms_per_final=round(graphed / batch, 3),
+                       same_classes=replay() == aligner.timestamp_classes(clips, inputs))
+        rows.append(row)
+    return rows
+
+
+def park(runner: AlignerRunner, clips: list[np.ndarray], texts: list[str]) -> None:
+    """Decoded finals as the engine parks them, for a launch."""
+    for clip, text in zip(clips, texts):
+        seq = Sequence(DecodeRequest(audio=clip, language="English", words=True), lambda result: None)
+        runner.park(seq, DecodeResult(text=text, language="English", raw_text=text, token_ids=(),
+                                      finish_reason="length", num_audio_tokens=0))
+
+
+def host_part(runner: AlignerRunner, batches: list[int], args) -> list[dict]:
+    aligner, rows = runner.aligner, []
+    for batch in batches:
+        clips, texts = clips_and_texts(batch, args.seconds, args.words_per_second)
+        prepare, plan, launch = [], [], []
+        for _ in range(args.repeats + 1):
+            t0 = time.perf_counter()
+            inputs = [aligner.prepare(text, "English") for text in texts]
+            t1 = time.perf_counter()
+            layout = aligner.plan(clips, inputs)
+            if runner.graphs is not None and (shape := runner.graphs.shape_for(layout)) is not None:
+                layout.padded(*shape, pad_id=aligner.tokenizer.endoftext_id)
+            t2 = time.perf_counter()
+            park(runner, clips, texts)
+            sync(aligner.device)
+            t3 = time.perf_counter()
+            runner.launch()
+            t4 = time.perf_counter()
+            runner.poll(wait_s=float("inf"))
+            prepare.append(t1 - t0)
+            plan.append(t2 - t1)
+            launch.append(t4 - t3)
+        ms = lambda xs: round(statistics.median(xs[1:]) * 1e3, 3)  # noqa: E731  (the first run warms up)
+        rows.append({"batch": batch, "prepare_ms": ms(prepare), "plan_ms": ms(plan), "launch_ms": ms(launch)})
+    return rows
+
+
+def overlap(engine: Engine, batches: list[int], args) -> list[dict]:
+    """Decode steps with an alignment batch in flight on the aligner's stream vs without."""
+    runner, device, decode_rows = engine.aligner, engine.runner.device, args.decode_rows
+    slots = list(range(decode_rows))
+
+    def restart_rows():  # garbage KV, real shapes: positions from a 30 s prompt's length on, no budget to stop them
+        engine.runner.start_rows(slots, [0] * decode_rows, [400] * decode_rows, [10**6] * decode_rows)
+
+    def step_ms() -> float:
+        t = time.perf_counter()
+        engine.runner.decode(decode_rows)
+        return (time.perf_counter() - t) * 1e3
+
+    rows = []
+    for batch in batches:
+        clips, texts = clips_and_texts(batch, args.seconds, args.words_per_second)
+        park(runner, clips, texts)
+        runner.run()  # warm-up
+        alone, beside, flight_ms, steps = [], [], [], []
+        for _ in range(args.repeats):
+            sync(device)
+            park(runner, clips, texts)
+            t = time.perf_counter()
+            runner.run()
+            alone.append((time.perf_counter() - t) * 1e3)
+            restart_rows()
+            plain = [step_ms() for _ in range(20)]
+            park(runner, clips, texts)
+            sync(device)
+            t = time.perf_counter()
+            runner.launch()
+            during = []
+            while runner.num_in_flight and len(during) < 500:
+                during.append(step_ms())
+                runner.poll()
+            runner.poll(wait_s=float("inf"))
+            flight_ms.append((time.perf_counter() - t) * 1e3)
+            beside.append((statistics.median(plain), statistics.median(during) if during else None,
+                           max(during) if during else None))
+            steps.append(len(during))
+            engine.runner.stop_rows(slots)
+        median = lambda xs: round(statistics.median(xs), 3) if None not in xs else None  # noqa: E731
+        rows.append({"batch": batch, "decode_rows": decode_rows,
+                     "step_ms_alone": median([b[0] for b in beside]),
+                     "step_ms_during_alignment": median([b[1] for b in beside]),
+                     "step_ms_during_alignment_max": median([b[2] for b in beside]),
+                     "steps_during_alignment": statistics.median(steps),
+                     "alignment_ms_alone": median(alone), "alignment_ms_beside_decoding": median(flight_ms)})
+    sync(device)
     return rows
 
 
@@ -118,22 +237,30 @@ def engine_with_and_without_words(engine: Engine, batches: list[int], args) -> l
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    if any(b < 1 for b in batches) or args.repeats < 1 or args.seconds <= 0:
-        print("aligner_cost: --batches, --repeats and --seconds must be positive", file=sys.stderr)
+    if any(b < 1 for b in batches) or args.repeats < 1 or args.seconds <= 0 or args.decode_rows < 1:
+        print("aligner_cost: --batches, --repeats, --seconds and --decode-rows must be positive", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as scratch:
         dtype = "bfloat16" if args.size != "tiny" else "float32"
         model = args.model or make_test_model(Path(scratch) / "asr", size=args.size, dtype=dtype)
         aligner_dir = args.aligner or make_test_aligner(Path(scratch) / "aligner", size=args.size, dtype=dtype)
-        options = EngineOptions(num_slots=max(batches), num_retained=0, ignore_eos=True, aligner=str(aligner_dir),
-                                aligner_max_batch=max(batches), max_len=1024)
+        options = EngineOptions(num_slots=max(*batches, args.decode_rows), num_retained=0, ignore_eos=True,
+                                aligner=str(aligner_dir), aligner_max_batch=max(batches), max_len=1024)
         engine = Engine.from_pretrained(str(model), device=args.device, dtype=args.dtype, options=options)
-        aligner = engine.aligner.aligner
+        runner = engine.aligner
+        aligner = runner.aligner
+        # on a CPU nothing is captured: the same padded buffers run eagerly
+        graphs = runner.graphs or AlignerGraphs(aligner, max_rows=runner.max_batch, capture=False)
         report = {
             "device": str(aligner.device), "dtype": str(aligner.network.classifier.weight.dtype).replace("torch.", ""),
             "size": args.size if args.model is None else str(args.model), "seconds": args.seconds,
-            "words_per_second": args.words_per_second, "repeats": args.repeats, "cuda_graphs": False,
-            "aligner": aligner_alone(aligner, batches, args),
+            "words_per_second": args.words_per_second, "repeats": args.repeats,
+            "cuda_graphs": graphs.num_graphs > 0, "graphs": graphs.num_graphs,
+            "capture_seconds": round(graphs.capture_seconds, 2),
+            "buckets": {"rows": graphs.row_buckets, "tokens": graphs.token_buckets, "windows": graphs.window_buckets},
+            "aligner": aligner_alone(aligner, graphs, batches, args),
+            "host": host_part(runner, batches, args),
+            "overlap": overlap(engine, batches, args),
         }
         if not args.skip_engine:
             report["engine"] = engine_with_and_without_words(engine, batches, args)
