@@ -292,7 +292,7 @@ class ForcedAligner:
         return {name: part.view(getattr(batch, name).shape) for name, part in zip(ARRAYS, torch.split(flat, sizes))}
 
     def chunks(self, clips: list[torch.Tensor], batch: AlignerBatch, chunk_source: torch.Tensor) -> torch.Tensor:
-        """Log-mel of the clips on the device, cut into the batch's chunk slots -> [8W, mels, 100] in the model dtype."""
+        """Log-mel of the clips on the device, cut into the batch's chunk slots -> [8W, mels, 100], model dtype."""
         features, _ = log_mel_batch(clips, device=self.device)  # [B, mels, F], zero past each clip's frames
         B, mels, frames = features.shape
         size = self.config.model.audio.chunk_frames

@@ -23,14 +23,15 @@ import numpy as np
 from .audio import num_frames
 from .config import AudioEncoderConfig
 
-ARRAYS = ("chunk_source", "chunk_valid", "window_lengths", "ids", "audio_index", "lengths")  # what crosses to the device
+# what crosses to the device
+ARRAYS = ("chunk_source", "chunk_valid", "window_lengths", "ids", "audio_index", "lengths")
 
 
 @dataclass(frozen=True)
 class AlignerBatch:
     """One forward's integer inputs (numpy int64) and what the host needs to read its result."""
 
-    chunk_source: np.ndarray  # [8W] (8 chunks a window) index into the clips' chunks laid out [clips x max_chunks] (+1 zero chunk)
+    chunk_source: np.ndarray  # [8W] (8 chunks a window) index into the clips' chunks [clips x max_chunks] + 1 zero
     chunk_valid: np.ndarray  # [8W] mel frames the convolutions treat as real (100, fewer in a clip under one chunk)
     window_lengths: np.ndarray  # [W] real tokens per encoder window (1 for a padding window)
     ids: np.ndarray  # [B, T] prompt ids, right-padded

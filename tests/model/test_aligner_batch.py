@@ -2,7 +2,7 @@
 (qasr.model.aligner's `encode_chunks`), on the CPU with a tiny random aligner.
 
 The layout is what a CUDA-graph bucket is padded from, so it is checked position by position; the encoder over it
-must give each clip what the plain encoder gives that clip alone (the official's encoder, tests/model/test_aligner.py)."""
+must give each clip what the plain encoder gives that clip alone (the official's, tests/model/test_aligner.py)."""
 
 import numpy as np
 import pytest
@@ -52,7 +52,8 @@ def test_padding_adds_rows_positions_windows_and_zero_chunks_only(aligner):
     padded = batch.padded(4, 64, 5, pad_id=EOT)
     B, T, W = batch.shape
     assert padded.shape == (4, 64, 5)
-    assert (padded.ids[:B, :T] == batch.ids).all() and (padded.ids[:, T:] == EOT).all() and (padded.ids[B:] == EOT).all()
+    assert (padded.ids[:B, :T] == batch.ids).all()
+    assert (padded.ids[:, T:] == EOT).all() and (padded.ids[B:] == EOT).all()
     assert (padded.audio_index[:B, :T] == batch.audio_index).all() and not padded.audio_index[B:].any()
     assert padded.lengths.tolist() == batch.lengths.tolist() + [1, 1]
     assert padded.window_lengths.tolist() == batch.window_lengths.tolist() + [1] * (5 - W)
