@@ -29,7 +29,7 @@ from .futures import settle
 from .aligner_runner import AlignerRunner
 from .audio_frontend import AudioFrontEnd
 from .options import EngineOptions, display_name
-from .request import DecodeRequest, DecodeResult, EngineClosed, Priority
+from .request import DecodeRequest, DecodeResult, EngineClosed, EngineCrashed, Priority
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -403,7 +403,8 @@ class AsyncEngine:
 
     `await transcribe(req)` returns the result; cancelling the awaiting task cancels the work (a queued request is
     dropped, a running one frees its slot at the next step). Raises `Superseded` when a newer partial of the same
-    stream replaced a queued one, `EngineClosed` once the engine stops.
+    stream replaced a queued one, `EngineClosed` once the engine stops, `EngineCrashed` for what it held when its loop
+    failed (it is not restarted: `error` is set and later requests get EngineClosed).
     """
 
     model_name: str
@@ -510,7 +511,9 @@ class AsyncEngine:
             log.exception("engine loop failed")
             self._error = e
             self._ready = False
-            engine.fail_all(EngineClosed(f"engine failed: {type(e).__name__}: {e}"))
+            # as when an engine process dies: only what it held is lost (a stream gets an empty final with
+            # decode_failed for that segment); what comes after gets EngineClosed (this engine is down for good)
+            engine.fail_all(EngineCrashed(f"engine failed: {type(e).__name__}: {e}"))
             return
         engine.fail_all(EngineClosed("the engine was closed"))
 

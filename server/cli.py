@@ -29,6 +29,7 @@ from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits
 from qasr.streaming.settings import StreamLimits, StreamSettings, VadSettings
 from qasr.engine.options import EngineOptions
+from qasr.engine.restart_budget import RestartBudget
 from qasr.engine.pool import LoadPolicy
 from qasr.server import engine_load
 from qasr.server.admission import AdmissionSettings
@@ -106,8 +107,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="front-end processes (WebSockets, sessions, VAD) sharing the port (SO_REUSEPORT) and "
                              "feeding the engine process over their own connections (1: one server process)")
     parser.add_argument("--engine-in-process", action="store_true",
-                        help="run the engine on a thread of the server process instead of a process of its own "
-                             "(simpler to debug; under load the two then contend for one interpreter)")
+                        help="debugging: run the engine on a thread of the server process instead of a process of "
+                             "its own (under load the two then contend for one interpreter). Its engine is never "
+                             "restarted (a CUDA error poisons the whole process): if its thread dies, /healthz says "
+                             "500, the segments it held get empty finals after a decode_failed error, and streams "
+                             "that need it later close with 1011")
+    budget = RestartBudget()  # the engine process's restarts (docs/reliability.md)
+    parser.add_argument("--engine-max-restarts", type=int, default=None, metavar="N",
+                        help=f"an engine process that dies (a CUDA error, out of memory, a kill) is restarted at most "
+                             f"this many times in --engine-restart-window-s; past that /healthz says 500 (0: never "
+                             f"restart). Default {budget.max_restarts}")
+    parser.add_argument("--engine-restart-window-s", type=float, default=None, metavar="S",
+                        help=f"see --engine-max-restarts. Default {budget.window_s:g}")
     # an engine per device, and admission control (qasr.engine.pool, qasr.server.admission)
     parser.add_argument("--devices", default=None, metavar="LIST",
                         help="one engine per device, each new stream on the least-loaded: GPU indices (0,1) or "
@@ -153,6 +164,11 @@ def build_config(args: argparse.Namespace, *, check_device: bool = True) -> Serv
         raise ValueError(f"--workers must be at least 1, got {args.workers}")
     if args.workers > 1 and args.engine_in_process:
         raise ValueError("--workers feeds an engine process: it cannot be combined with --engine-in-process")
+    restart_flags = args.engine_max_restarts is not None or args.engine_restart_window_s is not None
+    if restart_flags and args.engine_in_process:
+        raise ValueError("--engine-in-process never restarts its engine: --engine-max-restarts and "
+                         "--engine-restart-window-s apply to the engine process")
+    restart_budget(args)  # ValueError for a negative count or a window that is not positive
     calls, webhooks = telephony.from_args(args)
     return ServerConfig(host=args.host, port=args.port, limits=limits, stream_limits=stream_limits,
                         defaults=defaults, web_root=find_web_root(args.web_root),
@@ -218,9 +234,24 @@ def engine_factory(args: argparse.Namespace, **serving):
     if args.engine_in_process:
         return functools.partial(AsyncEngine.from_pretrained, args.model, device=args.device, dtype=args.dtype,
                                  options=options)
+    budget = restart_budget(args)
     return functools.partial(EngineProcess.from_pretrained, args.model, device=args.device, dtype=args.dtype,
                              options=options, log_setup=functools.partial(logs.configure, args.log_level,
-                                                                          args.log_format), **serving)
+                                                                          args.log_format),
+                             max_restarts=budget.max_restarts, restart_window_s=budget.window_s, **serving)
+
+
+def restart_budget(args: argparse.Namespace) -> RestartBudget:
+    """The engine process's restart budget from --engine-max-restarts and --engine-restart-window-s (each defaulting
+    to RestartBudget's); ValueError names the flag that is out of range."""
+    default = RestartBudget()
+    max_restarts = default.max_restarts if args.engine_max_restarts is None else args.engine_max_restarts
+    window_s = default.window_s if args.engine_restart_window_s is None else args.engine_restart_window_s
+    if max_restarts < 0:
+        raise ValueError(f"--engine-max-restarts must be >= 0 (0: never restart), got {max_restarts}")
+    if not window_s > 0:
+        raise ValueError(f"--engine-restart-window-s must be > 0, got {window_s:g}")
+    return RestartBudget(max_restarts, window_s)
 
 
 def _bind_problem(error: OSError) -> str:

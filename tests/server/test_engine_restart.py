@@ -2,7 +2,9 @@
 mid-stream (#14 faults): the stream stays open, the segment the dead process held gets an empty final after a
 `decode_failed` error, the next segment decodes, /readyz is 503 while the engine restarts (/healthz 200) and 200
 after, /metrics counts the restart. Past the restart budget /healthz says 500 and a stream that needs the engine
-closes with 1011."""
+closes with 1011. The budget comes from `qasr-server --engine-max-restarts/--engine-restart-window-s` (0: a killed
+engine process is not restarted). The in-process engine (--engine-in-process) is never restarted: when its thread dies
+the segment it held gets its empty final just the same, /healthz says 500, and later work closes the stream."""
 
 from __future__ import annotations
 
@@ -10,15 +12,23 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError
 
 from fakes import speech_like, to_s16le  # tests/ is on sys.path (conftest)
 from live_server import serving, stream_url
+from qasr.engine.engine import AsyncEngine, Engine
 from qasr.engine.engine_process import EngineProcess
 from qasr.engine.options import EngineOptions
+from qasr.server import cli
+from test_lifecycle import free_port
 
 # Every final decodes ~600 tokens (EOS ignored): long enough on the CPU to kill the process while it decodes one.
 SLOW = EngineOptions(num_slots=4, max_len=1024, num_retained=0, ignore_eos=True, base_tokens=600,
@@ -151,3 +161,120 @@ def test_past_its_restart_budget_the_engine_is_unhealthy_and_streams_that_need_i
 
 async def unhealthy(port: int) -> bool:
     return (await http_get(port, "/healthz"))[0] == 500
+
+
+async def stream_segment_held_by_a_dying_engine(port: int, engine_busy, kill) -> tuple[list[dict], tuple, tuple]:
+    """One segment whose final the engine holds when `kill()` ends it; then /healthz and /readyz, and a second
+    segment, which needs the engine. -> the stream's events, its close, (healthz, readyz)."""
+    websocket = await open_stream(port)
+    await send_segment(websocket, seed=1)
+    await until(engine_busy)
+    kill()
+    await until(lambda: unhealthy(port))
+    health = await http_get(port, "/healthz"), (await http_get(port, "/readyz"))[0]
+    await send_segment(websocket, seed=2)
+    events = await received(websocket)
+    return events, (websocket.close_code, websocket.close_reason), health
+
+
+def engine_pid_of(server_pid: int) -> int | None:
+    children = [int(pid) for task in Path(f"/proc/{server_pid}/task").glob("*/children")
+                for pid in task.read_text().split()]
+    return next((pid for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()), None)
+
+
+def test_qasr_server_with_no_restarts_allowed_leaves_a_killed_engine_process_down(tiny_model_dir):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "qasr.server.cli", "--model", str(tiny_model_dir), "--device",
+                               "cpu", "--port", str(port), "--ignore-eos", "--base-tokens", "600",
+                               "--tokens-per-second", "0", "--engine-max-restarts", "0"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+    async def main():
+        await until(lambda: listening_and_ready(port), 240)  # /readyz 200: loaded and warmed up
+        engine_pid = engine_pid_of(server.pid)
+        busy = busy_in(port)
+        return await stream_segment_held_by_a_dying_engine(port, busy, lambda: os.kill(engine_pid, signal.SIGKILL))
+
+    try:
+        events, close, health = asyncio.run(asyncio.wait_for(main(), 300))
+        alive_after = engine_pid_of(server.pid)
+        server.send_signal(signal.SIGTERM)
+        exit_code = server.wait(60)
+    finally:
+        server.kill()
+        stderr = server.communicate()[1].decode()
+    assert health == ((500, "engine failed: EngineClosed\n"), 503), stderr
+    assert "restart budget (0 in 300 s) is spent: not restarting it" in stderr
+    assert "restarting the engine process" not in stderr and alive_after is None  # no replacement was started
+    shown = [(event["type"], event.get("code"), event.get("segment_id")) for event in events]
+    assert shown[:3] == [("speech_started", None, 0), ("error", "decode_failed", None), ("final", None, 0)], shown
+    assert close == (1011, "internal"), shown
+    assert exit_code == 0, stderr
+
+
+async def listening_and_ready(port: int) -> bool:
+    try:
+        return await restarted(port)
+    except OSError:  # not listening yet
+        return False
+
+
+def busy_in(port: int):
+    """A condition: the server's engine is decoding one sequence (from /metrics, as seen from outside)."""
+    async def busy() -> bool:
+        text = (await http_get(port, "/metrics"))[1]
+        return any(line.split("{")[0].split()[0] == "qasr_engine_running" and float(line.split()[-1]) >= 1
+                   for line in text.splitlines() if line and not line.startswith("#"))
+    return busy
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--engine-max-restarts", "-1"], "--engine-max-restarts must be >= 0"),
+    (["--engine-restart-window-s", "0"], "--engine-restart-window-s must be > 0"),
+    (["--engine-in-process", "--engine-max-restarts", "2"], "--engine-in-process never restarts its engine"),
+])
+def test_bad_restart_flags_are_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--model", "m", *argv])
+    assert caught.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_restart_flags_become_the_engine_process_budget():
+    args = cli.build_parser().parse_args(["--model", "m", "--device", "cpu", "--engine-max-restarts", "5",
+                                          "--engine-restart-window-s", "60"])
+    build = cli.engine_factory(args)
+    assert (build.keywords["max_restarts"], build.keywords["restart_window_s"]) == (5, 60.0)
+    defaults = cli.engine_factory(cli.build_parser().parse_args(["--model", "m", "--device", "cpu"]))
+    assert (defaults.keywords["max_restarts"], defaults.keywords["restart_window_s"]) == (3, 300.0)
+
+
+def test_the_in_process_engine_when_its_thread_dies_fails_the_held_segment_and_says_unhealthy(tiny_model_dir):
+    """--engine-in-process: a device error in the engine loop (as a CUDA fault raises there) ends the engine thread;
+    it is not restarted. The segment it held gets its empty final after decode_failed (nothing is lost), /healthz
+    says 500 and /readyz 503, a stream that needs the engine afterwards closes with 1011, and the server still stops."""
+    async def main():
+        engine = AsyncEngine(await asyncio.to_thread(Engine.from_pretrained, str(tiny_model_dir), device="cpu",
+                                                     dtype="float32", options=SLOW))
+        async with serving(engine) as server:
+            def device_error():
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
+
+            def break_the_loop():
+                engine.engine.step = device_error  # the loop's next step raises
+
+            async def busy() -> bool:
+                return engine.stats()["running"] == 1
+
+            outcome = await stream_segment_held_by_a_dying_engine(server.port, busy, break_the_loop)
+            metrics = (await http_get(server.port, "/metrics"))[1]
+        return outcome, metrics, engine
+
+    (events, close, health), metrics, engine = asyncio.run(asyncio.wait_for(main(), 300))
+    assert health == ((500, "engine failed: RuntimeError\n"), 503)
+    shown = [(event["type"], event.get("code"), event.get("segment_id")) for event in events]
+    assert shown[:3] == [("speech_started", None, 0), ("error", "decode_failed", None), ("final", None, 0)], shown
+    assert [event["text"] for event in events if event["type"] == "final"] == [""]
+    assert close == (1011, "internal"), shown
+    assert metric(metrics, 'qasr_decode_failures_total{priority="final"}') == 1
+    assert not engine.ready and isinstance(engine.error, RuntimeError)
