@@ -88,6 +88,14 @@ def partial_reuse_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=8, help="tokens decoded per partial, EOS ignored (default: %(default)s)")
     p.add_argument("--max-len", type=int, default=1024, help="KV positions of the one slot (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic speech-like audio (default: %(default)s)")
+    p.add_argument("--no-loud-start", action="store_true",
+                   help="leave the audio as synthesized: louder syllables arriving later raise the clip maximum, which "
+                        "moves the mel floor and costs the partials it reaches a fresh encode and prefill (default: the "
+                        "loudest stretch is put in the first second)")
+    p.add_argument("--at", default="2,8,16,30",
+                   help="segment lengths (s, comma-separated) whose partial's admission is reported (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of the growing segment; per partial the median is reported (default: %(default)s)")
     p.add_argument("--out", metavar="JSON", help="also write the results here")
     return p
 
