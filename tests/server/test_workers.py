@@ -61,7 +61,8 @@ class Replica:
             return 0, ""
 
     def metric(self, name: str) -> float:
-        text = self.get("/metrics")[1]
+        status, text = self.get("/metrics")
+        assert status == 200, (status, text)
         return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
 
     def children(self) -> set[int]:
