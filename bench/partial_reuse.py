@@ -29,7 +29,8 @@ from qasr.engine.request import DecodeRequest, Priority
 
 from .synthetic import speech_like
 
-COUNTERS = ("encoded_windows", "reused_windows", "prefill_tokens", "reused_tokens", "mel_frames", "conv_chunks")
+COUNTERS = ("encoded_windows", "reused_windows", "prefill_tokens", "reused_tokens", "mel_frames", "conv_chunks",
+            "floor_moves")
 
 
 def time_admissions(engine: Engine) -> list[float]:
@@ -99,6 +100,9 @@ def print_admissions(out: dict) -> None:
               f"{a['mel_frames']:6d} {a['conv_chunks']:6d} | {b['encode_ms']:7.1f} {b['admit_ms']:7.1f} "
               f"{b['admit_cpu_ms']:7.1f} {b['mel_frames']:6d} {b['conv_chunks']:6d} {b['encoded_windows']:7d} "
               f"{b['reused_windows']:4d}")
+    moved = [row["seconds"] for row in out["with_reuse"] if row["floor_moves"]]
+    print(f"partials whose rising clip maximum moved the mel floor into kept chunks (recomputed): {len(moved)}"
+          + (f" (at {', '.join(f'{s:g}' for s in moved)} s)" if moved else ""))
 
 
 def print_report(out: dict) -> None:

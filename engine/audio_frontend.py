@@ -55,7 +55,8 @@ class _Clip:
 class AudioFrontEnd:
     def __init__(self, runner: ModelRunner, counters: dict[str, int]):
         self.runner = runner
-        self.counters = counters  # the engine's: mel_frames, conv_chunks, encoded_windows, reused_windows
+        self.counters = counters  # the engine's: mel_frames, conv_chunks, encoded_windows, reused_windows, and
+        counters.setdefault("floor_moves", 0)  # partials whose rising maximum dropped kept chunks
 
     def embed(self, clips: list[np.ndarray], states: list[StreamState | None]) -> list[AudioEmbedding]:
         """Audio embeddings of each clip; states[i]: its stream's kept front-end work (updated here), None for none."""
@@ -66,7 +67,8 @@ class AudioFrontEnd:
             clip.first_frame = clip.state.num_chunks * qaudio.CHUNK_FRAMES if clip.state else 0
         self._log_spectrogram(work)
         redo = [clip for clip in work if self._floor_moved_into_kept_chunks(clip)]
-        if redo:  # rare: the clip's maximum rose and dropped kept chunks, whose frames are needed again
+        self.counters["floor_moves"] += len(redo)
+        if redo:  # the clip's maximum rose and dropped kept chunks, whose frames are needed again
             for clip in redo:
                 clip.first_frame = clip.state.num_chunks * qaudio.CHUNK_FRAMES
             self._log_spectrogram(redo)

@@ -115,6 +115,7 @@ def test_a_louder_sound_later_moves_the_floor_and_what_it_changed_is_computed_ag
     rows = grow(engine, audio, ends)
     at = {row["end"] // SR: row for row in rows}
     assert at[12]["kept"] == 1  # before the loud second: the first window is kept
+    assert [row["end"] // SR for row in rows if row["floor_moves"]] == [13]
     assert at[13]["kept"] == 0 and at[13]["mel_frames"] >= 13 * qaudio.FRAMES_PER_SECOND - 2  # all of it again
     assert at[14]["kept"] == 1 and at[14]["mel_frames"] <= qaudio.CHUNK_FRAMES + qaudio.FRAMES_PER_SECOND + 2
 
@@ -126,6 +127,7 @@ def test_a_rise_of_the_maximum_that_floors_no_kept_chunk_keeps_them(engine):
     assert qaudio.log_mel(audio[: 12 * SR]).max() < qaudio.log_mel(audio).max() - 0.1  # features: log10 / 4
     rows = grow(engine, audio, [s * SR for s in range(11, 15)])
     assert [row["kept"] for row in rows] == [0, 1, 1, 1]
+    assert not any(row["floor_moves"] for row in rows)
     assert all(row["mel_frames"] <= qaudio.CHUNK_FRAMES + qaudio.FRAMES_PER_SECOND + 2 for row in rows[1:])
 
 
