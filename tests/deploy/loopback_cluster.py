@@ -127,12 +127,12 @@ class Replica:
     a second time per replica (~10 s each on a busy 2-core CI machine) and pay its lazy imports on the first
     request; the SIGTERM drain under test is the server's, the same with either engine."""
 
-    def __init__(self, model_dir: Path, log: Path, *, drain_timeout_s: float):
+    def __init__(self, model_dir: Path, log: Path, *, drain_timeout_s: float, extra_args: tuple[str, ...] = ()):
         self.log = log
         self.port: int | None = None
         command = [sys.executable, "-m", "qasr.server.cli", "--model", str(model_dir), "--device", "cpu",
                    "--host", "127.0.0.1", "--port", "0", "--drain-timeout-s", str(drain_timeout_s),
-                   "--log-level", "info", "--engine-in-process"]
+                   "--log-level", "info", "--engine-in-process", *extra_args]
         with open(log, "wb") as output:
             self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
 

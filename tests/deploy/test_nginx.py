@@ -4,7 +4,9 @@ Streams go through nginx with qasr.client; one replica is sent SIGTERM mid-strea
 the streams evenly on the replicas; the drained replica's streams get the finals of every segment that ended
 before the drain and of the segment still open (the drain), then close with 1001; their clients reconnect through
 nginx, which skips the draining replica (passive health: it answers the upgrade with 503, which nginx retries) and
-lands them on the other one; no segment's final is lost or repeated; the other replica's streams never notice.
+lands them on the other one, first sending again what the drained replica never read (its summary says how much it
+read: audio in flight through nginx when it stopped reading); no segment's final is lost or repeated, no burst goes
+without one, every sample is heard exactly once; the other replica's streams never notice.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ pytestmark = pytest.mark.skipif(nginx_binary() is None,
                                 reason="nginx is not installed (Debian: apt-get install nginx; .ci/run does)")
 
 STARTUP_TIMEOUT_S = 75  # torch import and the model load, two replicas at once on a busy 2-core machine
-DRAIN_TIMEOUT_S = 10
+# A drain that runs out of time closes without its summary, and then no client can know what the replica read: the
+# limit must outlast the slowest drain a loaded CI machine makes (a drain that ends sooner ends at once). The decode
+# budget is small for the same reason: the random-weight tiny model never stops early (it decodes its whole budget).
+DRAIN_TIMEOUT_S = 60
+REPLICA_ARGS = ("--base-tokens", "8", "--tokens-per-second", "2")
 CLIENTS = 4  # connected one after another: least_conn puts two on each replica
 # Four bursts; the drain starts inside the second one, so the first has ended (its final is due) and the second
 # is open (the drain must finalise it). Real time: the drain happens mid-stream, as in production.
@@ -58,8 +64,8 @@ class Cluster:
 def cluster(tiny_model_dir, tmp_path_factory):
     """Two replicas and nginx, started once for this module; the drain test (last in the file) stops one."""
     workdir = tmp_path_factory.mktemp("loopback-cluster")
-    replicas = [Replica(tiny_model_dir, workdir / f"replica-{index}.log", drain_timeout_s=DRAIN_TIMEOUT_S)
-                for index in range(2)]
+    replicas = [Replica(tiny_model_dir, workdir / f"replica-{index}.log", drain_timeout_s=DRAIN_TIMEOUT_S,
+                        extra_args=REPLICA_ARGS) for index in range(2)]
     nginx = None
     try:
         for replica in replicas:
@@ -102,8 +108,6 @@ class StreamRun:
 
     def __init__(self, url: str, wav):
         self.events: list = []
-        self.drain_began_s: float | None = None  # audio sent when the replica was told to drain
-        self.closed_s: float | None = None  # audio sent when the connection closed
         self.stream = stream_audio(url, file_source(wav), partials=False, vad=EXACT_VAD, reconnect=3,
                                    reconnect_delay_s=0.2)
         self.task = asyncio.ensure_future(self._run())
@@ -111,15 +115,6 @@ class StreamRun:
     async def _run(self) -> None:
         async for event in self.stream:
             self.events.append(event)
-            if isinstance(event, Reconnecting) and self.closed_s is None:  # the old connection, still current
-                self.closed_s = self.stream.client.samples_sent / SAMPLE_RATE
-
-    def drain_begins(self) -> None:
-        self.drain_began_s = self.stream.client.samples_sent / SAMPLE_RATE
-
-    def unheard(self, start: float, end: float) -> bool:
-        """Sent after the drain began and before the close: the replica had stopped reading (not transcribed)."""
-        return self.closed_s is not None and self.drain_began_s <= start and end <= self.closed_s
 
     def of_type(self, kind) -> list:
         return [event for event in self.events if isinstance(event, kind)]
@@ -142,8 +137,6 @@ async def until(condition, timeout_s: float, what: str) -> None:
         await asyncio.sleep(0.02)
 
 
-@pytest.mark.xfail(strict=False, reason="open defect (#14, #15): on the loaded 2-core CI machine a burst the drained "
-                   "replica had already received got no final in the full suite (passes alone); not yet explained")
 def test_sigterm_drains_one_replica_while_its_clients_reconnect_to_the_other(cluster, tmp_path):
     audio, truth = speech_like(PATTERN)
     soundfile.write(str(tmp_path / "talk.wav"), audio, SAMPLE_RATE, subtype="PCM_16")
@@ -169,13 +162,11 @@ def test_sigterm_drains_one_replica_while_its_clients_reconnect_to_the_other(clu
         await until(lambda: all(any(event.segment_id == 1 for event in run.of_type(SpeechStarted))
                                 for run in on_drained), 15, "second bursts not heard")
         assert not any(run.has_final(1) for run in on_drained), "the second burst closed before the drain began"
-        for run in on_drained:
-            run.drain_begins()
         drained.sigterm()
-        await asyncio.wait_for(asyncio.gather(*(run.task for run in runs)), 40)
+        await asyncio.wait_for(asyncio.gather(*(run.task for run in runs)), DRAIN_TIMEOUT_S + 60)
         return runs, placement
 
-    runs, placement = asyncio.run(asyncio.wait_for(scenario(), 80))
+    runs, placement = asyncio.run(asyncio.wait_for(scenario(), DRAIN_TIMEOUT_S + 120))
     assert drained.wait_exit(DRAIN_TIMEOUT_S + 10) == 0  # finals sent, engine closed, clean exit
 
     for run in runs:
@@ -183,10 +174,11 @@ def test_sigterm_drains_one_replica_while_its_clients_reconnect_to_the_other(clu
         # exactly one final per segment, numbered on across the reconnect, on one timeline
         assert [final.segment_id for final in finals] == list(range(len(finals))), finals
         assert all(a.end <= b.start + 1e-6 for a, b in zip(finals, finals[1:])), finals
-        for start, end in truth:  # no burst of speech went without a final (unless the drain never heard it)
-            assert run.unheard(start, end) or any(final.start < end and start < final.end for final in finals), \
-                (start, end, finals)
+        for start, end in truth:  # no burst of speech went without a final
+            assert any(final.start < end and start < final.end for final in finals), (start, end, finals)
         assert isinstance(run.events[-1], Summary)
+        # every sample was heard once: what the drained replica never read was sent again, at its own time
+        assert run.events[-1].audio_seconds == pytest.approx(len(audio) / SAMPLE_RATE, abs=1e-6)
 
         if placement[run] is survivor:
             assert not run.of_type(Reconnecting) and len(run.session_ids()) == 1
