@@ -48,7 +48,8 @@ class Replica:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "qasr.server.cli", "--model", str(model_dir), "--device", "cpu", "--port",
              str(self.port), "--workers", "2", "--slots", "8", "--retained-slots", "0", "--max-len", "1024",
-             "--ignore-eos", "--base-tokens", "150", "--tokens-per-second", "0", "--log-level", "info"],
+             "--ignore-eos", "--base-tokens", "150", "--tokens-per-second", "0", "--admission-target-ms", "0",
+             "--log-level", "info"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def get(self, path: str) -> tuple[int, str]:
