@@ -64,7 +64,9 @@ class Replica:
     def metric(self, name: str) -> float:
         status, text = self.get("/metrics")
         assert status == 200, (status, text)
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " "))
+        series = [line.split(" ")[0] for line in text.splitlines()]  # the engine's may carry an `engine` label
+        return sum(float(line.split()[-1]) for line, key in zip(text.splitlines(), series)
+                   if key == name or key.startswith(name + "{"))
 
     def children(self) -> set[int]:
         return {int(pid) for children in Path(f"/proc/{self.process.pid}/task").glob("*/children")
