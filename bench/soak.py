@@ -8,8 +8,10 @@ checks what it got, and reconnects until the time is up (so connections churn to
 not close with 1000 after its summary, or when its finals are not exactly one per segment (every speech_started
 id has one final, no id has two, and the summary counts as many). The server's resident memory, threads and open
 file descriptors (its own and its engine process's, from /proc; or process_* from /metrics for a remote server)
-are sampled every few seconds; growth is measured from the end of the warm-up to the end. A benchmark script,
-not a test: it prints and writes a JSON report (docs/reliability.md has the runs).
+and the event loop's asyncio tasks (qasr_event_loop_tasks from /metrics) are sampled every few seconds. It passes
+(exit 0) when the issue's criteria hold (#14): 0 failed streams, exactly one final per segment, RSS growth < 5% from
+the end of the warm-up to the end, and no more tasks or fds once idle after the run than idle before it. A benchmark
+script, not a test: it prints and writes a JSON report (docs/reliability.md has the runs).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class Sample:
     threads: int
     fds: int
     sessions_active: float | None = None
+    tasks: float | None = None  # asyncio tasks in the server's event loop (qasr_event_loop_tasks)
 
 
 @dataclass
@@ -72,8 +75,24 @@ class Report:
     samples: list = field(default_factory=list)
     rss_growth_pct: float | None = None  # from the end of the warm-up to the end
     threads_growth: int | None = None
+    # idle before the first stream -> idle after the last one closed (the server holds nothing of them any more)
     fds_growth: int | None = None
+    tasks_growth: float | None = None
     sessions_active_after: float | None = None
+    verdict: dict = field(default_factory=dict)  # each pass criterion of the issue -> whether it held
+
+
+MAX_RSS_GROWTH_PCT = 5.0
+
+
+def verdict(report: Report) -> dict:
+    """The issue's pass criteria (#14): 0 failed streams, exactly one final per segment, RSS growth < 5% after the
+    warm-up, no growth in tasks or file descriptors (idle after vs. idle before)."""
+    return {"no_failed_streams": report.failed == 0,
+            "one_final_per_segment": report.missing_finals == 0 and report.duplicate_finals == 0,
+            "rss_growth_under_5pct": report.rss_growth_pct is not None and report.rss_growth_pct < MAX_RSS_GROWTH_PCT,
+            "no_fd_growth": report.fds_growth is not None and report.fds_growth <= 0,
+            "no_task_growth": report.tasks_growth is not None and report.tasks_growth <= 0}
 
 
 def utterances(seconds: float, seed: int) -> np.ndarray:
@@ -122,7 +141,7 @@ async def one_stream(url: str, audio: np.ndarray, *, partials: bool = True, fina
             await asyncio.wait_for(reading, final_timeout_s)  # the finals still due, the summary, the close
             code = websocket.close_code
     except Exception as error:  # noqa: BLE001 - every failure is counted by its kind
-        return StreamResult(False, len(started), sum(finals.values()), problem=type(error).__name__)
+        return StreamResult(False, len(started), sum(finals.values()), problem=problem_of(error))
     result = StreamResult(True, len(started), sum(finals.values()), close_code=code,
                           missing_finals=len(started - finals.keys()),
                           duplicate_finals=sum(count - 1 for count in finals.values()))
@@ -133,6 +152,13 @@ async def one_stream(url: str, audio: np.ndarray, *, partials: bool = True, fina
     elif result.missing_finals or result.duplicate_finals or summary["segments"] != len(finals):
         result.ok, result.problem = False, "finals != segments"
     return result
+
+
+def problem_of(error: Exception) -> str:
+    """A failure's kind; a refused handshake with its HTTP status (503: loading, draining or admission control)."""
+    response = getattr(error, "response", None)
+    status = getattr(response, "status_code", None)
+    return f"{type(error).__name__} {status}" if status is not None else type(error).__name__
 
 
 def proc_usage(pid: int) -> tuple[float, int, int]:
@@ -167,19 +193,23 @@ def scrape(metrics_url: str) -> dict[str, float]:
     return values
 
 
+async def take_sample(metrics_url: str, pid: int | None, begin: float) -> Sample:
+    metrics = {}
+    with contextlib.suppress(OSError, ValueError):
+        metrics = await asyncio.to_thread(scrape, metrics_url)
+    if pid is not None:
+        rss, threads, fds = proc_usage(pid)
+    else:
+        rss = metrics.get("process_resident_memory_bytes", 0.0) / 2**20
+        threads, fds = 0, int(metrics.get("process_open_fds", 0))
+    return Sample(round(time.monotonic() - begin, 1), round(rss, 1), threads, fds, metrics.get("qasr_sessions_active"),
+                  metrics.get("qasr_event_loop_tasks"))
+
+
 async def monitor(report: Report, metrics_url: str, pid: int | None, begin: float, stop: asyncio.Event,
                   period_s: float) -> None:
     while True:
-        metrics = {}
-        with contextlib.suppress(OSError, ValueError):
-            metrics = await asyncio.to_thread(scrape, metrics_url)
-        if pid is not None:
-            rss, threads, fds = proc_usage(pid)
-        else:
-            rss = metrics.get("process_resident_memory_bytes", 0.0) / 2**20
-            threads, fds = 0, int(metrics.get("process_open_fds", 0))
-        report.samples.append(Sample(round(time.monotonic() - begin, 1), round(rss, 1), threads, fds,
-                                     metrics.get("qasr_sessions_active")))
+        report.samples.append(await take_sample(metrics_url, pid, begin))
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stop.wait(), period_s)
             return
@@ -188,7 +218,13 @@ async def monitor(report: Report, metrics_url: str, pid: int | None, begin: floa
 async def soak(args, url: str, pid: int | None) -> Report:
     report = Report(args.streams, args.minutes, args.stream_seconds)
     metrics_url = re.sub(r"^ws", "http", url.split("/v1/")[0]) + "/metrics"
+    # one short stream first: what the server opens once, lazily (its first connection's, its first decode's), is
+    # then in the idle baseline and not counted as growth
+    await one_stream(url, utterances(3.0, seed=10**9), partials=not args.no_partials,
+                     final_timeout_s=args.final_timeout_s)
+    await asyncio.sleep(args.sample_s)
     begin = time.monotonic()
+    idle_before = await take_sample(metrics_url, pid, begin)
     deadline = begin + args.minutes * 60
     stop = asyncio.Event()
     watching = asyncio.ensure_future(monitor(report, metrics_url, pid, begin, stop, args.sample_s))
@@ -208,6 +244,7 @@ async def soak(args, url: str, pid: int | None) -> Report:
             if not result.ok:
                 report.failed += 1
                 report.problems[result.problem] = report.problems.get(result.problem, 0) + 1
+                await asyncio.sleep(1.0)  # a refused or broken stream does not retry in a tight loop
             round_ += 1
 
     await asyncio.gather(*(worker(index) for index in range(args.streams)))
@@ -217,19 +254,27 @@ async def soak(args, url: str, pid: int | None) -> Report:
             break
     stop.set()
     await watching
+    await asyncio.sleep(args.sample_s)  # closed connections' sockets and tasks are gone by now
+    idle_after = await take_sample(metrics_url, pid, begin)
+    report.samples = [idle_before, *report.samples, idle_after]
     warm = [sample for sample in report.samples if sample.at_s >= args.warmup_s]
     if len(warm) >= 2:
         first, last = warm[0], warm[-1]
         report.rss_growth_pct = round(100 * (last.rss_mb - first.rss_mb) / max(first.rss_mb, 1e-9), 2)
         report.threads_growth = last.threads - first.threads
-        report.fds_growth = last.fds - first.fds
-    report.sessions_active_after = report.samples[-1].sessions_active if report.samples else None
+    report.fds_growth = idle_after.fds - idle_before.fds
+    if idle_before.tasks is not None and idle_after.tasks is not None:
+        report.tasks_growth = idle_after.tasks - idle_before.tasks
+    report.sessions_active_after = idle_after.sessions_active
+    report.verdict = verdict(report)
     return report
 
 
 @contextlib.contextmanager
 def local_server(args):
-    """A qasr-server on the CPU (a tiny random model unless --model): yields (url, pid)."""
+    """A qasr-server on the CPU (a tiny random model unless --model): yields (url, pid). Admission control is off
+    (a later --server-arg=--admission-target-ms=MS turns it on): the soak holds its load to see what drifts, and a
+    CPU past the latency target would answer new streams 503, which counts as failed streams."""
     workdir = Path(tempfile.mkdtemp(prefix="qasr-soak-"))
     model = args.model
     try:
@@ -240,7 +285,7 @@ def local_server(args):
         log = open(workdir / "server.log", "w+")
         server = subprocess.Popen([sys.executable, "-m", "qasr.server.cli", "--model", model, "--port", "0",
                                    "--device", "cpu", "--max-sessions", str(args.streams + 8),
-                                   *args.server_args], stderr=log, stdout=log)
+                                   "--admission-target-ms", "0", *args.server_args], stderr=log, stdout=log)
         try:
             url = None
             for _ in range(600):
@@ -292,12 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = {key: value for key, value in asdict(report).items() if key != "samples"}
     print(json.dumps(summary, indent=1))
     if report.samples:
-        print("samples (s, RSS MB, threads, fds, sessions):",
-              " ".join(f"{s.at_s:g}/{s.rss_mb:g}/{s.threads}/{s.fds}/{s.sessions_active}"
+        print("samples (s, RSS MB, threads, fds, sessions, tasks):",
+              " ".join(f"{s.at_s:g}/{s.rss_mb:g}/{s.threads}/{s.fds}/{s.sessions_active}/{s.tasks}"
                        for s in report.samples[::max(1, len(report.samples) // 12)]))
     if args.out:
         Path(args.out).write_text(json.dumps(asdict(report), indent=1))
-    return 0 if report.failed == 0 and not report.missing_finals and not report.duplicate_finals else 1
+    return 0 if all(report.verdict.values()) else 1
 
 
 if __name__ == "__main__":

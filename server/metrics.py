@@ -21,6 +21,7 @@ supervisor marks a dead worker's files), and the per-process `process_*` familie
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Iterable
@@ -126,6 +127,9 @@ class ServerMetrics(SessionObserver):
             "qasr_engine_stage_seconds", "Where a request's time went in the engine: queue (waiting to be admitted), "
             "encode, prefill, decode (first token to the last).", ["priority", "stage"], buckets=LATENCY_BUCKETS_S,
             registry=registry)
+        self.event_loop_tasks = Gauge("qasr_event_loop_tasks", "asyncio tasks alive in the server's event loop "
+                                      "(read at each scrape: a count that grows while the streams do not is a leak).",
+                                      multiprocess_mode="livesum", registry=registry)
         self.event_loop_lag = Histogram("qasr_event_loop_lag_seconds",
                                         "How late the event loop woke a timer: every stream waits this long.",
                                         buckets=LAG_BUCKETS_S, registry=registry)
@@ -192,6 +196,10 @@ class ServerMetrics(SessionObserver):
     def render(self, engine=None) -> str:
         """The whole page; `engine` (anything with `ready` and `stats()`) adds its readiness and stats."""
         self.engine_stats.engine = engine
+        try:
+            self.event_loop_tasks.set(len(asyncio.all_tasks()))
+        except RuntimeError:  # rendered outside the event loop (a test): the last count stays
+            pass
         return generate_latest(self.registry).decode()
 
 

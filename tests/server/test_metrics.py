@@ -115,3 +115,21 @@ def test_an_engine_whose_stats_fail_still_shows_its_readiness():
                   and name not in ("qasr_engine_ready", "qasr_engine_stage_seconds")]  # the latter is the server's
     assert not from_stats
     assert "qasr_engine_ready" not in metrics.render()  # no engine: no engine families
+
+
+def test_a_scrape_counts_the_event_loops_tasks():
+    """qasr_event_loop_tasks (what bench/soak.py watches for leaks): the tasks alive when /metrics is rendered."""
+    import asyncio
+
+    async def main():
+        metrics = ServerMetrics()
+        alone = sample(metrics.render(), "qasr_event_loop_tasks")
+        parked = [asyncio.create_task(asyncio.sleep(60)) for _ in range(3)]
+        with_three = sample(metrics.render(), "qasr_event_loop_tasks")
+        for task in parked:
+            task.cancel()
+        await asyncio.gather(*parked, return_exceptions=True)
+        return alone, with_three, sample(metrics.render(), "qasr_event_loop_tasks")
+
+    alone, with_three, after = asyncio.run(main())
+    assert alone == 1 and with_three == 4 and after == 1  # main() itself, then three more, then none of them
