@@ -53,7 +53,7 @@ class TwilioAdapter(MediaStreamAdapter):
     def _parse_start(self, message: dict):
         start = field(message, "start", dict)
         call_id = field(message, "start.callSid")
-        stream_id = message.get("streamSid") or field(message, "start.streamSid")
+        stream_id = field(message, "streamSid") if message.get("streamSid") else field(message, "start.streamSid")
         tracks = field(message, "start.tracks", list)
         names = [name for name in TRACKS if name in tracks]
         if not names or len(names) != len(tracks):

@@ -124,6 +124,9 @@ def test_unknown_events_are_noticed_and_marks_ignored():
     ("not json", "JSON"),
     ('{"event": "media", "sequenceNumber": "1", "media": {}}', "before `start`"),
     ('{"no": "event"}', '"event"'),
+    # found by the fuzz run: a top-level streamSid that is not a string escaped as a TypeError
+    ('{"event": "start", "sequenceNumber": "1", "streamSid": ["MZ"], "start": {"callSid": "CA", "tracks": ["inbound"],'
+     ' "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}', "streamSid has the wrong type"),
 ])
 def test_malformed_frames_close_the_connection(frame, match):
     with pytest.raises(MalformedMessage, match=match):
