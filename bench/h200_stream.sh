@@ -7,7 +7,7 @@
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
 #     -d .whl websockets webrtcvad-wheels soxr soundfile tqdm prometheus-client orjson pybase64 py-spy cffi pycparser
 # Usage (repo root, from the device tool with carry [".whl"]): bash bench/h200_stream.sh OUTDIR "600 800"
-# Env: DURATION (s per client, 40), STAGGER (s over which clients start, 10), WARMUP=N (N clients for 10 s first,
+# Env: LABEL (the run's line on a scaling curve: qasr-bench stream --label), DURATION (s per client, 40), STAGGER (s over which clients start, 10), WARMUP=N (N clients for 10 s first,
 # not reported), PYSPY=1 (sample the server's and the engine process's Python stacks mid-run into OUTDIR), ALIGNER=1
 # (word times: a random Qwen3-ForcedAligner-0.6B-shaped aligner beside the model, every client asks with --words),
 # WORKERS=N (front-end worker processes: qasr-server --workers N; /metrics then sums the workers, and the server CPU
@@ -109,7 +109,7 @@ for n in $counts; do
   metrics > "$out/metrics-$n-before.txt"
   [ -n "${PYSPY:-}" ] && { pyspy "$n" & }
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration ${DURATION:-40} \
-    "${words[@]}" --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$n.json" \
+    "${words[@]}" ${LABEL:+--label "$LABEL"} --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$n.json" \
     > "$out/stream-$n.log" 2>&1
   cat "$out/stream-$n.log"
   metrics > "$out/metrics-$n.txt"
