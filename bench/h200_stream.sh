@@ -105,15 +105,17 @@ if [ -n "${WARMUP:-}" ]; then  # WARMUP=N: N clients for 10 s first, not reporte
     "${words[@]}" --stagger-s 2 --drain-timeout-s 30 --no-progress --out "$out/warmup.json" > "$out/warmup.log" 2>&1
   echo "warm-up: $(grep -m1 '^# .* segments' "$out/warmup.log")"
 fi
-for n in $counts; do
-  metrics > "$out/metrics-$n-before.txt"
-  [ -n "${PYSPY:-}" ] && { pyspy "$n" & }
+run=0
+for n in $counts; do  # a count may repeat ("1000 1000 1000": consecutive runs on one lease); each run its own files
+  run=$((run + 1)); r="$n-r$run"
+  metrics > "$out/metrics-$r-before.txt"
+  [ -n "${PYSPY:-}" ] && { pyspy "$r" & }
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration ${DURATION:-40} \
-    "${words[@]}" ${LABEL:+--label "$LABEL"} --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$n.json" \
-    > "$out/stream-$n.log" 2>&1
-  cat "$out/stream-$n.log"
-  metrics > "$out/metrics-$n.txt"
-  run_split "$out/metrics-$n-before.txt" "$out/metrics-$n.txt"
-  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$out/metrics-$n.txt"
+    "${words[@]}" ${LABEL:+--label "$LABEL"} --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$r.json" \
+    > "$out/stream-$r.log" 2>&1
+  cat "$out/stream-$r.log"
+  metrics > "$out/metrics-$r.txt"
+  run_split "$out/metrics-$r-before.txt" "$out/metrics-$r.txt"
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$out/metrics-$r.txt"
 done
 kill -TERM "$server"; wait "$server"
