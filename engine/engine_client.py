@@ -296,7 +296,7 @@ class EngineClient(RemoteEngine):
                 self._outbox.put(None)
                 self._link_changed.notify_all()
         if link is not None:
-            _shut_down(link.conn)  # the receiver sees the end of it and stops
+            shut_down(link.conn)  # the receiver sees the end of it and stops
         await asyncio.to_thread(self._join, 10.0)
 
     def stats(self) -> dict:
@@ -331,7 +331,7 @@ class EngineClient(RemoteEngine):
         return None, ""
 
 
-def _shut_down(conn) -> None:
+def shut_down(conn) -> None:
     """End a socket connection that another thread is reading (closing its fd would not wake that thread)."""
     try:
         with socket.socket(fileno=os.dup(conn.fileno())) as sock:

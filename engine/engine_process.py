@@ -36,12 +36,13 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
+import socket
 import threading
 import time
 import typing
 import weakref
 
-from .engine_client import EngineHealth, RemoteEngine, receive, send
+from .engine_client import EngineHealth, RemoteEngine, receive, send, shut_down
 from .options import EngineOptions, display_name
 from .request import EngineClosed
 from .restart_budget import RestartBudget
@@ -226,23 +227,22 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_se
     requests = threading.Thread(target=_serve_requests, args=(owner, core, engine, peers),
                                 name="qasr-engine-requests", daemon=True)
     requests.start()
-    listener = _listen(*listen) if listen is not None else None
-    if listener is not None:
-        threading.Thread(target=_accept_clients, args=(listener, core, engine, peers), name="qasr-engine-accept",
-                         daemon=True).start()
+    acceptor = _Acceptor(*listen, core, engine, peers) if listen is not None else None
     stats = threading.Thread(target=_report_stats, args=(engine, peers), name="qasr-engine-stats", daemon=True)
     stats.start()
     engine.run()  # returns once "close" arrives (or the owner vanished), after failing what was left
-    if listener is not None:
-        listener.close()  # removes the socket file
+    if acceptor is not None:
+        acceptor.stop()  # no new worker connections; removes the socket file
     peers.broadcast(("stats", _stats(engine)))
     if engine.error is not None:
         peers.broadcast(("failed", f"{type(engine.error).__name__}: {engine.error}"))
-    # These threads hold the engine and end by themselves now. Joined, so that neither drops the last reference
-    # during the interpreter's exit: it would free the model's tensors there, torch releases the GIL to do it, and a
-    # daemon thread retaking the GIL after finalization began is ended by pthread_exit, whose unwinding through
-    # torch's C++ aborts ("terminate called without an active exception"). The owner's reader ended the loop itself
-    # unless the loop failed; then it may still wait on the pipe (holding, not freeing, the engine).
+    # These threads hold the engine. Joined, so that none drops the last reference during the interpreter's exit: it
+    # would free the model's tensors there, torch releases the GIL to do it, and a daemon thread retaking the GIL after
+    # finalization began is ended by pthread_exit, whose unwinding through torch's C++ aborts ("terminate called
+    # without an active exception"). The workers' readers wait on their sockets: shut down to wake them. The owner's
+    # reader ended the loop itself unless the loop failed; then it may still wait on the pipe (holding, not freeing,
+    # the engine).
+    peers.disconnect_workers()
     stats.join()
     if engine.error is None:
         requests.join()
@@ -265,15 +265,31 @@ class _Peer:
 
 
 class _Peers:
-    """Everyone the stats and a failure go to."""
+    """Everyone the stats and a failure go to, and the workers' reader threads (joined before the process exits)."""
+
+    JOIN_TIMEOUT_S = 10.0  # a reader wakes at once from its socket's shutdown; past this it is left (and logged)
 
     def __init__(self, owner: _Peer):
         self._lock = threading.Lock()
         self._peers = {owner}
+        self._readers: list[tuple[_Peer, threading.Thread]] = []
 
-    def add(self, peer: _Peer) -> None:
+    def add(self, peer: _Peer, reader: threading.Thread) -> None:
         with self._lock:
             self._peers.add(peer)
+            self._readers.append((peer, reader))
+            self._readers = [(p, thread) for p, thread in self._readers if thread.is_alive() or thread is reader]
+
+    def disconnect_workers(self) -> None:
+        """Shut down every worker's connection (its reader wakes from receive and ends) and join the readers."""
+        with self._lock:
+            readers = list(self._readers)
+        for peer, _ in readers:
+            shut_down(peer.conn)
+        for _, reader in readers:
+            reader.join(self.JOIN_TIMEOUT_S)
+            if reader.is_alive():
+                log.error("a worker connection's reader did not end in %g s", self.JOIN_TIMEOUT_S)
 
     def remove(self, peer: _Peer) -> None:
         with self._lock:
@@ -293,20 +309,49 @@ def _listen(address: str, authkey: bytes):
     return multiprocessing.connection.Listener(address, family="AF_UNIX", backlog=64, authkey=authkey)
 
 
-def _accept_clients(listener, core: Engine, engine: AsyncEngine, peers: _Peers) -> None:
-    while True:
+class _Acceptor:
+    """The workers' socket and the thread accepting on it. Closing a listener does not wake a thread blocked in its
+    accept(), so `stop()` wakes it with a connection of its own, joins it, then closes the listener."""
+
+    def __init__(self, address: str, authkey: bytes, core: Engine, engine: AsyncEngine, peers: _Peers):
+        self.address = address
+        self._listener = _listen(address, authkey)
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._accept, args=(core, engine, peers), name="qasr-engine-accept",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
         try:
-            conn = listener.accept()
-        except multiprocessing.AuthenticationError:
-            log.warning("refused a connection to the engine process: wrong authkey")
-            continue
-        except OSError:  # the listener was closed: the engine stops
-            return
-        peer = _Peer(conn, owner=False)
-        peer.reply(("ready", engine.model_name))
-        peers.add(peer)
-        threading.Thread(target=_serve_requests, args=(peer, core, engine, peers), name="qasr-engine-client",
-                         daemon=True).start()
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as wake:  # closed at once: its handshake fails
+                wake.connect(self.address)
+        except OSError:  # not listening any more
+            pass
+        self._thread.join(10)
+        if self._thread.is_alive():
+            log.error("the engine process's accept thread did not stop")
+        self._listener.close()  # removes the socket file
+
+    def _accept(self, core: Engine, engine: AsyncEngine, peers: _Peers) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn = self._listener.accept()
+            except multiprocessing.AuthenticationError:
+                if not self._stopping.is_set():
+                    log.warning("refused a connection to the engine process: wrong authkey")
+                continue
+            except (OSError, EOFError):  # the connection dropped during the handshake (stop()'s does)
+                continue
+            if self._stopping.is_set():
+                conn.close()
+                return
+            peer = _Peer(conn, owner=False)
+            peer.reply(("ready", engine.model_name))
+            reader = threading.Thread(target=_serve_requests, args=(peer, core, engine, peers),
+                                      name="qasr-engine-client", daemon=True)
+            peers.add(peer, reader)
+            reader.start()
 
 
 def _serve_requests(peer: _Peer, core: Engine, engine: AsyncEngine, peers: _Peers) -> None:

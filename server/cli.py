@@ -104,8 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--workers", type=int, default=1,
-                        help="front-end processes (WebSockets, sessions, VAD) sharing the port (SO_REUSEPORT) and "
-                             "feeding the engine process over their own connections (1: one server process)")
+                        help="front-end processes (WebSockets, sessions, VAD) sharing the port (SO_REUSEPORT), each "
+                             "feeding every engine process (one per device of --devices) over connections of its "
+                             "own and placing its own streams (1: one server process)")
     parser.add_argument("--engine-in-process", action="store_true",
                         help="debugging: run the engine on a thread of the server process instead of a process of "
                              "its own (under load the two then contend for one interpreter). Its engine is never "
@@ -190,8 +191,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
 
 async def serve(args: argparse.Namespace, config: ServerConfig, *, build=None, replica=None) -> int:
     """Serve until SIGTERM/SIGINT; 1 if the port cannot be bound or the model could not be loaded.
-    build: what makes the engine (a front-end worker's: its connection to the engine process); None: from args.
-    replica: a worker's view of its siblings (qasr.server.workers)."""
+    build: what makes the engine pool (a front-end worker's: its connections to the engine processes); None: from
+    args (an engine per device of --devices). replica: a worker's view of its siblings (qasr.server.workers)."""
     server = QasrServer(None, config, replica=replica)
     try:
         await server.start()
@@ -203,11 +204,9 @@ async def serve(args: argparse.Namespace, config: ServerConfig, *, build=None, r
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, lambda: asyncio.ensure_future(server.stop()))
-    # a worker's `build` is its one connection to the engine process: a pool of one (admission control, no devices)
-    devices = [None] if build is not None else engine_load.engine_devices(args.device, args.devices)
-    if build is None:
-        build = engine_factory(args)
-    build = engine_load.pool_factory(build, devices, LoadPolicy(target_ms=args.admission_target_ms))
+    if build is None:  # a worker's `build` pools its connections to the supervisor's engine processes itself
+        build = engine_load.pool_factory(engine_factory(args), engine_load.engine_devices(args.device, args.devices),
+                                         LoadPolicy(target_ms=args.admission_target_ms))
     try:
         loading = asyncio.ensure_future(server.load_engine(build))
         stopped = asyncio.ensure_future(server.wait_stopped())

@@ -1,16 +1,19 @@
-"""`qasr-server --workers N`: a supervisor process, the engine process and N front-end worker processes on one port.
+"""`qasr-server --workers N`: a supervisor process, an engine process per device and N front-end workers on one port.
 
 One asyncio process runs out of event loop before the engine runs out of GPU (issue #15: at 800-1000 streams on an
 H200 the loop ran 114-125 ms late while the engine idled a third of the time). So the supervisor (this module, the
 process `qasr-server` was started as) starts:
 
-- the engine process (`EngineProcess` with `listen`): it owns it through its pipe, restarts it when it dies (its
-  restart budget) and publishes its state in an `EngineHealth` cell;
+- an engine process per device of `--devices` (`EngineProcess` with `listen`, each on a Unix socket of its own): it
+  owns each through its pipe, restarts each when it dies (each its own restart budget) and publishes each one's state
+  in an `EngineHealth` cell of its own;
 - N workers, each today's server (`cli.serve`: WebSockets, adapters, auth, sessions, VAD, /healthz, /metrics) bound
-  to the same port with SO_REUSEPORT (the kernel spreads new connections over them) and feeding the engine over a
-  connection of its own (`EngineClient`, a Unix socket in a private folder, an authkey). A worker whose connection
-  drops (the engine died) fails what it had sent with EngineCrashed (a `decode_failed` empty final; the stream goes
-  on) and connects again once the supervisor has the engine back.
+  to the same port with SO_REUSEPORT (the kernel spreads new connections over them) and feeding every engine over a
+  connection of its own (an `EngineClient` per engine, pooled in an `EnginePool`). Placement is per worker: a worker
+  puts each new stream on the engine with the fewest of its own streams, ties broken by the work each engine reports
+  (its stats reach every worker). A worker whose connection to an engine drops (that engine died) fails what it had
+  sent there with EngineCrashed (a `decode_failed` empty final; the stream goes on) and connects again once the
+  supervisor has that engine back.
 
 The supervisor binds the port first (SO_REUSEPORT, never listening: it resolves `--port 0` and keeps the port while
 a worker restarts), sets `PROMETHEUS_MULTIPROC_DIR` to a private folder (metrics.py: /metrics from any worker sums
@@ -23,8 +26,9 @@ them all) and `QASR_TOKEN_SECRET` when unset (a token one worker issued is good 
   workers are stopped, exit 1.
 
 Health, the same from whichever worker answers (`ReplicaHealth`, shared memory each worker writes every 100 ms):
-/readyz is 200 only when every worker can take a stream (it is up, its engine connection is up, it is not stopping)
-and the engine is ready; /healthz is 500 once the engine has failed for good or a worker could not be kept up.
+/readyz is 200 only when every worker can take a stream (it is up, one of its engine connections is up, it is not
+stopping) and an engine is ready (a degraded pool serves, as one server's does); /healthz is 500 once every engine has
+failed for good or a worker could not be kept up.
 Limits (--max-sessions, per-address and per-key limits) are counted per worker.
 """
 
@@ -48,6 +52,7 @@ import threading
 import time
 
 from qasr.engine.engine_client import EngineClient, EngineHealth
+from qasr.engine.pool import EnginePool, LoadPolicy
 from qasr.engine.restart_budget import RestartBudget
 
 log = logging.getLogger("qasr.server")
@@ -65,13 +70,13 @@ class WorkerFailed(Exception):
 class ReplicaHealth:
     """What every process of the replica knows of the others, in shared memory: each worker's readiness (its own
     slot, written by it every 100 ms and cleared by the supervisor when it dies), whether a worker could not be kept
-    up, and the engine's `EngineHealth`. Created before the workers are spawned and handed to them."""
+    up, and each engine's `EngineHealth` (one per device). Created before the workers are spawned and handed to them."""
 
-    def __init__(self, num_workers: int, engine: EngineHealth):
+    def __init__(self, num_workers: int, engines: list[EngineHealth]):
         context = multiprocessing.get_context("spawn")
         self._ready = context.RawArray("b", num_workers)
         self._failed = context.RawValue("b", 0)
-        self.engine = engine
+        self.engines = engines
 
     @property
     def num_workers(self) -> int:
@@ -90,13 +95,14 @@ class ReplicaHealth:
         self._failed.value = 1
 
     def ready(self) -> bool:
-        return self.num_ready() == self.num_workers and self.engine.state == EngineHealth.READY
+        """Every worker can take a stream and an engine is ready (a degraded pool serves on the others)."""
+        return self.num_ready() == self.num_workers and any(e.state == EngineHealth.READY for e in self.engines)
 
     def error(self) -> BaseException | None:
         if self._failed.value:
             return WorkerFailed("a front-end worker kept dying and was not restarted")
-        if self.engine.state == EngineHealth.FAILED:
-            return EngineFailed("the engine process failed and is not restarted any more")
+        if all(engine.state == EngineHealth.FAILED for engine in self.engines):
+            return EngineFailed("every engine process failed and is not restarted any more")
         return None
 
     def for_worker(self, worker: int) -> ReplicaView:
@@ -104,7 +110,15 @@ class ReplicaHealth:
 
 
 class EngineFailed(Exception):
-    """The engine process failed for good (its restart budget is spent, or it could not be restarted)."""
+    """Every engine process failed for good (its restart budget is spent, or it could not be restarted)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSocket:
+    """Where a worker finds one engine process: its socket and its health cell (handed to the spawned workers)."""
+
+    address: str
+    health: EngineHealth
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,26 +141,30 @@ class ReplicaView:
 # -- the supervisor -------------------------------------------------------------------------------------------------
 
 def supervise(args: argparse.Namespace, argv: list[str], config) -> int:
-    """Run the replica until SIGTERM/SIGINT (0), or until the engine cannot be loaded or the port bound (1)."""
-    folder = tempfile.mkdtemp(prefix="qasr-workers-")  # 0700: the engine socket, the metrics files
+    """Run the replica until SIGTERM/SIGINT (0), or until an engine cannot be loaded or the port bound (1)."""
+    from qasr.server import engine_load
+
+    devices = engine_load.engine_devices(args.device, args.devices)  # checked by cli.build_config already
+    folder = tempfile.mkdtemp(prefix="qasr-workers-")  # 0700: the engine sockets, the metrics files
     try:
-        return _Supervisor(args, argv, config, folder).run()
+        return _Supervisor(args, argv, config, folder, devices).run()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
 
 class _Supervisor:
-    def __init__(self, args: argparse.Namespace, argv: list[str], config, folder: str):
-        self.args, self.argv, self.config, self.folder = args, argv, config, folder
+    def __init__(self, args: argparse.Namespace, argv: list[str], config, folder: str, devices: list[str | None]):
+        self.args, self.argv, self.config, self.folder, self.devices = args, argv, config, folder, devices
         self.num_workers = args.workers
-        self.health = ReplicaHealth(self.num_workers, EngineHealth())
-        self.address = os.path.join(folder, "engine.sock")
+        self.sockets = [EngineSocket(os.path.join(folder, f"engine-{i}.sock"), EngineHealth())
+                        for i in range(len(devices))]
+        self.health = ReplicaHealth(self.num_workers, [engine.health for engine in self.sockets])
         self.authkey = secrets.token_bytes(32)
         self.metrics_dir = os.path.join(folder, "metrics")
         self.stopping = threading.Event()
         self.workers: list[multiprocessing.Process | None] = [None] * self.num_workers
         self.budget = RestartBudget(*WORKER_RESTARTS)
-        self.engine = None
+        self.engines: list = []  # the EngineProcesses, in device order, once every one has loaded
         self.engine_failed: BaseException | None = None
         self.served = [False] * self.num_workers  # each worker has been ready once (a later death is a crash)
         self.port: int | None = None
@@ -166,36 +184,55 @@ class _Supervisor:
             os.environ.setdefault(TOKEN_SECRET_ENV, secrets.token_hex(32))
             for signum in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(signum, lambda *_: self.stopping.set())
-            loading = threading.Thread(target=self._load_engine, name="qasr-load-engine", daemon=True)
+            loading = threading.Thread(target=self._load_engines, name="qasr-load-engines", daemon=True)
             loading.start()
             for worker in range(self.num_workers):
                 self._start_worker(worker)
-            log.info("supervising %d front-end workers on port %d", self.num_workers, self.port)
+            log.info("supervising %d front-end workers on port %d, %d engine processes", self.num_workers, self.port,
+                     len(self.sockets))
             code = self._watch(loading)
             self._stop_workers()
-            if self.engine is not None:
-                asyncio.run(self.engine.close())
+            asyncio.run(_close_all(self.engines))
             return code
 
-    def _load_engine(self) -> None:
+    def _load_engines(self) -> None:
+        """One engine process per device, loading at once; if one cannot load, the others are closed."""
         from qasr.server.cli import engine_factory
 
-        build = engine_factory(self.args, listen=(self.address, self.authkey), health=self.health.engine)
-        try:
-            engine = build()
-        except Exception as error:  # the workers' clients see FAILED and give up too
-            self.engine_failed = error
-            self.health.engine.state = EngineHealth.FAILED
+        loaded: list = [None] * len(self.devices)
+        failures: list[tuple[str | None, BaseException]] = []
+
+        def load(i: int) -> None:
+            build = engine_factory(self.args, listen=(self.sockets[i].address, self.authkey),
+                                   health=self.sockets[i].health)
+            try:
+                loaded[i] = build() if self.devices[i] is None else build(device=self.devices[i])
+            except Exception as error:  # reported below, once every load has ended
+                failures.append((self.devices[i], error))
+
+        threads = [threading.Thread(target=load, args=(i,), name=f"qasr-load-engine-{i}", daemon=True)
+                   for i in range(len(self.devices))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        engines = [engine for engine in loaded if engine is not None]
+        if failures:
+            for engine_socket in self.sockets:  # the workers' clients see FAILED and give up too
+                engine_socket.health.state = EngineHealth.FAILED
+            asyncio.run(_close_all(engines))
+            device, error = failures[0]
+            self.engine_failed = error if device is None else RuntimeError(f"the engine on {device}: {error}")
             return
-        if self.stopping.is_set():  # stopped meanwhile: nobody will close it but us
-            asyncio.run(engine.close())
+        if self.stopping.is_set():  # stopped meanwhile: nobody will close them but us
+            asyncio.run(_close_all(engines))
             return
-        self.engine = engine
+        self.engines = engines
 
     def _start_worker(self, worker: int) -> None:
         context = multiprocessing.get_context("spawn")
         process = context.Process(target=_worker_main, name=f"qasr-worker-{worker}", daemon=True,
-                                  args=(self.argv, worker, self.port, self.address, self.authkey, self.health,
+                                  args=(self.argv, worker, self.port, self.sockets, self.authkey, self.health,
                                         os.getpid()))
         process.start()
         self.workers[worker] = process
@@ -248,6 +285,10 @@ class _Supervisor:
                 process.join()
 
 
+async def _close_all(engines: list) -> None:
+    await asyncio.gather(*(engine.close() for engine in engines))
+
+
 def _reserve_port(host: str, port: int) -> socket.socket:
     """A socket bound to (host, port) with SO_REUSEPORT and never listening: the kernel hands connections only to
     listening sockets, so it takes none, but it fails as a taken port would and it holds the port (and resolves 0)
@@ -267,16 +308,40 @@ def _reserve_port(host: str, port: int) -> socket.socket:
 
 # -- a worker -------------------------------------------------------------------------------------------------------
 
-def _worker_main(argv: list[str], worker: int, port: int, address: str, authkey: bytes, health: ReplicaHealth,
-                 supervisor_pid: int) -> None:
-    """Today's server, on the shared port, its engine a connection to the supervisor's engine process."""
+def _worker_main(argv: list[str], worker: int, port: int, sockets: list[EngineSocket], authkey: bytes,
+                 health: ReplicaHealth, supervisor_pid: int) -> None:
+    """Today's server, on the shared port, its engine a pool of connections to the supervisor's engine processes."""
     from qasr.server import cli, logs
 
     args = cli.build_parser().parse_args(argv)
     config = dataclasses.replace(cli.build_config(args, check_device=False), port=port, worker=worker)
     logs.configure(args.log_level, args.log_format)
-    build = functools.partial(EngineClient.connect, address, authkey, health.engine)
+    build = functools.partial(connect_pool, sockets, authkey, LoadPolicy(target_ms=args.admission_target_ms))
     sys.exit(_run(_serve_worker(args, config, build, health.for_worker(worker), supervisor_pid)))
+
+
+def connect_pool(sockets: list[EngineSocket], authkey: bytes, policy: LoadPolicy) -> EnginePool:
+    """A worker's engine: an EngineClient to every engine process (connecting at once: each waits while its engine
+    loads), pooled. An engine that failed for good is left out (a worker restarted beside a degraded pool serves on the
+    others); RuntimeError when none serves."""
+    clients: list[EngineClient | None] = [None] * len(sockets)
+
+    def connect(i: int) -> None:
+        try:
+            clients[i] = EngineClient.connect(sockets[i].address, authkey, sockets[i].health)
+        except RuntimeError as error:  # that engine failed for good
+            log.warning("engine %d is not serving: %s", i, error)
+
+    threads = [threading.Thread(target=connect, args=(i,), name=f"qasr-connect-engine-{i}", daemon=True)
+               for i in range(len(sockets))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    connected = [client for client in clients if client is not None]
+    if not connected:
+        raise RuntimeError("no engine process is serving (every one failed)")
+    return EnginePool(connected, policy)
 
 
 async def _serve_worker(args, config, build, replica: ReplicaView, supervisor_pid: int) -> int:

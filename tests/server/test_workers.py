@@ -1,8 +1,10 @@
-"""`qasr-server --workers 2` on the tiny model (CPU, a real engine process): streams spread over both front-end
-workers and each gets its finals; /metrics from either worker sums both; a killed worker is restarted while the other
-serves; a killed engine process costs the streams of both workers one segment (`decode_failed`, an empty final) and
-comes back; SIGTERM drains both workers with every final delivered and stops everything. The tests run in order on
-one server (it takes a while to start on a loaded CPU); the last one stops it."""
+"""`qasr-server --workers 2 --devices cpu,cpu` on the tiny model (CPU, two real engine processes): streams spread over
+both front-end workers and both engines and each gets its finals; /metrics from either worker sums both workers and
+shows each engine's stats under its `engine` label; a killed worker is restarted while the other serves; a killed
+engine process costs the streams placed on it one segment (`decode_failed`, an empty final) while the other engine
+serves on, and comes back; SIGTERM drains both workers with every final delivered, stops everything and exits 0
+without an abort in torch's teardown. The tests run in order on one server (it takes a while to start on a loaded
+CPU); the last one stops it."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ class Replica:
         # every final decodes 150 tokens (EOS ignored): the engine is still busy with them when it is killed
         self.process = subprocess.Popen(
             [sys.executable, "-m", "qasr.server.cli", "--model", str(model_dir), "--device", "cpu", "--port",
-             str(self.port), "--workers", "2", "--slots", "8", "--retained-slots", "0", "--max-len", "1024",
+             str(self.port), "--workers", "2", "--devices", "cpu,cpu", "--slots", "8", "--retained-slots", "0", "--max-len", "1024",
              "--ignore-eos", "--base-tokens", "150", "--tokens-per-second", "0", "--admission-target-ms", "0",
              "--log-level", "info"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -61,23 +63,25 @@ class Replica:
         except OSError:
             return 0, ""
 
-    def metric(self, name: str) -> float:
+    def metric(self, name: str, engine: str | None = None) -> float:
+        """The sum of the metric's series (an engine's carry an `engine` label); `engine`: that engine's only."""
         status, text = self.get("/metrics")
         assert status == 200, (status, text)
-        series = [line.split(" ")[0] for line in text.splitlines()]  # the engine's may carry an `engine` label
+        series = [line.split(" ")[0] for line in text.splitlines()]
         return sum(float(line.split()[-1]) for line, key in zip(text.splitlines(), series)
-                   if key == name or key.startswith(name + "{"))
+                   if (key == name or key.startswith(name + "{"))
+                   and (engine is None or f'engine="{engine}"' in key))
 
     def children(self) -> set[int]:
         return {int(pid) for children in Path(f"/proc/{self.process.pid}/task").glob("*/children")
                 for pid in children.read_text().split() if running(pid)}
 
-    def engine_pid(self, worker_pids: set[int]) -> int:
-        """The supervisor's child that is neither a worker nor multiprocessing's resource tracker."""
+    def engine_pids(self, worker_pids: set[int]) -> list[int]:
+        """The supervisor's children that are neither workers nor multiprocessing's resource tracker."""
         others = [pid for pid in self.children() - worker_pids
                   if b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()]
-        assert len(others) == 1, others
-        return others[0]
+        assert len(others) == 2, others
+        return others
 
 
 def until(condition, timeout_s: float = 240.0, interval_s: float = 0.2) -> None:
@@ -101,7 +105,8 @@ def replica(tiny_model_dir):
     finally:
         if replica.process.poll() is None:
             replica.process.kill()
-        replica.output = replica.process.communicate()[0].decode()
+        if not hasattr(replica, "output"):  # the SIGTERM test read it
+            replica.output = replica.process.communicate()[0].decode()
 
 
 async def open_stream(port: int):
@@ -134,7 +139,7 @@ async def streams_on_both_workers(port: int, count: int = 4, limit: int = 40):
     return kept
 
 
-def test_streams_spread_over_both_workers_each_gets_its_finals_and_metrics_sum_both(replica):
+def test_streams_spread_over_both_workers_and_both_engines_each_gets_its_finals_and_metrics_sum_both(replica):
     async def main():
         streams = await streams_on_both_workers(replica.port)
         for seed, (websocket, _) in enumerate(streams):
@@ -144,6 +149,7 @@ def test_streams_spread_over_both_workers_each_gets_its_finals_and_metrics_sum_b
                 for websocket, worker in streams]
 
     before = replica.metric("qasr_finals_total")
+    steps_before = [replica.metric("qasr_engine_steps", engine) for engine in ("0", "1")]
     results = asyncio.run(asyncio.wait_for(main(), 300))
     assert {pid for (_, pid), _, _ in results} <= replica.children() and len({w for w, _, _ in results}) == 2
     for worker, events, close_code in results:
@@ -152,7 +158,8 @@ def test_streams_spread_over_both_workers_each_gets_its_finals_and_metrics_sum_b
     # either worker answers /metrics with the sum of both: ask a few times (each request lands on one of them)
     assert all(replica.metric("qasr_finals_total") - before == 2 * len(results) for _ in range(6))
     assert replica.metric("qasr_sessions_active") == 0 and replica.metric("qasr_worker_cpu_seconds") > 0
-    assert replica.metric("qasr_engine_steps") > 0  # the engine's stats once, not per worker
+    # each engine worked (the segments arrive together: a worker places them on both), its stats under its label
+    assert all(replica.metric("qasr_engine_steps", engine) > before for engine, before in zip("01", steps_before))
 
 
 def test_a_killed_worker_is_restarted_while_the_other_serves(replica):
@@ -181,29 +188,36 @@ def test_a_killed_worker_is_restarted_while_the_other_serves(replica):
     assert asyncio.run(worker_zero()) not in (victim[1], None)
 
 
-def test_a_killed_engine_process_costs_each_workers_streams_one_segment_and_comes_back(replica):
+def test_a_killed_engine_process_costs_its_streams_one_segment_while_the_other_serves_and_comes_back(replica):
     async def main():
-        streams = await streams_on_both_workers(replica.port, count=2)
+        streams = await streams_on_both_workers(replica.port, count=4)
         for seed, (websocket, _) in enumerate(streams):
             await websocket.send(to_s16le(speech_like(SEGMENT, seed=seed)[0]))
-        until_async = asyncio.to_thread(until, lambda: replica.metric("qasr_engine_running") >= 2, 120, 0.05)
-        await until_async
-        os.kill(replica.engine_pid({pid for _, (_, pid) in streams}), signal.SIGKILL)
-        await asyncio.to_thread(until, lambda: replica.get("/readyz")[0] == 503, 60, 0.05)
-        health = replica.get("/healthz")[0]
-        await asyncio.to_thread(until, lambda: replica.get("/readyz")[0] == 200)
-        for seed, (websocket, _) in enumerate(streams):  # the next segment decodes on the new engine process
+        both_busy = lambda: all(replica.metric("qasr_engine_running", engine) >= 1 for engine in "01")  # noqa: E731
+        await asyncio.to_thread(until, both_busy, 120, 0.05)
+        os.kill(replica.engine_pids({pid for _, (_, pid) in streams})[0], signal.SIGKILL)
+        await asyncio.sleep(0.5)
+        during = replica.get("/readyz")[0], replica.get("/healthz")[0]  # a degraded pool serves on the other
+        await asyncio.to_thread(until, lambda: replica.metric("qasr_engine_restarts_total") == 1
+                                and replica.metric("qasr_engine_serving") == 2, 240)
+        for seed, (websocket, _) in enumerate(streams):  # the next segment decodes on either engine
             await websocket.send(to_s16le(speech_like(SEGMENT, seed=10 + seed)[0]))
             await websocket.send(json.dumps({"type": "end"}))
-        return health, [await events_until_closed(websocket) for websocket, _ in streams]
+        return during, [await events_until_closed(websocket) for websocket, _ in streams]
 
-    health, results = asyncio.run(asyncio.wait_for(main(), 400))
-    assert health == 200  # restarting is not a failure
+    during, results = asyncio.run(asyncio.wait_for(main(), 400))
+    assert during == (200, 200)
+    failed = 0
     for events in results:
         shown = [(event["type"], event.get("code")) for event in events]
-        assert ("error", "decode_failed") in shown, shown
         finals = [event for event in events if event["type"] == "final"]
-        assert len(finals) == 2 and finals[0]["text"] == "" and finals[1]["text"] != "", shown
+        assert len(finals) == 2 and finals[1]["text"] != "", shown
+        if ("error", "decode_failed") in shown:  # its segment was on the killed engine
+            failed += 1
+            assert finals[0]["text"] == "", shown
+        else:  # on the other engine: untouched
+            assert finals[0]["text"] != "", shown
+    assert 1 <= failed < len(results)
     assert replica.metric("qasr_engine_restarts_total") == 1
 
 
@@ -219,8 +233,9 @@ def test_sigterm_drains_both_workers_with_every_final_and_stops_everything(repli
             [websocket.close_code for websocket, _ in streams]
 
     children, results, close_codes = asyncio.run(asyncio.wait_for(main(), 300))
-    exit_code = replica.process.wait(120)
-    assert exit_code == 0
+    replica.output = replica.process.communicate(timeout=120)[0].decode()
+    assert replica.process.returncode == 0, replica.output
+    assert "terminate called" not in replica.output  # no thread died inside torch during the interpreter's exit
     assert close_codes == [1001, 1001]
     for events in results:
         finals = [event for event in events if event["type"] == "final"]
