@@ -26,8 +26,8 @@ live (start + stream time / speed):
 - end of speech to final: the segment's end to the final arriving (includes the VAD's end silence);
 - send lag: how far each chunk's send finished behind its real-time schedule (backpressure or an overloaded client);
 - finals per segment: each segment must get exactly one (missing and duplicate finals are counted);
-- server CPU: from /proc/<pid>/stat and its children's (--server-pid, same machine), else `process_cpu_seconds_total`
-  plus the engine process's `qasr_engine_process_cpu_seconds` on /metrics; also per second of audio and per stream.
+- server CPU: from /proc/<pid>/stat and every descendant's (--server-pid, same machine: with --workers the supervisor,
+  its workers and engine processes), else `process_cpu_seconds_total` plus the engine process's `qasr_engine_process_cpu_seconds` on /metrics; also per second of audio and per stream.
 
 Prints p50/p90/p95/p99/max per metric, writes JSON (--out) and a plot (--plot, needs matplotlib). Stops by itself:
 --duration of streaming, then at most --drain-timeout-s of waiting for finals.
@@ -109,17 +109,30 @@ def client_audio(source: np.ndarray | None, seconds: float, index: int) -> np.nd
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds so far of a local process and its live descendants (the server and its engine
-    process): /proc/<pid>/stat fields 14 and 15, children from /proc/<pid>/task/*/children."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces: skip past it
-    seconds = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+    """User + system CPU seconds so far of a local process and all its live descendants (a server's front-end workers
+    and engine processes, however deep): every /proc/<n>/stat read once (parent pid, utime, stime: fields 4, 14, 15)
+    and the tree walked down from `pid` by parent pid. FileNotFoundError once `pid` is gone."""
+    parents, seconds = {}, {}
+    for path in Path("/proc").glob("[0-9]*/stat"):
         try:
-            seconds += sum(process_cpu_seconds(int(child)) for child in children.read_text().split())
-        except FileNotFoundError:  # a thread or child exited meanwhile
-            pass
-    return seconds
+            stat = path.read_text()
+        except OSError:  # it exited meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces: skip past it
+        process = int(path.parent.name)
+        parents[process] = int(fields[1])
+        seconds[process] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    if pid not in seconds:
+        raise FileNotFoundError(f"/proc/{pid}/stat")
+    children: dict[int, list[int]] = {}
+    for process, parent in parents.items():
+        children.setdefault(parent, []).append(process)
+    total, tree = 0.0, [pid]
+    while tree:
+        process = tree.pop()
+        total += seconds[process]
+        tree += children.get(process, [])
+    return total
 
 
 def metrics_cpu_seconds(metrics_url: str) -> float | None:
@@ -146,7 +159,7 @@ class CpuSampler:
 
     def _read(self) -> float | None:
         if self.pid is not None:
-            self.source = f"/proc/{self.pid}/stat"
+            self.source = f"/proc/{self.pid}/stat and its descendants'"
             return process_cpu_seconds(self.pid)
         value = metrics_cpu_seconds(self.metrics_url)
         self.source = "/metrics process_cpu_seconds_total" if value is not None else None
