@@ -27,7 +27,8 @@ live (start + stream time / speed):
 - send lag: how far each chunk's send finished behind its real-time schedule (backpressure or an overloaded client);
 - finals per segment: each segment must get exactly one (missing and duplicate finals are counted);
 - server CPU: from /proc/<pid>/stat and every descendant's (--server-pid, same machine: with --workers the supervisor,
-  its workers and engine processes), else `process_cpu_seconds_total` plus the engine process's `qasr_engine_process_cpu_seconds` on /metrics; also per second of audio and per stream.
+  its workers and engine processes), else `process_cpu_seconds_total` plus the engine process's
+  `qasr_engine_process_cpu_seconds` on /metrics; also per second of audio and per stream.
 
 Prints p50/p90/p95/p99/max per metric, writes JSON (--out) and a plot (--plot, needs matplotlib). Stops by itself:
 --duration of streaming, then at most --drain-timeout-s of waiting for finals.
