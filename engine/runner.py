@@ -94,7 +94,9 @@ class PrefillBucket:
         for i, e in enumerate(embeds):
             self.x[i, : e.shape[0]].copy_(e)
         pad = self.meta.shape[1] - B
-        self.meta.copy_(torch.tensor([row + [0] * pad for row in meta]), non_blocking=False)
+        # pinned and non-blocking: the host goes on to the next bucket instead of waiting for the GPU to get here
+        on_cuda = self.meta.device.type == "cuda"
+        self.meta.copy_(torch.tensor([row + [0] * pad for row in meta], pin_memory=on_cuda), non_blocking=on_cuda)
         if self.graph is None:
             return self.forward()[:B]
         self.graph.replay()
@@ -206,27 +208,33 @@ class ModelRunner:
         """
         lengths = [e.shape[0] for e in embeds]
         if not self.prefill_buckets:
-            return self._prefill_eager(embeds, slots, starts, lengths)
+            return self._prefill_eager(embeds, slots, starts, lengths).tolist()
         # graphed buckets hold at most PREFILL_BATCH_BUCKETS[-1] sequences: a larger admission replays several,
         # similar lengths together (less padding). Eagerly, its ~250 Triton launches cost more CPU than the GPU work.
-        first = [0] * len(embeds)
+        # The chunks' first tokens stay on the device until all are queued, then cross in one read: a read per chunk
+        # made the host wait for each chunk's GPU work before it could queue the next (measured at 1000 streams).
         order = sorted(range(len(embeds)), key=lengths.__getitem__)
+        tokens: list[torch.Tensor] = []
         for c in range(0, len(order), PREFILL_BATCH_BUCKETS[-1]):
             chunk = order[c : c + PREFILL_BATCH_BUCKETS[-1]]
             args = [[embeds[i] for i in chunk], [slots[i] for i in chunk], [starts[i] for i in chunk],
                     [lengths[i] for i in chunk]]
             bucket = self._prefill_bucket(len(chunk), max(args[3]))
-            tokens = bucket.run(args[0], args[1:]).tolist() if bucket else self._prefill_eager(*args)
-            for i, token in zip(chunk, tokens):
-                first[i] = token
+            if bucket:  # a copy: the bucket's static output is overwritten when the bucket replays again
+                tokens.append(bucket.run(args[0], args[1:]).clone())
+            else:
+                tokens.append(self._prefill_eager(*args))
+        first = [0] * len(embeds)
+        for i, token in zip(order, torch.cat(tokens).tolist()):
+            first[i] = token
         return first
 
-    def _prefill_eager(self, embeds, slots, starts, lengths) -> list[int]:
+    def _prefill_eager(self, embeds, slots, starts, lengths) -> torch.Tensor:
         T = max(lengths)
         x = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, T - e.shape[0])) for e in embeds])
         dev = lambda v: torch.tensor(v, device=self.device)  # noqa: E731
         num_keys = prefill_keys(max(s + n for s, n in zip(starts, lengths)), self.cache)
-        return self._prefill_first(x, dev(slots), dev(starts), dev(lengths), num_keys).tolist()
+        return self._prefill_first(x, dev(slots), dev(starts), dev(lengths), num_keys)
 
     def _prefill_first(self, x, slots, starts, lengths, num_keys) -> torch.Tensor:
         """Prefill, then the greedy first token of each sequence [B] (a row of length 0 reads its position 0)."""
