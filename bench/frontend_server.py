@@ -19,6 +19,7 @@ import os
 from qasr.engine.fake import SAMPLE_RATE, FakeEngine
 from qasr.server.app import QasrServer, ServerConfig
 from qasr.server.limits import ServerLimits
+from qasr.server.security import SecuritySettings
 
 
 WORDS_PER_SECOND = 2.5  # of speech, about what English speakers say
@@ -43,7 +44,9 @@ class SpeakingFakeEngine(FakeEngine):
 async def serve(port: int, delay_s: float) -> None:
     engine = SpeakingFakeEngine(delay_s=delay_s)
     await engine.start()
-    server = QasrServer(engine, ServerConfig(port=port, ping_interval_s=None, limits=ServerLimits(max_sessions=4096)))
+    # every bench client connects from 127.0.0.1 at once: the per-address handshake limit (64) would refuse them
+    server = QasrServer(engine, ServerConfig(port=port, ping_interval_s=None, limits=ServerLimits(max_sessions=4096),
+                                             security=SecuritySettings(max_pending_per_address=4096)))
     await server.start()
     print("ready", os.getpid(), server.port, flush=True)
     await asyncio.Event().wait()
