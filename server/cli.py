@@ -125,10 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="one engine per device, each new stream on the least-loaded: GPU indices (0,1) or "
                              "device names (cuda:0,cuda:1; cpu,cpu runs two engines on the CPU). Default: every "
                              "visible GPU when --device is auto or cuda, else one engine on --device")
-    parser.add_argument("--admission-target-ms", type=float, default=LoadPolicy().target_ms,
+    parser.add_argument("--admission-target-ms", type=float, default=None,
                         help="admission control: the p90 queue delay of recent finals at which an engine has no "
                              "headroom left; with none left on any engine, new streams are refused (HTTP 503 or "
-                             "1013 server_full, with a retry hint) and, as it nears, partials thin out (0: off)")
+                             f"1013 server_full, with a retry hint) and, as it nears, partials thin out (0: off). "
+                             f"Default {LoadPolicy().target_ms:g} when the engines run on GPUs, off on the CPU "
+                             "(development and tests: a CPU engine is past any latency target under load)")
     parser.add_argument("--web-root", default=None,
                         help="folder with the web page's index.html (default: $QASR_WEB_ROOT, then the web/ "
                              "folder beside the package)")
@@ -156,7 +158,11 @@ def build_config(args: argparse.Namespace, *, check_device: bool = True) -> Serv
         from qasr.model.checkpoint import resolve_device  # imports torch: only once the arguments are parsed
 
         resolve_device(args.device)  # an unusable --device is a usage error, before anything starts
-        engine_load.engine_devices(args.device, args.devices)  # and so is an unusable --devices
+        devices = engine_load.engine_devices(args.device, args.devices)  # and so is an unusable --devices
+        if args.admission_target_ms is None:
+            args.admission_target_ms = default_admission_target_ms(devices, resolve_device(args.device))
+    elif args.admission_target_ms is None:  # a worker is given the supervisor's resolved value; else the GPU default
+        args.admission_target_ms = LoadPolicy().target_ms
     if args.admission_target_ms < 0:
         raise ValueError(f"--admission-target-ms must be >= 0 (0: off), got {args.admission_target_ms:g}")
     if not 0 <= args.port <= 65535:
@@ -175,6 +181,13 @@ def build_config(args: argparse.Namespace, *, check_device: bool = True) -> Serv
                         defaults=defaults, web_root=find_web_root(args.web_root),
                         security=security.from_args(args), calls=calls, webhooks=webhooks,
                         admission=AdmissionSettings(enabled=args.admission_target_ms > 0))
+
+
+def default_admission_target_ms(devices: list, device) -> float:
+    """Admission control is for GPU engines; on the CPU (development, the tests) it is off unless asked for.
+    devices: engine_load.engine_devices' answer ([None]: one engine on `device`, the resolved --device)."""
+    on_gpu = any(str(d if d is not None else device).startswith("cuda") for d in devices)
+    return LoadPolicy().target_ms if on_gpu else 0.0
 
 
 def engine_options(args: argparse.Namespace) -> EngineOptions:
@@ -271,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers > 1:
         from qasr.server import workers
 
-        return workers.supervise(args, list(sys.argv[1:] if argv is None else argv), config)
+        worker_argv = list(sys.argv[1:] if argv is None else argv)
+        worker_argv += ["--admission-target-ms", f"{args.admission_target_ms:g}"]  # resolved here: workers hold no torch
+        return workers.supervise(args, worker_argv, config)
     try:
         import uvloop
     except ImportError:  # Windows, or a minimal install: the standard loop works too

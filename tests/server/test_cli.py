@@ -128,3 +128,14 @@ def test_help_shows_defaults_only_where_they_say_something(capsys):
     assert caught.value.code == 0
     assert "(default: None)" not in text and "(default: False)" not in text
     assert "--log-format {text,json}" in text and "(default: 8765)" in text
+
+
+def test_admission_control_is_on_by_default_for_gpu_engines_and_off_on_the_cpu_unless_asked():
+    args = cli.build_parser().parse_args(["--model", "some/model", "--device", "cpu"])
+    assert cli.build_config(args).admission.enabled is False and args.admission_target_ms == 0
+    args = cli.build_parser().parse_args(["--model", "some/model", "--device", "cpu", "--admission-target-ms", "80"])
+    assert cli.build_config(args).admission.enabled is True and args.admission_target_ms == 80
+    assert cli.default_admission_target_ms(["cuda:0", "cuda:1"], "cuda:0") == 100
+    assert cli.default_admission_target_ms([None], "cuda:0") == 100
+    assert cli.default_admission_target_ms([None], "cpu") == 0
+    assert cli.default_admission_target_ms(["cpu", "cpu"], "cuda:0") == 0
