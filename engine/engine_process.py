@@ -205,13 +205,31 @@ def _text_logs(level: int) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+def only_this_gpu(device):
+    """An engine process for "cuda:N" sees only that GPU, as cuda:0 (CUDA_VISIBLE_DEVICES, set before torch loads).
+
+    CUDA's current device is per thread and Triton launches on it: with every GPU visible, the engine loop's thread
+    (and any other) would launch on GPU 0 whatever device the model is on (seen on a two-GPU H200 host: "Pointer
+    argument cannot be accessed from Triton"). N counts among the GPUs this process was allowed to see."""
+    if not isinstance(device, str) or not device.startswith("cuda:"):
+        return device
+    index = int(device.split(":", 1)[1])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [i.strip() for i in visible.split(",")] if visible else None
+    if ids is not None and index >= len(ids):
+        raise ValueError(f"{device}: only {len(ids)} GPUs are visible (CUDA_VISIBLE_DEVICES={visible})")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ids[index] if ids is not None else str(index)
+    return "cuda:0"
+
+
 def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_setup,
                  listen: tuple[str, bytes] | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
     log_setup()
-    from .engine import AsyncEngine, Engine  # here, not at the top: the server process never imports torch
-
     try:
+        device = only_this_gpu(device)  # before torch is imported
+        from .engine import AsyncEngine, Engine  # here, not at the top: the server process never imports torch
+
         core = Engine.from_pretrained(model, device=device, dtype=dtype, options=options)
         engine = AsyncEngine(core)
     except BaseException as e:

@@ -263,3 +263,18 @@ def running(pid: str) -> bool:
     except FileNotFoundError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+def test_an_engine_process_for_one_gpu_sees_only_that_gpu(monkeypatch):
+    from qasr.engine.engine_process import only_this_gpu
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert only_this_gpu("cuda:1") == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # the operator's own choice: cuda:1 is the second of those
+    assert only_this_gpu("cuda:1") == "cuda:0" and os.environ["CUDA_VISIBLE_DEVICES"] == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with pytest.raises(ValueError, match="only 2 GPUs are visible"):
+        only_this_gpu("cuda:2")
+    for other in (None, "cpu", "cuda"):  # no index: the process keeps what it was given
+        assert only_this_gpu(other) == other
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
