@@ -285,6 +285,9 @@ def local_server(args):
         log = open(workdir / "server.log", "w+")
         server = subprocess.Popen([sys.executable, "-m", "qasr.server.cli", "--model", model, "--port", "0",
                                    "--device", "cpu", "--max-sessions", str(args.streams + 8),
+                                   # every soak client connects from 127.0.0.1: the per-address handshake limit
+                                   # (64) would refuse reconnections with 429 whenever the CPU falls behind
+                                   "--max-pending-per-address", str(args.streams + 8),
                                    "--admission-target-ms", "0", *args.server_args], stderr=log, stdout=log)
         try:
             url = None
