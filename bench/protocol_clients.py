@@ -243,20 +243,36 @@ class OpenAITranscripts:
         return None
 
 
+async def open_websocket(url: str, record: ClientRecord):
+    """A plain websockets client connection (no compression, any message size), or None with record.error set."""
+    try:
+        return await connect(url, open_timeout=OPEN_TIMEOUT_S, max_size=None, compression=None)
+    except (OSError, InvalidHandshake, asyncio.TimeoutError) as error:
+        record.error = f"{type(error).__name__}: {error}"
+        return None
+
+
+async def send_paced(websocket, record: ClientRecord, audio: np.ndarray, rate: int, frame, args, stop_at: float,
+                     bench_start: float, receiving: asyncio.Future) -> None:
+    """Send `audio` (float32 at `rate`) in --chunk-ms pieces at real time x --speed, each as frame(its s16le bytes)."""
+    chunk = int(args.chunk_ms * rate / 1000)
+    async for k in paced(record, -(-len(audio) // chunk), chunk / rate / args.speed, stop_at=stop_at,
+                         bench_start=bench_start, done=receiving):
+        piece = audio[k * chunk : (k + 1) * chunk]
+        await websocket.send(frame(pcm16(piece)))
+        record.audio_seconds += len(piece) / rate
+
+
 async def run_openai(args, record: ClientRecord, tracks: list[np.ndarray], stop_at: float,
                      bench_start: float) -> None:
     """One OpenAI Realtime transcription session."""
     import soxr
 
     audio = soxr.resample(tracks[0], SAMPLE_RATE, OPENAI_RATE).astype(np.float32)
-    chunk = int(args.chunk_ms * OPENAI_RATE / 1000)
     record.pre_roll_s = OPENAI_TURN_DETECTION["prefix_padding_ms"] / 1000
     transcripts = OpenAITranscripts()
-    try:
-        websocket = await connect(endpoint(args.url, "openai"), open_timeout=OPEN_TIMEOUT_S, max_size=None,
-                                  compression=None)
-    except (OSError, InvalidHandshake, asyncio.TimeoutError) as error:
-        record.error = f"{type(error).__name__}: {error}"
+    websocket = await open_websocket(endpoint(args.url, "openai"), record)
+    if websocket is None:
         return
     synced = asyncio.Event()  # the answer to OPENAI_SYNC: every event made before it has arrived
     configured = asyncio.Event()
@@ -292,11 +308,7 @@ async def run_openai(args, record: ClientRecord, tracks: list[np.ndarray], stop_
         if not configured.is_set():
             record.error = record.error or "no session.updated after session.update"
             return
-        async for k in paced(record, -(-len(audio) // chunk), chunk / OPENAI_RATE / args.speed, stop_at=stop_at,
-                             bench_start=bench_start, done=receiving):
-            piece = audio[k * chunk : (k + 1) * chunk]
-            await websocket.send(openai_append(pcm16(piece)))
-            record.audio_seconds += len(piece) / OPENAI_RATE
+        await send_paced(websocket, record, audio, OPENAI_RATE, openai_append, args, stop_at, bench_start, receiving)
         if not receiving.done():
             await websocket.send(OPENAI_COMMIT)  # server_vad too: the open turn ends, its item completes
             await websocket.send(OPENAI_SYNC)
@@ -350,16 +362,13 @@ async def run_deepgram(args, record: ClientRecord, tracks: list[np.ndarray], sto
     import soxr
 
     audio = soxr.resample(tracks[0], SAMPLE_RATE, DEEPGRAM_RATE).astype(np.float32)
-    chunk = int(args.chunk_ms * DEEPGRAM_RATE / 1000)
     url = endpoint(args.url, "deepgram")
     if args.language:
         url += ("&" if "?" in url else "?") + f"language={args.language}"
     record.pre_roll_s = VadSettings().pre_roll_ms / 1000  # the server's default: Deepgram cannot ask for another
     transcripts = DeepgramTranscripts()
-    try:
-        websocket = await connect(url, open_timeout=OPEN_TIMEOUT_S, max_size=None, compression=None)
-    except (OSError, InvalidHandshake, asyncio.TimeoutError) as error:
-        record.error = f"{type(error).__name__}: {error}"
+    websocket = await open_websocket(url, record)
+    if websocket is None:
         return
 
     async def receive() -> None:
@@ -378,11 +387,7 @@ async def run_deepgram(args, record: ClientRecord, tracks: list[np.ndarray], sto
 
     receiving = asyncio.ensure_future(receive())
     try:
-        async for k in paced(record, -(-len(audio) // chunk), chunk / DEEPGRAM_RATE / args.speed, stop_at=stop_at,
-                             bench_start=bench_start, done=receiving):
-            piece = audio[k * chunk : (k + 1) * chunk]
-            await websocket.send(pcm16(piece))
-            record.audio_seconds += len(piece) / DEEPGRAM_RATE
+        await send_paced(websocket, record, audio, DEEPGRAM_RATE, lambda pcm: pcm, args, stop_at, bench_start, receiving)
         if not receiving.done():
             await websocket.send(DEEPGRAM_CLOSE)
         await _drain(receiving, args.drain_timeout_s, record)

@@ -160,7 +160,7 @@ class CpuSampler:
 
     def _read(self) -> float | None:
         if self.pid is not None:
-            self.source = f"/proc/{self.pid}/stat and its descendants'"
+            self.source = f"/proc/{self.pid}/stat and its descendants"
             return process_cpu_seconds(self.pid)
         value = metrics_cpu_seconds(self.metrics_url)
         self.source = "/metrics process_cpu_seconds_total" if value is not None else None
