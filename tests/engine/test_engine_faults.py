@@ -44,11 +44,11 @@ def marked_prompt_length(engine) -> int:
     return seen[0]
 
 
-@pytest.mark.parametrize("stage", ["log_mel", "prefill"])
+@pytest.mark.parametrize("stage", ["log_spectrogram", "prefill"])  # the mel of an admission, its prefill
 def test_a_request_that_fails_in_the_engine_fails_alone(engine, stage):
     alone = [engine.transcribe([request])[0] for request in batch()]
     engine.release_stream("s")
-    if stage == "log_mel":
+    if stage == "log_spectrogram":
         is_marked = lambda clip: clip.size == int(MARKED_SECONDS * 16000)  # noqa: E731
     else:
         length = marked_prompt_length(engine)
