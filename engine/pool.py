@@ -79,19 +79,23 @@ class RecentDelays:
     def __init__(self, window_s: float, clock=time.monotonic):
         self.window_s, self._clock = window_s, clock
         self._samples: collections.deque[tuple[float, float]] = collections.deque()
+        self._p90: float | None = None  # the last answer, until a sample arrives or leaves the window
 
     def add(self, delay_ms: float) -> None:
         self._samples.append((self._clock(), delay_ms))
+        self._p90 = None
 
     def p90(self) -> float:
-        """0 when nothing was observed within the window."""
+        """0 when nothing was observed within the window. Asked for every partial (thinning), so the sort is redone
+        only when the window's samples changed (py-spy at 1000 streams: the sort was ~5% of a worker's time)."""
         horizon = self._clock() - self.window_s
         while self._samples and self._samples[0][0] < horizon:
             self._samples.popleft()
-        if not self._samples:
-            return 0.0
-        ordered = sorted(delay for _, delay in self._samples)
-        return ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)]
+            self._p90 = None
+        if self._p90 is None:
+            ordered = sorted(delay for _, delay in self._samples)
+            self._p90 = ordered[min(len(ordered) - 1, math.ceil(0.9 * len(ordered)) - 1)] if ordered else 0.0
+        return self._p90
 
 
 class _Member:
