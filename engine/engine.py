@@ -366,6 +366,8 @@ class Engine:
 
     def _complete(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
+        seq.timings["engine_ms"] = (time.perf_counter() - seq.t_submit) * 1e3  # submit to result: the pieces and
+        # the gaps between them (admission's front end, the steps before its first decode); align_ms comes after
         self.scheduler.release(seq)
         if seq.request.priority is Priority.PARTIAL and seq.stream_id is not None:
             state = self.streams.peek(seq.stream_id)  # None once released: a late partial does not bring it back

@@ -11,16 +11,27 @@ only when no engine has any.
 
 Headroom, per engine (what admission control reads: qasr.server.admission), the smaller of
 
-    1 - p90 queue delay of its finals answered in the last `window_s` (DecodeResult.timings queue_ms) / target_ms
+    1 - p90 latency of its finals answered in the last `window_s` / target_ms
     1 - decode rows in use / its slots      (rows in use: the mean of its recent decode steps' rows, but no more
                                              than it runs and queues now: an idle engine's old steps do not count)
+
+A final's latency here is what the target is about: from the pool handing the request to its engine to the result
+coming back (the engine's queue + encode + prefill + decode, the words' alignment if asked, and the IPC both ways
+with a worker's event loop), never less than the engine's own account of it (DecodeResult.timings: `engine_ms`, or
+the sum of its pieces). The queue delay alone was the signal before: under load a final's time goes to the encoder,
+the prefill and the decode steps, not to the queue, and a 600 ms final had waited < 100 ms (session 5 on the H200).
+The end-to-end final latency after the endpoint adds only the session's hand-out to this (the VAD's end silence comes
+before the endpoint decision; the front end's event loop is in the round trip).
 
 1: idle; 0: at the latency target; below 0: past it. The pool's headroom is its best serving engine's: where the next
 stream goes.
 
-Partials thin before finals slow down: on an engine whose headroom is below a `LoadPolicy.thin_levels` level, a
-stream passes only one partial in n to it and the others are answered Superseded at once (the session then asks
-for its next partial one partial interval later), so the engine's rows and admissions go to finals first.
+The order of the responses to load: at headroom 0 admission control refuses new streams (qasr.server.admission,
+until the headroom is back to its resume level); thinning partials is the last resort after that, for when the
+streams already admitted keep the engine past its target (`LoadPolicy.thin_levels`, below 0 by default): on such
+an engine a stream passes only one partial in n and the others are answered Superseded at once (the session then
+asks for its next partial one partial interval later), so its rows and admissions go to finals first. Thinning
+one in two already doubles the partial cadence (1 s -> 2 s, past the 1.2 s target), so it does not come first.
 
 Failures: `ready` while at least one engine is ready; `error` once every engine has failed for good. A stream whose
 engine failed for good is placed again; a request that got EngineClosed from such an engine (it never ran there) is
@@ -48,12 +59,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class LoadPolicy:
-    target_ms: float = 100.0  # the p90 queue delay of recent finals at which an engine has no headroom left (a final
-    # that waited this long still has encode, prefill and decode to go); 0: no target (headroom from decode rows
-    # only, and no partial thinning)
-    window_s: float = 3.0  # finals answered this recently make the queue-delay signal
-    thin_levels: tuple[tuple[float, int], ...] = ((0.3, 2), (0.1, 4))  # (headroom below, pass one partial in n),
-    # highest level first: at headroom 0.2 a stream's partials pass one in two, at 0.05 one in four
+    target_ms: float = 180.0  # the p90 latency of recent finals (submit to result, see above) at which an engine has
+    # no headroom left; 0: no target (headroom from decode rows only, and no partial thinning). 180: the target is a
+    # p95 of 250 ms after the endpoint, and a final's p95 ran ~1.25x its p90 on the H200 (600 streams: p50 120, p95
+    # 250, p99 535 ms); refusing keeps the p90 between 0.8x (resume) and 1x the target, so p95 ~ 180-225 ms
+    window_s: float = 3.0  # finals answered this recently make the latency signal
+    thin_levels: tuple[tuple[float, int], ...] = ((-0.25, 2), (-0.5, 4))  # (headroom below, pass one partial in n),
+    # highest level first: past the target by a quarter (refusals did not hold it) a stream's partials pass one in
+    # two, by a half one in four
 
     def __post_init__(self):
         if self.target_ms < 0 or not self.window_s > 0:
@@ -104,7 +117,8 @@ class _Member:
     def __init__(self, engine: SpeechEngine, window_s: float):
         self.engine = engine
         self.streams: set[str] = set()  # placed here and not released
-        self.final_queue = RecentDelays(window_s)
+        self.final_latency = RecentDelays(window_s)  # the signal: each final's latency (final_latency_ms)
+        self.final_queue = RecentDelays(window_s)  # the queue part of it, shown beside it
 
     @property
     def failed(self) -> bool:
@@ -114,8 +128,9 @@ class _Member:
 class EnginePool:
     model_name: str
 
-    def __init__(self, engines: Sequence[SpeechEngine], policy: LoadPolicy = LoadPolicy()):
-        """engines: loaded engines of one model (one per device), owned by the pool from now on."""
+    def __init__(self, engines: Sequence[SpeechEngine], policy: LoadPolicy = LoadPolicy(), clock=time.monotonic):
+        """engines: loaded engines of one model (one per device), owned by the pool from now on.
+        clock: seconds, for each final's round trip."""
         if not engines:
             raise ValueError("an engine pool needs at least one engine")
         self.policy = policy
@@ -125,6 +140,7 @@ class EnginePool:
         self._partials_seen: dict[str, int] = {}  # stream id -> partials asked of it (for thinning)
         self.partials_thinned = 0
         self._closing = False
+        self._clock = clock
 
     @property
     def ready(self) -> bool:
@@ -150,6 +166,7 @@ class EnginePool:
         if request.priority is Priority.PARTIAL and self._thins(member, request.stream_id):
             raise Superseded("partial skipped: its engine is near its latency target (finals go first)")
         while True:
+            sent = self._clock()
             try:
                 result = await member.engine.transcribe(request)
             except EngineClosed:
@@ -159,8 +176,10 @@ class EnginePool:
                             self._members.index(member), request.stream_id)
                 member = self._place(request.stream_id)  # it never ran there: ask the next
                 continue
-            if request.priority is Priority.FINAL and "queue_ms" in result.timings:
-                member.final_queue.add(result.timings["queue_ms"])
+            if request.priority is Priority.FINAL:
+                member.final_latency.add(final_latency_ms(result.timings, (self._clock() - sent) * 1e3))
+                if "queue_ms" in result.timings:
+                    member.final_queue.add(result.timings["queue_ms"])
             return result
 
     def release_stream(self, stream_id: str) -> None:
@@ -176,8 +195,8 @@ class EnginePool:
                                                        max_audio_seconds=max_audio_seconds)
 
     def stats(self) -> dict:
-        """`engines`: each engine's own stats plus `streams` placed, `final_queue_ms` (p90, recent), `headroom` and
-        `serving` (0/1), in device order; `headroom` (the best serving engine's) and `partials_thinned`. No key is
+        """`engines`: each engine's own stats plus `streams` placed, `final_latency_ms` and `final_queue_ms` (p90s of
+        recent finals: the signal and its queue part), `headroom` and `serving` (0/1), in device order; `headroom` (the best serving engine's) and `partials_thinned`. No key is
         both the pool's and an engine's: /metrics shows the engines' with an `engine` label."""
         engines, best = [], None
         for member in self._members:
@@ -185,7 +204,8 @@ class EnginePool:
             if member.engine.ready:
                 best = headroom if best is None else max(best, headroom)
             engines.append(dict(member.engine.stats()) | {
-                "streams": len(member.streams), "final_queue_ms": member.final_queue.p90(), "headroom": headroom,
+                "streams": len(member.streams), "final_latency_ms": member.final_latency.p90(),
+                "final_queue_ms": member.final_queue.p90(), "headroom": headroom,
                 "serving": int(member.engine.ready)})
         return {"engines": engines, "headroom": best if best is not None else 0.0,
                 "partials_thinned": self.partials_thinned}
@@ -220,7 +240,7 @@ class EnginePool:
     def _headroom(self, member: _Member) -> float:
         headroom = _row_headroom(member.engine.stats())
         if self.policy.target_ms > 0:
-            headroom = min(headroom, 1.0 - member.final_queue.p90() / self.policy.target_ms)
+            headroom = min(headroom, 1.0 - member.final_latency.p90() / self.policy.target_ms)
         return headroom
 
     def _thins(self, member: _Member, stream_id: str | None) -> bool:
@@ -234,6 +254,18 @@ class EnginePool:
             return False
         self.partials_thinned += 1
         return True
+
+
+ENGINE_LATENCY_PIECES = ("queue_ms", "encode_ms", "prefill_ms", "decode_ms")
+
+
+def final_latency_ms(timings: dict, round_trip_ms: float) -> float:
+    """A final's latency for the signal: its round trip as the pool saw it, but never less than the engine's own
+    account (`engine_ms`, submit to result; else the sum of the pieces it reports) plus its words' alignment."""
+    engine_ms = timings.get("engine_ms")
+    if engine_ms is None:
+        engine_ms = sum(timings.get(piece, 0.0) for piece in ENGINE_LATENCY_PIECES)
+    return max(round_trip_ms, engine_ms + timings.get("align_ms", 0.0))
 
 
 def _row_headroom(stats: dict) -> float:

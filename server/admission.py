@@ -1,8 +1,10 @@
 """Admission control: a new stream is refused while the engines have no headroom, rather than every stream slowing
 down together past capacity.
 
-The signal is measured, not a fixed count: the engine pool's `headroom` (qasr.engine.pool: the p90 queue delay of
-recent finals against the latency target, and the decode rows in use; 1 idle, 0 at the target, below 0 past it).
+The signal is measured, not a fixed count: the engine pool's `headroom` (qasr.engine.pool: the p90 latency of recent
+finals, submit to result, against the latency target, and the decode rows in use; 1 idle, 0 at the target, below 0
+past it). Refusing is the first response to load; thinning partials (the pool's) comes only past the target, since
+it breaks the partial cadence.
 With hysteresis so it does not flap: refusing starts once the headroom is 0 or less, and stops only once it is back
 to `resume_headroom`. Refused: at the handshake HTTP 503 with Retry-After (a load balancer retries another replica);
 on a socket already upgraded, 1013 `server_full` whose error message ends with "retry after N s". Streams already

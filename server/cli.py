@@ -126,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "device names (cuda:0,cuda:1; cpu,cpu runs two engines on the CPU). Default: every "
                              "visible GPU when --device is auto or cuda, else one engine on --device")
     parser.add_argument("--admission-target-ms", type=float, default=None,
-                        help="admission control: the p90 queue delay of recent finals at which an engine has no "
-                             "headroom left; with none left on any engine, new streams are refused (HTTP 503 or "
-                             f"1013 server_full, with a retry hint) and, as it nears, partials thin out (0: off). "
+                        help="admission control: the p90 latency of recent finals (submit to result: queue, "
+                             "encode, prefill, decode, IPC) at which an engine has no headroom left; with none left "
+                             "on any engine, new streams are refused (HTTP 503 or 1013 server_full, with a retry "
+                             "hint) and, once 25%% past it, partials thin out (0: off). "
                              f"Default {LoadPolicy().target_ms:g} when the engines run on GPUs, off on the CPU "
                              "(development and tests: a CPU engine is past any latency target under load)")
     parser.add_argument("--web-root", default=None,

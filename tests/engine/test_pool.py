@@ -1,6 +1,7 @@
 """EnginePool over fake engines: new streams go to the least-loaded engine, a stream's requests all go to its engine,
-release frees its placement, a failed engine leaves the others serving, headroom follows the finals' queue delay and
-the decode rows, and partials thin before the target is reached. (Two real engine processes: test_pool_processes.py.)
+release frees its placement, a failed engine leaves the others serving, headroom follows the finals' latency (the
+round trip, never less than the engine's own account: queue + encode + prefill + decode) and the decode rows, and
+partials thin only past the target (refusing new streams comes first). (Two real engine processes: test_pool_processes.py.)
 """
 
 import asyncio
@@ -18,17 +19,19 @@ AUDIO = np.zeros(16000, np.float32)
 
 
 class LoadedFake(FakeEngine):
-    """A fake engine whose finals report the queue delay a test sets (its latency under load) and, optionally, the
-    decode-row stats a real engine reports."""
+    """A fake engine whose finals report the queue delay and the decode time a test sets (its latency under load: the
+    encode and prefill take nothing) and, optionally, the decode-row stats a real engine reports."""
 
     def __init__(self, **options):
         super().__init__(**options)
         self.queue_ms = FAKE_TIMINGS_MS["queue_ms"]
+        self.decode_ms = 0.0
         self.rows: dict | None = None  # e.g. {"running": 8, "free_slots": 0, "batch_sizes": [8] * 64}
 
     def result_for(self, request, text=None):
         result = FakeEngine.result_for(request, text)
-        return dataclasses.replace(result, timings=result.timings | {"queue_ms": self.queue_ms})
+        return dataclasses.replace(result, timings=result.timings | {
+            "queue_ms": self.queue_ms, "encode_ms": 0.0, "prefill_ms": 0.0, "decode_ms": self.decode_ms})
 
     def stats(self) -> dict:
         return super().stats() | (self.rows or {})
@@ -136,25 +139,78 @@ def test_a_pool_closing_does_not_retry():
     asyncio.run(main())
 
 
-def test_headroom_follows_the_recent_queue_delay_of_finals():
+def no_time():
+    return 0.0  # the pool's clock in tests: a round trip takes no time, the fake's timings are the latency
+
+
+def test_headroom_follows_the_recent_latency_of_finals():
     a = LoadedFake()
-    pool = EnginePool([a], LoadPolicy(target_ms=100.0, window_s=60.0))
+    pool = EnginePool([a], LoadPolicy(target_ms=100.0, window_s=60.0), clock=no_time)
 
     async def main():
         assert pool.stats()["headroom"] == 1.0  # nothing measured yet
-        a.queue_ms = 50.0
+        a.queue_ms, a.decode_ms = 20.0, 30.0
         for i in range(10):
             await pool.transcribe(request(f"s{i}"))
-        assert pool.stats()["engines"][0]["final_queue_ms"] == 50.0
+        engine = pool.stats()["engines"][0]
+        assert engine["final_latency_ms"] == 50.0 and engine["final_queue_ms"] == 20.0
         assert pool.stats()["headroom"] == pytest.approx(0.5)
-        a.queue_ms = 500.0  # partials' delays do not count: finals are what the target is about
+        a.queue_ms = 500.0  # partials' latency does not count: finals are what the target is about
         await pool.transcribe(request("p", Priority.PARTIAL))
         assert pool.stats()["headroom"] == pytest.approx(0.5)
         for i in range(2):
             await pool.transcribe(request(f"t{i}"))
-        assert pool.stats()["headroom"] == pytest.approx(-4.0)  # the p90 of 12 finals is a slow one
+        assert pool.stats()["headroom"] == pytest.approx(-4.3)  # the p90 of 12 finals is a slow one (530 ms)
 
     asyncio.run(main())
+
+
+def test_slow_decodes_behind_a_fast_queue_use_up_the_headroom():
+    """Session 5 on the H200: finals waited < 100 ms in the queue and took 600 ms in all. The queue delay never
+    crossed its target; the whole latency does."""
+    a = LoadedFake()
+    pool = EnginePool([a], LoadPolicy(target_ms=180.0, window_s=60.0), clock=no_time)
+
+    async def main():
+        a.queue_ms, a.decode_ms = 40.0, 300.0  # a fast queue, slow decodes
+        for i in range(10):
+            await pool.transcribe(request(f"s{i}"))
+        engine = pool.stats()["engines"][0]
+        assert engine["final_queue_ms"] == 40.0  # the old signal: 40 of 180, plenty of headroom
+        assert engine["final_latency_ms"] == 340.0 and pool.stats()["headroom"] < 0
+
+    asyncio.run(main())
+
+
+def test_the_latency_is_the_round_trip_when_it_is_longer_than_the_engines_account():
+    now = [0.0]
+
+    class Slow(LoadedFake):
+        async def transcribe(self, req):
+            now[0] += 0.25  # IPC and the worker's event loop: 250 ms the engine never saw
+            return await super().transcribe(req)
+
+    a = Slow()
+    pool = EnginePool([a], LoadPolicy(target_ms=100.0, window_s=60.0), clock=lambda: now[0])
+    a.queue_ms, a.decode_ms = 10.0, 20.0
+
+    async def main():
+        await pool.transcribe(request("s"))
+        assert pool.stats()["engines"][0]["final_latency_ms"] == pytest.approx(250.0)
+        assert pool.stats()["headroom"] == pytest.approx(-1.5)
+
+    asyncio.run(main())
+
+
+def test_final_latency_ms_counts_the_engines_own_account_and_the_alignment():
+    from qasr.engine.pool import final_latency_ms
+
+    pieces = {"queue_ms": 10.0, "encode_ms": 20.0, "prefill_ms": 30.0, "decode_ms": 40.0}
+    assert final_latency_ms(pieces, 5.0) == 100.0
+    assert final_latency_ms(pieces | {"engine_ms": 120.0}, 5.0) == 120.0  # submit to result, gaps included
+    assert final_latency_ms(pieces | {"engine_ms": 120.0, "align_ms": 30.0}, 5.0) == 150.0
+    assert final_latency_ms(pieces, 180.0) == 180.0
+    assert final_latency_ms({}, 7.0) == 7.0
 
 
 def test_old_delays_leave_the_window():
@@ -183,7 +239,7 @@ def test_headroom_counts_decode_rows_but_not_an_idle_engines_old_steps():
 
 def test_the_pool_headroom_is_the_best_serving_engines_and_new_streams_go_where_there_is_headroom():
     a, b = LoadedFake(), LoadedFake()
-    pool = EnginePool([a, b], LoadPolicy(target_ms=100.0, window_s=60.0))
+    pool = EnginePool([a, b], LoadPolicy(target_ms=100.0, window_s=60.0), clock=no_time)
 
     async def main():
         a.queue_ms = 150.0
@@ -199,9 +255,9 @@ def test_the_pool_headroom_is_the_best_serving_engines_and_new_streams_go_where_
     asyncio.run(main())
 
 
-def test_partials_thin_as_headroom_falls_and_finals_never_do():
+def test_partials_thin_only_past_the_target_and_finals_never_do():
     a = LoadedFake()
-    pool = EnginePool([a], LoadPolicy(target_ms=100.0, window_s=60.0, thin_levels=((0.3, 2), (0.1, 4))))
+    pool = EnginePool([a], LoadPolicy(target_ms=100.0, window_s=60.0), clock=no_time)  # the default levels
 
     async def partials(stream, count):
         passed = 0
@@ -214,14 +270,19 @@ def test_partials_thin_as_headroom_falls_and_finals_never_do():
         return passed
 
     async def main():
-        a.queue_ms = 50.0  # headroom 0.5: every partial passes
+        a.decode_ms = 50.0  # headroom 0.5: every partial passes
         await pool.transcribe(request("f0"))
         assert await partials("s1", 8) == 8
-        a.queue_ms = 80.0  # headroom 0.2: one in two, the first one first
-        await pool.transcribe(request("f1"))
-        await pool.transcribe(request("f2"))
+        a.queue_ms, a.decode_ms = 0.0, 100.0  # at the target (new streams are refused there): partials still pass,
+        for i in range(20):  # the cadence target holds for the streams admitted
+            await pool.transcribe(request(f"e{i}"))
+        assert pool.stats()["headroom"] == pytest.approx(0.0)
+        assert await partials("s0", 8) == 8
+        a.decode_ms = 130.0  # headroom -0.3, past the target though refusing: one in two, the first one first
+        for i in range(20):
+            await pool.transcribe(request(f"f{i}"))
         assert await partials("s2", 8) == 4 and a.calls[-1].request.stream_id == "s2"
-        a.queue_ms = 95.0  # headroom 0.05: one in four
+        a.decode_ms = 160.0  # headroom -0.6: one in four
         for i in range(20):
             await pool.transcribe(request(f"g{i}"))
         assert await partials("s3", 8) == 2
@@ -234,12 +295,19 @@ def test_partials_thin_as_headroom_falls_and_finals_never_do():
     asyncio.run(main())
 
 
+def test_thinning_levels_are_the_policys():
+    policy = LoadPolicy(thin_levels=((0.3, 2), (0.1, 4)))  # an operator may thin before the target instead
+    assert [policy.partials_passed_one_in(h) for h in (0.5, 0.2, 0.05, -1.0)] == [1, 2, 4, 4]
+    default = LoadPolicy()
+    assert [default.partials_passed_one_in(h) for h in (1.0, 0.0, -0.2, -0.3, -0.6)] == [1, 1, 1, 2, 4]
+
+
 def test_no_target_no_thinning():
     a = LoadedFake()
     pool = EnginePool([a], LoadPolicy(target_ms=0.0))
 
     async def main():
-        a.queue_ms = 10_000.0
+        a.decode_ms = 10_000.0
         await pool.transcribe(request("f"))
         for _ in range(4):
             await pool.transcribe(request("s", Priority.PARTIAL))

@@ -1,8 +1,9 @@
-"""Admission control: with a fake engine (in a pool, as qasr-server runs it) whose finals' queue delay the test
-raises, new streams are refused (HTTP 503 + Retry-After at the handshake; 1013 server_full with a retry hint on a
-socket already upgraded, in each wire protocol's own style) once the signal crosses the target, admitted again after
-it recovers, with hysteresis; streams already admitted are not cut; partials thin out before streams are refused;
-/metrics shows the headroom and the refusals; the warm-up reaches every engine of a pool."""
+"""Admission control: with a fake engine (in a pool, as qasr-server runs it) whose finals' latency the test raises,
+new streams are refused (HTTP 503 + Retry-After at the handshake; 1013 server_full with a retry hint on a socket
+already upgraded, in each wire protocol's own style) once the signal crosses the target, admitted again after it
+recovers, with hysteresis; streams already admitted are not cut; partials thin out only once the admitted streams
+keep the engine past its target (refusing comes first); /metrics shows the headroom and the refusals; the warm-up
+reaches every engine of a pool."""
 
 from __future__ import annotations
 
@@ -29,15 +30,19 @@ START = json.dumps({"type": "start"})
 
 
 class LoadedFake(FakeEngine):
-    """A fake engine whose finals report the queue delay the test sets: its latency under load."""
+    """A fake engine whose finals report the latency the test sets (`latency_ms`, all of it decoding behind a short
+    queue, as on the H200 under load) and the queue delay it sets."""
 
     def __init__(self, **options):
         super().__init__(**options)
-        self.queue_ms = FAKE_TIMINGS_MS["queue_ms"]
+        self.latency_ms = sum(FAKE_TIMINGS_MS.values())
+        self.queue_ms = 0.0
 
     def result_for(self, request, text=None):
         result = FakeEngine.result_for(request, text)
-        return dataclasses.replace(result, timings=result.timings | {"queue_ms": self.queue_ms})
+        timings = {"queue_ms": self.queue_ms, "encode_ms": 0.0, "prefill_ms": 0.0,
+                   "decode_ms": self.latency_ms - self.queue_ms}
+        return dataclasses.replace(result, timings=timings)
 
 
 def run(coroutine, timeout: float = 30):
@@ -55,13 +60,13 @@ async def serving(*engines: FakeEngine, admission: AdmissionSettings = Admission
         await server.stop()
 
 
-async def load_with_finals(pool: EnginePool, engine: LoadedFake, queue_ms: float, count: int = 5) -> None:
-    """Finals answered with this queue delay: what the pool measures."""
-    engine.queue_ms = queue_ms
+async def load_with_finals(pool: EnginePool, engine: LoadedFake, latency_ms: float, count: int = 5) -> None:
+    """Finals answered with this latency (a short queue, then slow decoding): what the pool measures."""
+    engine.latency_ms, engine.queue_ms = latency_ms, min(10.0, latency_ms)
     audio = np.zeros(16000, np.float32)
     for i in range(count):
-        await pool.transcribe(DecodeRequest(audio=audio, stream_id=f"load-{queue_ms}-{i}"))
-        pool.release_stream(f"load-{queue_ms}-{i}")
+        await pool.transcribe(DecodeRequest(audio=audio, stream_id=f"load-{latency_ms}-{i}"))
+        pool.release_stream(f"load-{latency_ms}-{i}")
 
 
 async def receive_all(websocket) -> list:
@@ -109,7 +114,7 @@ def test_new_streams_are_refused_past_the_target_and_admitted_after_it_recovers_
             admitted = await connect(url(server))  # before the load
             await admitted.send(START)
             await admitted.recv()  # ready
-            await load_with_finals(pool, engine, queue_ms=3 * TARGET_MS)  # the finals now wait 300 ms
+            await load_with_finals(pool, engine, latency_ms=3 * TARGET_MS)  # 300 ms finals, 10 ms of it queued
             with pytest.raises(InvalidStatus) as refused:
                 await connect(url(server))
             response = refused.value.response
@@ -128,7 +133,7 @@ def test_new_streams_are_refused_past_the_target_and_admitted_after_it_recovers_
             assert admitted.close_code == 1000
             assert [e["type"] for e in events if e["type"] in ("final", "summary")] == ["final", "summary"]
 
-            await load_with_finals(pool, engine, queue_ms=0.9 * TARGET_MS)  # headroom 0.1: not enough to resume
+            await load_with_finals(pool, engine, latency_ms=0.9 * TARGET_MS)  # headroom 0.1: not enough to resume
             with pytest.raises(InvalidStatus):
                 await connect(url(server))
             await asyncio.sleep(WINDOW_S + 0.1)  # the slow finals leave the window; quiet since
@@ -165,14 +170,18 @@ def test_a_socket_upgraded_before_the_engines_filled_up_is_closed_with_1013_and_
     assert kind.lower() == "error" and error_code == "server_full" and message.endswith("retry after 2 s")
 
 
-def test_partials_thin_out_while_streams_are_still_admitted():
+def test_partials_thin_out_only_once_the_admitted_streams_keep_the_engine_past_its_target():
     audio, _ = speech_like([("silence", 0.3), ("speech", 3.0), ("silence", 0.8)])
     engine = LoadedFake()
     start = json.dumps({"type": "start", "partial_interval_ms": 200})
 
-    async def partials_of_one_stream(server) -> int:
+    async def partials_of_one_stream(server, loaded=None) -> int:
+        """One stream's partials; `loaded()` starts the load once the stream is admitted."""
         async with connect(url(server)) as websocket:
             await websocket.send(start)
+            assert json.loads(await websocket.recv())["type"] == "ready"
+            if loaded is not None:
+                await loaded()
             receiving = asyncio.ensure_future(receive_all(websocket))
             data = to_s16le(audio)
             for offset in range(0, len(data), 1600):  # 50 ms pieces, 5x real time: each partial is answered
@@ -186,22 +195,35 @@ def test_partials_thin_out_while_streams_are_still_admitted():
     async def main():
         async with serving(engine) as (server, pool):
             at_ease = await partials_of_one_stream(server)
-            async def other_streams_finals():  # keep the engine's finals waiting 80 ms: headroom 0.2
+            loading = None
+
+            async def other_streams_finals(latency_ms):
                 while True:
-                    await load_with_finals(pool, engine, queue_ms=0.8 * TARGET_MS, count=2)
+                    await load_with_finals(pool, engine, latency_ms=latency_ms, count=2)
                     await asyncio.sleep(0.05)
 
-            loading = asyncio.ensure_future(other_streams_finals())
-            await asyncio.sleep(0.1)
-            try:
-                near_target = await partials_of_one_stream(server)  # admitted: its partials pass one in two
+            async def load(latency_ms):
+                nonlocal loading
+                loading = asyncio.ensure_future(other_streams_finals(latency_ms))
+                await asyncio.sleep(0.1)
+
+            try:  # at the target (headroom 0): new streams are refused, the admitted one keeps its cadence
+                at_target = await partials_of_one_stream(server, lambda: load(TARGET_MS))
+                thinned_at_target = pool.stats()["partials_thinned"]
+                with pytest.raises(InvalidStatus):
+                    await connect(url(server))
             finally:
                 loading.cancel()
-            return at_ease, near_target, pool.stats()["partials_thinned"]
+            await asyncio.sleep(WINDOW_S + 0.1)  # recovered: admitting again
+            try:  # 30% past it (headroom -0.3): refusing did not hold it, the admitted stream's partials pass 1 in 2
+                past_target = await partials_of_one_stream(server, lambda: load(1.3 * TARGET_MS))
+            finally:
+                loading.cancel()
+            return at_ease, at_target, thinned_at_target, past_target, pool.stats()["partials_thinned"]
 
-    at_ease, near_target, thinned = run(main())
-    assert at_ease >= 8
-    assert near_target <= at_ease // 2 + 1 and thinned >= at_ease // 2 - 1
+    at_ease, at_target, thinned_at_target, past_target, thinned = run(main())
+    assert at_ease >= 8 and at_target >= at_ease - 2 and thinned_at_target == 0
+    assert past_target <= at_ease // 2 + 1 and thinned >= at_ease // 2 - 1
 
 
 def test_the_warm_up_reaches_every_engine_of_a_pool():
@@ -228,10 +250,10 @@ def test_metrics_label_each_engine_of_a_pool_and_show_the_headroom():
     from qasr.server.metrics import ServerMetrics
 
     engines = [LoadedFake(), LoadedFake()]
-    pool = EnginePool(engines, LoadPolicy(target_ms=TARGET_MS, window_s=60.0))
+    pool = EnginePool(engines, LoadPolicy(target_ms=TARGET_MS, window_s=60.0), clock=lambda: 0.0)
 
     async def main():
-        await load_with_finals(pool, engines[0], queue_ms=0.5 * TARGET_MS, count=1)  # on engine 0, released
+        await load_with_finals(pool, engines[0], latency_ms=0.5 * TARGET_MS, count=1)  # on engine 0, released
         await pool.transcribe(DecodeRequest(audio=np.zeros(16000, np.float32), stream_id="held"))  # engine 0 again
 
     run(main())
@@ -242,7 +264,8 @@ def test_metrics_label_each_engine_of_a_pool_and_show_the_headroom():
                for family in text_string_to_metric_families(page) for s in family.samples}
     assert samples[("qasr_engine_streams", (("engine", "0"),))] == 1
     assert samples[("qasr_engine_streams", (("engine", "1"),))] == 0
-    assert samples[("qasr_engine_final_queue_ms", (("engine", "0"),))] == 0.5 * TARGET_MS
+    assert samples[("qasr_engine_final_latency_ms", (("engine", "0"),))] == 0.5 * TARGET_MS
+    assert samples[("qasr_engine_final_queue_ms", (("engine", "0"),))] == 10.0
     assert samples[("qasr_engine_headroom", (("engine", "0"),))] == 0.5
     assert samples[("qasr_engine_headroom", (("engine", "1"),))] == 1.0
     assert samples[("qasr_engine_queue_depth", (("engine", "0"), ("kind", "final")))] == 0
