@@ -22,6 +22,7 @@ import torch
 from qasr.model import audio as qaudio
 from qasr.model.checkpoint import load_model, resolve_model_dir
 from qasr.model.modeling import Qwen3ASR
+from qasr.model.prompt import PromptTemplates
 from qasr.model.tokenizer import Tokenizer
 
 from . import postprocess, prompting
@@ -50,6 +51,7 @@ class Engine:
         """aligner: a qasr.model.aligner.ForcedAligner on the model's device, for finals that ask for word times."""
         self.model = model  # for building other engines on the same weights: only the runner calls it
         self.tokenizer, self.options = tokenizer, options
+        self.prompts = PromptTemplates(tokenizer)  # the tokenized template per (context, language)
         self.model_name = name
         self.eos_ids = () if options.ignore_eos else tokenizer.eos_ids
         self.runner = ModelRunner(
@@ -195,6 +197,7 @@ class Engine:
             "steps": self.steps,
             "batch_sizes": list(self.recent_batch_sizes),
             "counters": dict(self.counters),
+            "prompt_templates": {"hits": self.prompts.hits, "misses": self.prompts.misses},
             **({"aligner": {"parked": len(self.aligner), "in_flight": self.aligner.num_in_flight,
                             "batches": self.aligner.num_batches, "graphed": self.aligner.num_graphed,
                             "rows": self.aligner.num_rows, "launch_seconds": self.aligner.launch_seconds}}
@@ -285,7 +288,7 @@ class Engine:
             frames = qaudio.num_frames(seq.request.audio.size)
             try:
                 seq.prompt, seq.budget = prompting.prepare_prompt(
-                    self.tokenizer, self.options, seq.request, int(qaudio.num_audio_tokens(frames)),
+                    self.prompts, self.options, seq.request, int(qaudio.num_audio_tokens(frames)),
                     self._rolled_back_answer(seq))
             except ValueError as e:  # this request only
                 seq.finish(e)

@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from qasr.model import audio as qaudio
-from qasr.model.prompt import Prompt, build_prompt
+from qasr.model.prompt import Prompt, PromptTemplates, build_prompt
 from qasr.model.tokenizer import Tokenizer
 
 from .options import EngineOptions
@@ -40,9 +40,10 @@ def prefill_cost(request: DecodeRequest) -> int:
     return int(qaudio.num_audio_tokens(qaudio.num_frames(request.audio.size))) + PROMPT_TEXT_TOKENS
 
 
-def prepare_prompt(tokenizer: Tokenizer, options: EngineOptions, request: DecodeRequest, num_audio_tokens: int,
+def prepare_prompt(templates: PromptTemplates, options: EngineOptions, request: DecodeRequest, num_audio_tokens: int,
                    answer_ids: tuple[int, ...] = ()) -> tuple[Prompt, int]:
-    """The request's prompt and token budget; ValueError if it cannot fit a slot.
+    """The request's prompt (built from the engine's cached templates) and token budget; ValueError if it cannot fit
+    a slot.
 
     answer_ids: a partial's given prefix (the previous hypothesis). When a model runs on (a hallucination loop) it
     can outgrow what the audio could hold, so a prefix longer than the audio's token budget, or one that would not
@@ -50,11 +51,11 @@ def prepare_prompt(tokenizer: Tokenizer, options: EngineOptions, request: Decode
     """
     seconds = request.audio.size / qaudio.SAMPLE_RATE
     budget = default_budget(options, seconds)
-    prompt = build_prompt(tokenizer, context=request.context, language=request.language,
-                          num_audio_tokens=num_audio_tokens, answer_ids=answer_ids)
+    prompt = templates.build(context=request.context, language=request.language, num_audio_tokens=num_audio_tokens,
+                             answer_ids=answer_ids)
     if answer_ids and (prompt.num_tokens >= options.max_len or len(answer_ids) > budget):
-        prompt = build_prompt(tokenizer, context=request.context, language=request.language,
-                              num_audio_tokens=num_audio_tokens)
+        prompt = templates.build(context=request.context, language=request.language,
+                                 num_audio_tokens=num_audio_tokens)
     room = options.max_len - prompt.num_tokens
     if room < 1:
         raise ValueError(f"the prompt ({prompt.num_tokens} tokens for {seconds:.1f} s of audio and the context) does "
