@@ -298,11 +298,27 @@ class StreamConnection:
             await self._send(event)
 
     async def _drain(self, timeout: float | None = None) -> None:
-        """Until the last event is sent; stop's timer (or `timeout`) cuts it short. Raises the sender's failure."""
-        done, _ = await asyncio.wait({self._sender}, timeout=timeout)
-        if not done:
+        """Until the last event is sent; stop's timer (or `timeout`) cuts it short. Raises the sender's failure, or
+        ConnectionClosed when the client goes away meanwhile (unless the adapter finalises on disconnect): nothing
+        reads the socket after `end`, and the sender notices a closed socket only at its next event, so a client
+        that gave up waiting would otherwise keep its segments queued in the engine until each is decoded for no one
+        (an overloaded server's backlog grew with abandoned work in the soak, docs/reliability.md)."""
+        watched = {self._sender}
+        gone = None
+        if not self._socket_gone and not self._finalises_on_disconnect:
+            gone = asyncio.ensure_future(self.websocket.wait_closed())
+            watched.add(gone)
+        try:
+            done, _ = await asyncio.wait(watched, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if gone is not None and not gone.done():
+                gone.cancel()
+                await asyncio.wait({gone})
+        if not self._sender.done():  # the timeout, or the client is gone
             self._sender.cancel()
             await asyncio.wait({self._sender})
+            if gone is not None and gone in done:
+                raise self.websocket.protocol.close_exc
         if not self._sender.cancelled():
             self._sender.result()
 

@@ -226,6 +226,23 @@ def test_a_client_that_disconnects_has_its_open_segments_finalised_only_when_the
         assert [final.reason for final in finals] in ([], ["flush"])  # only what was done before the hang-up
 
 
+def test_a_client_that_leaves_while_its_finals_are_due_stops_its_engine_work(adapters):
+    """After `end` nothing reads the client's socket; a client that gives up waiting for its finals and closes
+    must not leave its segment queued in the engine (decoded for no one) nor its session open until then."""
+    engine = FakeEngine(manual=True)
+
+    async def main():
+        async with serving(engine) as server:
+            async with connect(url(server)) as websocket:
+                await websocket.send('[["start"], ["speech", 1.0], ["end"]]')
+                await engine.wait_for_calls(1)  # its final, which the engine never finishes
+            await until(lambda: adapters[0].closed)
+            return server.metrics.sessions_active
+
+    assert run(main(), timeout=10) == 0
+    assert [call.request for call in engine.calls] == engine.cancelled  # its final is cancelled, not decoded
+
+
 def test_a_flush_of_a_channel_the_stream_does_not_have_closes_with_1007(adapters):
     async def main():
         async with serving(FakeEngine()) as server:
