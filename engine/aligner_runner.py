@@ -5,11 +5,16 @@ result. `launch()` takes up to `max_batch` parked finals, does the host's part (
 batch out: qasr.model.aligner_batch), and queues the forward (qasr.model.aligner: mel, encoder windows of all clips
 packed, one causal pass, argmax at every position) on a CUDA stream of its own, replaying CUDA graphs
 (qasr.engine.aligner_graphs) when the batch fits a bucket; then it records an event and returns. The engine keeps
-decoding on its stream meanwhile. `poll()`, called every engine step, finishes the batch once its event has
+decoding on its stream meanwhile, at a higher priority when it decodes on qasr.engine.streams' `decode_stream()`: the
+aligner's stream has CUDA's lowest priority, so the GPU schedules a decode step's blocks before the aligner's
+waiting ones. The aligner needs nothing the decode stream makes (its own mel and encoder, from the request's audio on
+the host), so no event joins the two streams. `poll()`, called every engine step, finishes the batch once its event has
 completed: it reads the small [rows, tokens] class tensor, repairs each row's times (the monotonic repair) and hands
-the finals out. One batch is in flight at a time (the graphs' static buffers are its inputs); finals that stop
-meanwhile wait for the next launch. Finals that did not ask never come here and never wait. On the CPU (tests,
-small deployments) the same calls run the forward synchronously: `launch()` then `poll()` completes at once.
+the finals out. One batch is in flight at a time (the graphs' static buffers are its inputs), of at most `max_batch`
+finals (EngineOptions.aligner_max_batch): that bounds the aligner's share of the GPU at any moment; finals that stop
+meanwhile wait for the next launch, which comes only once the one in flight is done. Finals that did not ask never
+come here and never wait. On the CPU (tests, small deployments) the same calls run the forward synchronously:
+`launch()` then `poll()` completes at once.
 
 Times are seconds from the start of the request's audio; the caller offsets them to its own timeline (the session by
 the segment's start). A word cannot be said after its clip ended: times the aligner puts past the clip's end (a model
@@ -34,6 +39,7 @@ from qasr.model.aligner_repair import word_times
 from .aligner_graphs import AlignerGraphs
 from .request import DecodeResult, WordTime
 from .sequence import Sequence
+from .streams import aligner_stream
 
 if TYPE_CHECKING:
     from qasr.model.aligner import AlignerInput, ForcedAligner
@@ -73,7 +79,7 @@ class AlignerRunner:
         self.aligner = aligner
         self.max_batch = max_batch
         on_cuda = aligner.device.type == "cuda"
-        self.stream = torch.cuda.Stream(aligner.device) if on_cuda else None
+        self.stream = aligner_stream(aligner.device)  # CUDA's lowest priority; None on a CPU
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
         self.graphs = AlignerGraphs(aligner, max_rows=max_batch, capture=True) if use_graphs else None
         self._parked: list[Parked] = []
@@ -99,6 +105,7 @@ class AlignerRunner:
         self._parked.append(Parked(seq, result, time.perf_counter()))
 
     def can_launch(self) -> bool:
+        """Finals are parked and no batch is in flight (the bound: one batch of at most max_batch at a time)."""
         return bool(self._parked) and self._in_flight is None
 
     def run(self) -> int:

@@ -28,7 +28,11 @@ class EngineOptions:
     # least settled ones, re-decoded); 0: partials decode from the audio alone
     aligner: str | None = None  # a Qwen3-ForcedAligner checkpoint (directory or Hugging Face id), loaded beside the
     # model on its device: finals that ask get word times (qasr.engine.aligner_runner); None: no word times
-    aligner_max_batch: int = 32  # finals aligned in one aligner forward at most
+    aligner_max_batch: int = 32  # finals aligned in one aligner forward at most; one forward is in flight at a time,
+    # so this bounds the aligner's share of the GPU beside the decode steps
+    stream_priorities: bool = True  # decode steps and admissions on a high-priority CUDA stream, the aligner's forward
+    # on the lowest (qasr.engine.streams), so that finals without words keep their pace; False: decoding on the
+    # thread's default stream, as before (benchmarks compare)
 
     def __post_init__(self):
         if (self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1

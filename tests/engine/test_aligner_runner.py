@@ -7,10 +7,13 @@ waiting for the aligner; partials never get words."""
 import asyncio
 
 import pytest
+import torch
 
-from qasr.engine.aligner_runner import FAILED_REASON
+from qasr.engine import streams
+from qasr.engine.aligner_runner import FAILED_REASON, AlignerRunner
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.request import DecodeRequest, EngineClosed, Priority
+from qasr.engine.request import DecodeRequest, DecodeResult, EngineClosed, Priority
+from qasr.engine.sequence import Sequence
 from qasr.model.aligner import ForcedAligner
 from qasr.model.aligner_words import split_words
 
@@ -240,3 +243,75 @@ def test_stats_count_aligner_batches(engine):
 def test_aligner_options_are_validated():
     with pytest.raises(ValueError):
         EngineOptions(aligner_max_batch=0)
+
+
+def parked_final(runner: AlignerRunner, clip, outcomes: list, text="the call was about a refund") -> None:
+    """A decoded final with words as the engine parks it (its decode skipped: the text is given)."""
+    seq = Sequence(final(clip), outcomes.append)
+    runner.park(seq, DecodeResult(text=text, language="English", raw_text=text, token_ids=(), finish_reason="stop",
+                                  num_audio_tokens=0))
+
+
+def test_one_batch_of_at_most_max_batch_finals_is_in_flight_and_the_next_launch_waits_for_it(aligner, monkeypatch):
+    runner = AlignerRunner(aligner, max_batch=2)
+    events = []
+    launch = runner._launch
+
+    def held_launch(finals, inputs):
+        flight = launch(finals, inputs)
+        flight.done = HeldEvent()
+        events.append(flight.done)
+        return flight
+
+    monkeypatch.setattr(runner, "_launch", held_launch)
+    outcomes = []
+    for i in range(5):
+        parked_final(runner, speech(1.0 + 0.2 * i, seed=80 + i), outcomes)
+    assert runner.launch() == 0 and runner.num_in_flight == 2 and len(runner) == 3  # the oldest two
+    assert not runner.can_launch() and runner.launch() == 0  # nothing more while one is in flight
+    assert runner.num_batches == 1 and runner.num_in_flight == 2 and runner.poll() == 0 and not outcomes
+    events[0].release()
+    assert runner.poll() == 2 and len(outcomes) == 2 and runner.num_in_flight == 0
+    assert runner.can_launch() and runner.launch() == 0 and runner.num_in_flight == 2 and len(runner) == 1
+    events[1].release()
+    runner.poll()
+    runner.launch()
+    assert runner.num_in_flight == 1 and not len(runner)
+    events[2].release()
+    assert runner.poll() == 1 and not runner.has_work()
+    assert runner.num_batches == 3 and len(outcomes) == 5 and all(outcome.words for outcome in outcomes)
+
+
+def test_without_cuda_there_are_no_streams_and_the_aligner_runs_on_the_cpu(aligner):
+    assert streams.decode_stream("cpu") is None and streams.aligner_stream(torch.device("cpu")) is None
+    assert AlignerRunner(aligner).stream is None
+    with torch.cuda.stream(None):  # how the engine enters a stream that is None: a no-op without CUDA
+        assert torch.ones(2).sum().item() == 2
+    assert EngineOptions().stream_priorities is True
+
+
+class FakeStream:
+    """Records how a stream was made, as torch.cuda.Stream would be called on a GPU."""
+
+    made: list["FakeStream"] = []
+
+    def __init__(self, device=None, priority=0):
+        self.device, self.priority, self.waited_for = device, priority, []
+        FakeStream.made.append(self)
+
+    def wait_stream(self, other):
+        self.waited_for.append(other)
+
+
+def test_decoding_asks_for_the_highest_priority_and_the_aligner_for_the_lowest(monkeypatch):
+    """The CUDA path's logic on the CPU, torch.cuda.Stream faked: lower numbers are higher priorities, PyTorch
+    clamps them into its range (0 down to -3), and the decode stream starts after the thread's queued work."""
+    FakeStream.made = []
+    current = object()
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    decode = streams.decode_stream("cuda:0")
+    side = streams.aligner_stream(torch.device("cuda", 0))
+    assert [stream.device for stream in FakeStream.made] == [torch.device("cuda", 0)] * 2
+    assert decode.priority <= -3 and side.priority == 0 == streams.ALIGNER_PRIORITY  # CUDA's lowest is its default
+    assert decode.waited_for == [current] and side.waited_for == []
