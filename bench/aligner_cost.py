@@ -16,7 +16,10 @@ aligner into a temporary folder; or give --model/--aligner), speech-like clips o
   graph launches queued on the aligner's stream; on a CPU it also runs the forward).
 - "overlap": --decode-rows rows decode (CUDA-graph steps) while one alignment batch of B finals is in flight on the
   side stream: the decode step's ms alone and during the alignment, the steps that ran meanwhile, and the
-  alignment's wall ms from launch to done while decoding vs alone.
+  alignment's wall ms from launch to done while decoding vs alone. With --priority both (the default) every batch is
+  measured twice in the one run: decoding on the thread's default stream (`decode_priority` 0, the aligner's equal,
+  as before) and on qasr.engine.streams' high-priority decode stream (`decode_priority` -3 on CUDA, what the engine
+  does with EngineOptions.stream_priorities); the aligner's stream has priority 0 in both.
 - "engine": B finals through the engine (decoding forced to --tokens tokens), with and without words: the aligner
   stage's share of the engine thread (its `seconds["align"]`) and the extra wall time, per final.
 Prints one JSON object (and writes it to --out).
@@ -40,6 +43,7 @@ from qasr.engine.aligner_runner import AlignerRunner
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest, DecodeResult
 from qasr.engine.sequence import Sequence
+from qasr.engine.streams import decode_stream
 from qasr.model.aligner import ForcedAligner
 from qasr.model.testmodel import make_test_aligner, make_test_model
 
@@ -64,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokens", type=int, default=20, help="tokens each final decodes in the engine measurement")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--decode-rows", type=int, default=128, help="rows decoding beside an alignment (overlap)")
+    parser.add_argument("--priority", choices=("off", "on", "both"), default="both",
+                        help="overlap: decode steps at the aligner's priority (off), on a high-priority stream (on), "
+                             "or each batch both ways (default: %(default)s)")
     parser.add_argument("--skip-engine", action="store_true", help="only the aligner alone, its host part and overlap")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     return parser
@@ -158,7 +165,20 @@ def host_part(runner: AlignerRunner, batches: list[int], args) -> list[dict]:
 
 
 def overlap(engine: Engine, batches: list[int], args) -> list[dict]:
-    """Decode steps with an alignment batch in flight on the aligner's stream vs without."""
+    """Decode steps with an alignment batch in flight on the aligner's stream vs without, for each --priority mode:
+    decoding on the thread's current stream (priority 0, the aligner's), then on a high-priority one."""
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.priority]
+    rows = []
+    for prioritized in modes:
+        stream = decode_stream(engine.runner.device) if prioritized else None
+        with torch.cuda.stream(stream):  # a no-op for None (and on a CPU)
+            rows += overlap_at(engine, batches, args, prioritized, stream.priority if stream is not None else 0)
+        if stream is not None:
+            torch.cuda.current_stream(engine.runner.device).wait_stream(stream)
+    return rows
+
+
+def overlap_at(engine: Engine, batches: list[int], args, prioritized: bool, decode_priority: int) -> list[dict]:
     runner, device, decode_rows = engine.aligner, engine.runner.device, args.decode_rows
     slots = list(range(decode_rows))
 
@@ -199,7 +219,9 @@ def overlap(engine: Engine, batches: list[int], args) -> list[dict]:
             steps.append(len(during))
             engine.runner.stop_rows(slots)
         median = lambda xs: round(statistics.median(xs), 3) if None not in xs else None  # noqa: E731
-        rows.append({"batch": batch, "decode_rows": decode_rows,
+        rows.append({"batch": batch, "decode_rows": decode_rows, "prioritized": prioritized,
+                     "decode_priority": decode_priority,
+                     "aligner_priority": runner.stream.priority if runner.stream is not None else 0,
                      "step_ms_alone": median([b[0] for b in beside]),
                      "step_ms_during_alignment": median([b[1] for b in beside]),
                      "step_ms_during_alignment_max": median([b[2] for b in beside]),
@@ -255,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             "device": str(aligner.device), "dtype": str(aligner.network.classifier.weight.dtype).replace("torch.", ""),
             "size": args.size if args.model is None else str(args.model), "seconds": args.seconds,
             "words_per_second": args.words_per_second, "repeats": args.repeats,
-            "cuda_graphs": graphs.num_graphs > 0, "graphs": graphs.num_graphs,
+            "cuda_graphs": graphs.num_graphs > 0, "graphs": graphs.num_graphs, "priority": args.priority,
             "capture_seconds": round(graphs.capture_seconds, 2),
             "buckets": {"rows": graphs.row_buckets, "tokens": graphs.token_buckets, "windows": graphs.window_buckets},
             "aligner": aligner_alone(aligner, graphs, batches, args),
