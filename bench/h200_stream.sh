@@ -10,6 +10,8 @@
 # Env: LABEL (the run's line on a scaling curve: qasr-bench stream --label), DURATION (s per client, 40), STAGGER (s over which clients start, 10), WARMUP=N (N clients for 10 s first,
 # not reported), PYSPY=1 (sample the server's and the engine process's Python stacks mid-run into OUTDIR), ALIGNER=1
 # (word times: a random Qwen3-ForcedAligner-0.6B-shaped aligner beside the model, every client asks with --words),
+# WORDS_FRACTION=F (with ALIGNER=1: only this fraction of the clients ask, --words-fraction F; each run then prints
+# final latency apart for the streams with and without words),
 # WORKERS=N (front-end worker processes: qasr-server --workers N; /metrics then sums the workers, and the server CPU
 # below is all workers' together), DEVICES=0,1 (qasr-server --devices: an engine per GPU; default every visible GPU;
 # the engine rows below are then summed over the engines), ADMISSION_MS=N (qasr-server --admission-target-ms: 0 turns
@@ -24,7 +26,7 @@ export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PAT
 aligner=() words=()
 if [ -n "${ALIGNER:-}" ]; then
   [ -d /tmp/a06 ] || python3 -m qasr.model.testmodel /tmp/a06 --aligner --size 0.6B --dtype bfloat16 || exit 1
-  aligner=(--aligner /tmp/a06) words=(--words --language English)  # a forced language: random weights detect none the aligner takes
+  aligner=(--aligner /tmp/a06) words=(--words-fraction "${WORDS_FRACTION:-1}" --language English)  # a forced language: random weights detect none the aligner takes
 fi
 python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --workers "${WORKERS:-1}" --device cuda ${DEVICES:+--devices "$DEVICES"} \
   ${ADMISSION_MS:+--admission-target-ms "$ADMISSION_MS"} --port 8765 --slots 256 --retained-slots 1024 \
@@ -75,10 +77,11 @@ a, b = read(sys.argv[1]), read(sys.argv[2])
 d = {k: b[k] - a.get(k, 0.0) for k in b if k != "lag"}
 if b["qasr_worker_cpu_seconds"]:  # WORKERS=N: every worker's CPU (the supervisor's own is negligible)
     d["process_cpu_seconds_total"] = d["qasr_worker_cpu_seconds"]
-wall = sum(d[k] for k in ("admit", "decode_gpu", "decode_host", "idle")) or 1.0
+kinds = [k for k in ("admit", "decode_gpu", "decode_host", "align", "idle") if k in d]  # align: with an aligner
+wall = sum(d[k] for k in kinds) or 1.0
 engines = int(b["engines"])  # DEVICES: the engine rows are summed over the engines: per second, per engine
 run_s = wall / engines
-print(f"engine thread over {wall:.1f} s:", ", ".join(f"{k} {d[k] / wall:.0%}" for k in ("admit", "decode_gpu", "decode_host", "idle")),
+print(f"engine thread over {wall:.1f} s:", ", ".join(f"{k} {d[k] / wall:.0%}" for k in kinds),
       f"| steps/s {d['qasr_engine_steps'] / wall:.0f} | CPU/s: engine thread {d['qasr_engine_thread_cpu_seconds'] / wall:.2f},"
       f" engine process {d['qasr_engine_process_cpu_seconds'] / wall:.2f}, server process {d['process_cpu_seconds_total'] / run_s:.2f}"
       + (f" | {engines} engines, per engine" if engines > 1 else ""))

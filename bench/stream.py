@@ -7,6 +7,7 @@
     qasr-bench stream --protocol twilio ...     # Twilio calls on /v1/twilio (--tracks both: caller and agent)
     qasr-bench stream --sample-rate 8000 --encoding mulaw --chunk-ms 20 ...   # native, a Twilio call's audio
     qasr-bench stream --words ...               # native streams ask for word times (a server with --aligner)
+    qasr-bench stream --words-fraction 0.5 ...  # half of them ask: final latency with and without words, apart
     qasr-bench stream --label "1 GPU" --out run.json ...                      # a run that belongs to a scaling line
     qasr-bench stream --plot scaling.png --from run-*.json                    # no run: the scaling curve of runs
 
@@ -29,6 +30,10 @@ live (start + stream time / speed):
 - server CPU: from /proc/<pid>/stat and every descendant's (--server-pid, same machine: with --workers the supervisor,
   its workers and engine processes), else `process_cpu_seconds_total` plus the engine process's
   `qasr_engine_process_cpu_seconds` on /metrics; also per second of audio and per stream.
+
+With --words-fraction F (--words: F = 1) the clients that ask for word times are spread evenly over the clients
+(client i asks when floor((i + 1) F) > floor(i F)), and the final latencies are also given apart for the streams that
+asked and those that did not ("by_words"): the aligner must not delay the finals of streams that did not ask.
 
 Prints p50/p90/p95/p99/max per metric, writes JSON (--out) and a plot (--plot, needs matplotlib). Stops by itself:
 --duration of streaming, then at most --drain-timeout-s of waiting for finals.
@@ -189,6 +194,17 @@ class CpuSampler:
 
 # ---- analysis ----------------------------------------------------------------------------------------------------
 
+WORDS_METRICS = ("final_latency_ms", "end_to_final_ms")  # what "by_words" gives apart
+
+
+def asks_for_words(index: int, fraction: float) -> bool:
+    """Whether client `index` asks for word times when a `fraction` of the clients do: spread evenly (every other
+    client at 0.5), so that the two groups start across the whole stagger and share the client processes alike;
+    the first n clients hold floor(n x fraction) that ask."""
+    if fraction >= 1:
+        return True
+    return math.floor((index + 1) * fraction + 1e-9) > math.floor(index * fraction + 1e-9)
+
 
 def segment_key(event: dict) -> tuple:
     """A segment's identity: its id within its channel (a two-track call numbers each track's segments)."""
@@ -239,17 +255,18 @@ def distribution(values: list[float]) -> dict:
     return stats
 
 
-def analyse(records: list[ClientRecord]) -> tuple[dict, list[dict]]:
+def analyse(records: list[ClientRecord], words_fraction: float = 0.0) -> tuple[dict, list[dict]]:
     pooled: dict[str, list[float]] = {key: [] for key in METRICS}
     sessions = []
     for record in records:
         metrics = client_metrics(record)
         for key, values in metrics.items():
             pooled[key] += values
+        asked = words_fraction > 0 and asks_for_words(record.index, words_fraction)
         kinds = [event.get("type") for _, event in record.events]
         missing, extra = finals_per_segment(record)
         sessions.append({
-            "client": record.index, "session_id": record.session_id, "close_code": record.close_code,
+            "client": record.index, "session_id": record.session_id, "words": asked, "close_code": record.close_code,
             "error": record.error, "drained": record.drained, "audio_seconds": record.audio_seconds,
             "segments": kinds.count("speech_started"), "partials": kinds.count("partial"),
             "finals": kinds.count("final"), "errors": kinds.count("error"),
@@ -259,6 +276,23 @@ def analyse(records: list[ClientRecord]) -> tuple[dict, list[dict]]:
             "metrics": {key: distribution(values) for key, values in metrics.items()},
         })
     return {key: distribution(values) for key, values in pooled.items()}, sessions
+
+
+def by_words(records: list[ClientRecord], sessions: list[dict]) -> dict:
+    """The finals' latencies of the streams that asked for word times and of those that did not, apart, with how many
+    clients each group had."""
+    groups = {"with_words": [], "without_words": []}
+    for record, session in zip(records, sessions):
+        groups["with_words" if session["words"] else "without_words"].append(record)
+    out = {}
+    for name, members in groups.items():
+        samples = {key: [] for key in WORDS_METRICS}
+        for record in members:
+            metrics = client_metrics(record)
+            for key in WORDS_METRICS:
+                samples[key] += metrics[key]
+        out[name] = {"clients": len(members), **{key: distribution(values) for key, values in samples.items()}}
+    return out
 
 
 def cpu_costs(cpu: dict | None, audio_seconds: float, clients: int) -> dict | None:
@@ -289,6 +323,13 @@ def print_table(summary: dict, out: dict) -> None:
             continue
         print(f"{label:<32} {stats['n']:>6} " + " ".join(f"{stats[f'p{p}']:8.1f}" for p in PERCENTILES)
               + f" {stats['max']:8.1f}")
+    for group, label in (("with_words", "streams with words"), ("without_words", "streams without words")):
+        stats = out.get("by_words", {}).get(group, {}).get("final_latency_ms")
+        if stats is None:
+            continue
+        clients = out["by_words"][group]["clients"]
+        line = f"{'final (endpoint ->), ' + label:<44} {clients:>4} clients {stats['n']:>6} finals"
+        print(line + ("" if not stats["n"] else " " + " ".join(f"p{p} {stats[f'p{p}']:.1f}" for p in (50, 95, 99))))
     cpu = out["server_cpu"]
     if cpu:
         print(f"server CPU: {cpu['mean_percent_of_one_core']:.0f}% of one core on average"
@@ -365,6 +406,11 @@ async def run_clients(args, indices: list[int], bench_start: float, stop_at: flo
     records = [ClientRecord(i, speed=args.speed) for i in indices]
     run_client = CLIENTS[args.protocol]
 
+    def client_args(index: int):  # the native client reads `words`: whether this one asks (--words-fraction)
+        if args.words_fraction <= 0:
+            return args
+        return argparse.Namespace(**{**vars(args), "words": asks_for_words(index, args.words_fraction)})
+
     async def staggered(record: ClientRecord) -> None:
         # a second track (a call's agent) is another client's audio: different speech, its own pauses
         tracks = [client_audio(source, args.duration * args.speed, record.index + k * args.clients)
@@ -372,7 +418,8 @@ async def run_clients(args, indices: list[int], bench_start: float, stop_at: flo
         due = bench_start + args.stagger_s * record.index / max(1, args.clients)
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         # a client that starts late (a --processes child still importing) still streams its whole --duration
-        await run_client(args, record, tracks, max(stop_at, time.perf_counter() + args.duration), bench_start)
+        await run_client(client_args(record.index), record, tracks, max(stop_at, time.perf_counter() + args.duration),
+                         bench_start)
 
     await asyncio.gather(*(staggered(r) for r in records))
     return records
@@ -437,7 +484,7 @@ async def bench(args) -> dict:
             bar.update(max(0, min(round(elapsed), bar.total) - bar.n))
     records = await clients
     tmp.cleanup()
-    summary, sessions = analyse(records)
+    summary, sessions = analyse(records, args.words_fraction)
     totals = {key: sum(session[key] for session in sessions)
               for key in ("segments", "partials", "finals", "finals_with_words", "errors", "missing_finals",
                           "extra_finals", "audio_seconds")}
@@ -446,11 +493,13 @@ async def bench(args) -> dict:
         "config": {"protocol": args.protocol, "url": endpoint(args.url, args.protocol), "clients": args.clients,
                    "tracks": num_tracks(args), "duration_s": args.duration, "speed": args.speed,
                    "chunk_ms": args.chunk_ms, "audio_format": audio_format(args), "partial_interval_ms": args.partial_interval_ms,
-                   "language": args.language, "words": args.words, "label": args.label,
+                   "language": args.language, "words": args.words_fraction > 0,
+                   "words_fraction": args.words_fraction, "label": args.label,
                    "audio": args.audio or "generated utterances with pauses", "stagger_s": args.stagger_s, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
         "wall_seconds": time.perf_counter() - bench_start,
         "totals": totals,
         "summary": summary,
+        **({"by_words": by_words(records, sessions)} if args.words_fraction > 0 else {}),
         "server_cpu": cpu_costs(cpu.summary(), totals["audio_seconds"], args.clients),
         "server_cpu_series": cpu.series,
         "sessions": sessions,
@@ -497,9 +546,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="force a language: a name or code (openai sends it as given, e.g. en; twilio as the "
                         "qasr_language custom parameter) "
                         "(default: the model detects it)")
-    p.add_argument("--words", action="store_true",
-                   help="native: every stream asks for word times on its finals (the server needs --aligner; "
-                        "finals_with_words counts those that carried some)")
+    words = p.add_mutually_exclusive_group()
+    words.add_argument("--words", action="store_true",
+                       help="native: every stream asks for word times on its finals (the server needs --aligner; "
+                            "finals_with_words counts those that carried some); the same as --words-fraction 1")
+    words.add_argument("--words-fraction", type=float, default=0.0, metavar="F",
+                       help="native: this fraction of the streams (spread evenly over the clients) ask for word "
+                            "times; final latency is also reported apart for the streams with and without words "
+                            "(default: %(default)s)")
     p.add_argument("--stagger-s", type=float, default=1.0,
                    help="client starts are spread over this long (default: %(default)s)")
     p.add_argument("--drain-timeout-s", type=float, default=60.0,
@@ -553,8 +607,12 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("need --clients >= 1, --duration > 0, --speed > 0, --chunk-ms >= 10 and --processes >= 1")
     if args.tracks != "inbound" and args.protocol != "twilio":
         parser.error(f"--tracks {args.tracks} is for --protocol twilio")
-    if args.words and args.protocol != "native":
-        parser.error("--words is for --protocol native (the others cannot ask for word times)")
+    if args.words:
+        args.words_fraction = 1.0
+    if not 0 <= args.words_fraction <= 1:
+        parser.error("--words-fraction must be between 0 and 1")
+    if args.words_fraction > 0 and args.protocol != "native":
+        parser.error("--words and --words-fraction are for --protocol native (the others cannot ask for word times)")
     if (args.sample_rate, args.encoding) != (SAMPLE_RATE, "s16le") and args.protocol != "native":
         parser.error("--sample-rate and --encoding are for --protocol native (the others send their own format)")
     try:

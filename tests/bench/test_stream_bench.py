@@ -117,6 +117,53 @@ def test_words_ask_every_native_stream_for_word_times_and_count_the_finals_that_
     assert all("unsupported" in session["error"] for session in refused["sessions"])
 
 
+class SlowWordsEngine(FakeEngine):
+    """The fake engine, with every final that asked for word times held WORDS_DELAY_S longer (a busy aligner)."""
+
+    WORDS_DELAY_S = 0.3
+
+    async def transcribe(self, request):
+        result = await super().transcribe(request)
+        if request.words:
+            await asyncio.sleep(self.WORDS_DELAY_S)
+        return result
+
+
+def test_words_fraction_spreads_the_clients_that_ask_evenly():
+    assert [stream_bench.asks_for_words(i, 0.5) for i in range(6)] == [False, True] * 3
+    assert [i for i in range(10) if stream_bench.asks_for_words(i, 0.3)] == [3, 6, 9]
+    for fraction in (0.1, 0.25, 0.3, 0.5, 0.7, 0.9):  # the first n clients hold floor(n x fraction) that ask
+        for n in (1, 7, 10, 100, 600):
+            assert sum(stream_bench.asks_for_words(i, fraction) for i in range(n)) == int(n * fraction + 1e-9)
+    assert all(stream_bench.asks_for_words(i, 1.0) for i in range(20))
+    assert not any(stream_bench.asks_for_words(i, 0.0) for i in range(20))
+
+
+def test_words_fraction_reports_final_latency_apart_for_streams_with_and_without_words():
+    """Half the clients ask (1 and 3 of 4); the finals with words are held longer by the engine, and each group's
+    latencies are exactly its own clients' finals."""
+    argv = ["--clients", "4", "--duration", "3", "--speed", "2", "--stagger-s", "0.2", "--partial-interval-ms",
+            "300", "--drain-timeout-s", "20", "--no-progress", "--words-fraction", "0.5"]
+    with ThreadedServer(lambda: SlowWordsEngine(delay_s=0.005), stream_limits=StreamLimits(word_times=True)) as server:
+        result = stream_bench.main(["--url", server.url, *argv])
+    assert result["config"]["words"] is True and result["config"]["words_fraction"] == 0.5
+    sessions = result["sessions"]
+    assert result["totals"]["failed_clients"] == 0
+    assert [session["words"] for session in sessions] == [False, True, False, True]
+    for session in sessions:
+        assert session["finals"] >= 1
+        assert session["finals_with_words"] == (session["finals"] if session["words"] else 0)
+    split = result["by_words"]
+    for group, asked in (("with_words", True), ("without_words", False)):
+        mine = [session for session in sessions if session["words"] is asked]
+        assert split[group]["clients"] == 2
+        assert split[group]["final_latency_ms"]["n"] == sum(session["finals"] for session in mine)
+        assert split[group]["end_to_final_ms"]["n"] == sum(session["finals"] for session in mine)
+    assert split["with_words"]["final_latency_ms"]["p50"] >= SlowWordsEngine.WORDS_DELAY_S * 1e3
+    assert (split["with_words"]["final_latency_ms"]["n"] + split["without_words"]["final_latency_ms"]["n"]
+            == result["summary"]["final_latency_ms"]["n"])
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit) as refused:
         stream_bench.main(["--clients", "0"])
@@ -125,7 +172,8 @@ def test_bad_arguments_are_refused():
         stream_bench.main(["--server-pid", "999999999"])
     for argv in (["--sample-rate", "44100"], ["--encoding", "alaw"],
                  ["--protocol", "openai", "--sample-rate", "8000"], ["--protocol", "twilio", "--encoding", "mulaw"],
-                 ["--protocol", "openai", "--words"]):
+                 ["--protocol", "openai", "--words"], ["--protocol", "openai", "--words-fraction", "0.5"],
+                 ["--words-fraction", "1.5"], ["--words-fraction", "-0.1"], ["--words", "--words-fraction", "0.5"]):
         with pytest.raises(SystemExit) as refused:  # native only, at the rates and encodings the adapters get
             stream_bench.main(argv)
         assert refused.value.code == 2, argv
