@@ -23,7 +23,7 @@ def decode_pcm(data: bytes | bytearray | memoryview, encoding: str, channels: in
     """Decode interleaved PCM into float32 [frames, channels] in [-1, 1] (a fresh, writable array).
 
     Raises AudioError on an unknown encoding, bytes that are not whole samples on every channel, or (f32le)
-    NaN/inf samples.
+    NaN/inf samples; f32le samples beyond full scale are clipped to [-1, 1].
     """
     if encoding not in ENCODINGS:
         raise AudioError(f"unknown PCM encoding {encoding!r}: use one of {', '.join(ENCODINGS)}")
@@ -39,6 +39,7 @@ def decode_pcm(data: bytes | bytearray | memoryview, encoding: str, channels: in
         samples = np.frombuffer(data, dtype="<f4").astype(np.float32)  # native byte order, writable copy
         if not np.isfinite(samples).all():
             raise AudioError("f32le audio contains NaN or infinite samples")
+        np.clip(samples, -1.0, 1.0, out=samples)  # a float source can overshoot full scale; the model expects [-1, 1]
     else:
         samples = g711.decode(data, encoding)
     return samples.reshape(-1, channels)

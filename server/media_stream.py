@@ -311,6 +311,8 @@ class MediaStreamAdapter:
         if self.settings is not None:
             raise MalformedMessage("the stream has already started: `start` comes once")
         call_id, stream_id, track_names, media_format, parameters, metadata = self._parse_start(message)
+        if not call_id:  # the calls registry keys on it (found by the nightly fuzz: "" got through as a ValueError)
+            raise MalformedMessage(f"{message.get('event', 'start')}: the call id is empty")
         self.format = media_format
         self.settings = stream_settings(self.defaults, self.limits, sample_rate=media_format.sample_rate,
                                         encoding=media_format.encoding, num_tracks=len(track_names),
@@ -361,7 +363,8 @@ class MediaStreamAdapter:
         digit = field(message, "dtmf.digit")
         if len(digit) != 1 or digit not in "0123456789*#ABCDabcd":
             raise MalformedMessage(f"dtmf: {digit!r} is not a DTMF digit")
-        name = self._track_name(message["dtmf"].get("track") or self._dtmf_track())
+        track = field(message, "dtmf.track") if message["dtmf"].get("track") else self._dtmf_track()
+        name = self._track_name(track)
         channel = self.tracks.get(name, 0)
         self.call.dtmf(digit.upper(), self.aligner.position(channel) / self.format.sample_rate, channel)
 

@@ -23,6 +23,12 @@ def test_decode_pcm_decodes_the_wire_encodings():
     assert decode_pcm(b"", "s16le").shape == (0, 1)
 
 
+def test_f32le_beyond_full_scale_is_clipped():
+    """Found by the nightly fuzz: 2.0 went through to the model, which expects [-1, 1]."""
+    floats = np.array([2.0, -3.5, 0.25, 1.0000001], dtype="<f4")
+    np.testing.assert_array_equal(decode_pcm(floats.tobytes(), "f32le")[:, 0], [1.0, -1.0, 0.25, 1.0])
+
+
 def test_interleaved_channels_become_columns():
     frames = np.array([[1, 2, 3], [-4, -5, -6]], dtype="<i2")  # [frames, channels]
     np.testing.assert_array_equal(decode_pcm(frames.tobytes(), "s16le", 3) * 32768, frames)

@@ -127,6 +127,9 @@ def test_unknown_events_are_noticed_and_marks_ignored():
     # found by the fuzz run: a top-level streamSid that is not a string escaped as a TypeError
     ('{"event": "start", "sequenceNumber": "1", "streamSid": ["MZ"], "start": {"callSid": "CA", "tracks": ["inbound"],'
      ' "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}', "streamSid has the wrong type"),
+    # found by the nightly fuzz: an empty callSid escaped as the call registry's ValueError
+    ('{"event": "start", "sequenceNumber": "1", "streamSid": "MZ", "start": {"callSid": "", "tracks": ["inbound"],'
+     ' "mediaFormat": {"encoding": "audio/x-mulaw", "sampleRate": 8000, "channels": 1}}}', "call id is empty"),
 ])
 def test_malformed_frames_close_the_connection(frame, match):
     with pytest.raises(MalformedMessage, match=match):
@@ -187,3 +190,14 @@ def test_decoding_matches_the_shared_g711_table():
     [audio] = [c for c in commands if isinstance(c, Audio)]
     from call_replay import mulaw
     np.testing.assert_array_equal(audio.samples[:, 0], decode_pcm(mulaw(caller), "mulaw")[:, 0])
+
+
+def test_a_dtmf_track_that_is_not_a_string_is_malformed():
+    """Found by the nightly fuzz: a list as the dtmf track escaped as an AttributeError."""
+    frames = twilio_call(tone(300, 0.02), None)
+    twilio = adapter()
+    feed(twilio, frames[:2])
+    dtmf = {"event": "dtmf", "streamSid": json.loads(frames[1][1])["streamSid"], "sequenceNumber": "50",
+            "dtmf": {"track": ["inbound_track"], "digit": "5"}}
+    with pytest.raises(MalformedMessage, match="dtmf.track has the wrong type"):
+        twilio.receive(json.dumps(dtmf))
