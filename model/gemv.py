@@ -13,6 +13,9 @@ order and rounds to the activation dtype, as nn.Linear's output would be rounded
 Row independence: a row's result depends only on its own input and on the config, and the config is chosen per weight
 shape (N, K), never per batch, so every bucket up to `max_rows()` runs the same reduction order: a row gets the same
 bits whatever its batch mates and its bucket. More than 16 rows are more programs over the same 16-row tile.
+
+With $QASR_PDL=1 these kernels take part in programmatic dependent launch as kernels.py's do (see its docstring):
+each program waits for the kernel before it before its first load.
 """
 
 from __future__ import annotations
@@ -62,11 +65,14 @@ class GemvConfig:
 
 if triton is not None:
 
+    _await_inputs = kernels._await_inputs
+
     @triton.jit
     def _gemv_kernel(X, W, OUT, M, N, K, stride_xm, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         # program (row tile, column block, split): OUT[split, m, n] = sum over this split's k of X[m, k] W[n, k]
         # (OUT float32 partials) or, with one split, the product rounded to OUT's dtype
+        _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)
@@ -85,9 +91,10 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_silu_kernel(X, W, OUT, M, I, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         # program (row tile, column block): OUT[m, n] = silu(gate) * up for gate = X W[n].T and up = X W[I + n].T,
         # each rounded where F.silu(gate) * up of nn.Linear's outputs rounds (as kernels.silu_mul does)
+        _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask, cmask = rows < M, cols < I
@@ -161,7 +168,7 @@ def _launch_products(x, weight, out, config: GemvConfig) -> None:
     grid = (_row_tiles(M), triton.cdiv(N, config.block_n), config.splits(K))
     _gemv_kernel[grid](x, weight, out, M, N, K, x.stride(0), K_SPLIT=config.k_per_split(K), BLOCK_M=BLOCK_M,
                        BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=_precision(x),
-                       num_warps=config.num_warps, num_stages=config.num_stages)
+                       num_warps=config.num_warps, num_stages=config.num_stages, **kernels.pdl_options(x.device))
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
@@ -176,7 +183,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | Non
     grid = (_row_tiles(M), triton.cdiv(I, config.block_n))
     _gate_up_silu_kernel[grid](x, weight, out, M, I, K, x.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
                                BLOCK_K=config.block_k, PRECISION=_precision(x), num_warps=config.num_warps,
-                               num_stages=config.num_stages)
+                               num_stages=config.num_stages, **kernels.pdl_options(x.device))
     return out
 
 

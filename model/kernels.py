@@ -11,10 +11,22 @@ add+RMSNorm and q/k-norm+RoPE kernels then take the matmul's split-K partial sum
 Each kernel rounds to the activation dtype wherever the PyTorch reference does (modeling.py), so the two paths differ
 only in reduction order. Every row is computed by its own programs: a row's result never depends on its batch mates.
 The tests run them on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
+
+Programmatic dependent launch ($QASR_PDL=1, Hopper and later; off by default): every kernel here and in gemv.py is
+then launched with the PDL attribute, so the GPU may start its programs while the kernel before it in the stream is
+still running (CUDA graph capture keeps this as a programmatic edge). Each program's first statement is
+`_await_inputs`: it waits until the previous kernel has finished and its writes are visible, and only then lets the
+next kernel launch. As every PDL kernel waits before it touches memory, a kernel's completion implies its
+predecessors' completions too, so reading an output from several kernels back (the residual stream) stays safe, and
+kernels from cuBLAS or PyTorch between them simply start after the previous kernel ends, as they always did. What
+overlaps is one kernel's launch, scheduling and prologue with the tail of the one before. The interpreter never sees
+the calls: the flag is a constexpr, off wherever the kernels do not run on a GPU that has PDL.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 
@@ -26,6 +38,10 @@ try:
 except ImportError:  # CPU-only installs: the decoder uses its PyTorch path
     triton = None
 
+log = logging.getLogger(__name__)
+
+PDL_ENV = "QASR_PDL"  # "1": programmatic dependent launch where the GPU has it (use_pdl); "0" (default): none
+
 
 def available(device: torch.device) -> bool:
     """Whether the fused kernels can run on tensors of `device`."""
@@ -34,7 +50,45 @@ def available(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def pdl_requested() -> bool:
+    """Whether $QASR_PDL asks for programmatic dependent launch ("1"; "0" or unset: no)."""
+    value = os.environ.get(PDL_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def use_pdl(device: torch.device) -> bool:
+    """Whether kernels launched now on `device` use programmatic dependent launch: asked for ($QASR_PDL=1), on a CUDA
+    GPU of compute capability 9.0 or later, with a Triton that has grid dependency control, never in the interpreter.
+    Read at every launch, so a graph captured with it on keeps it (kernel_check captures both ways in one process)."""
+    if not pdl_requested() or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_supported(index: int) -> bool:
+    major, minor = torch.cuda.get_device_capability(index)
+    has_gdc = triton is not None and hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
+    if major < 9 or not has_gdc:
+        log.warning("%s=1 ignored on cuda:%d: programmatic dependent launch needs compute capability 9.0+ (this GPU "
+                    "has %d.%d) and a Triton with tl.extra.cuda.gdc_wait (%s)", PDL_ENV, index, major, minor,
+                    "present" if has_gdc else "missing")
+        return False
+    return True
+
+
 if triton is not None:
+
+    @triton.jit
+    def _await_inputs(PDL: tl.constexpr):
+        # With programmatic dependent launch this program may be running before the kernel ahead of it has finished:
+        # wait for that kernel (all its programs done, their writes visible) before any load or store, then allow the
+        # next kernel to launch (it waits the same way). Without PDL (and in the interpreter): nothing.
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
 
     @triton.jit
     def _load_input(X, offs, mask, split_stride, SPLITS: tl.constexpr, OUT):
@@ -49,8 +103,9 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(X, R, W, Y, D, eps, split_stride, SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         BLOCK: tl.constexpr, PDL: tl.constexpr):
         # one row: h = residual + x (stored back into the residual) or h = x; y = norm(h) * w
+        _await_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
@@ -69,10 +124,11 @@ if triton is not None:
     def _qk_norm_rope_store_kernel(
         QKV, Q, K_CACHE, V_CACHE, QW, KW, COS, SIN, ROPE_POS, SLOT, WRITE_POS,
         stride_qkv, stride_cs, stride_ch, stride_cl, eps, split_stride,
-        H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr,
+        H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr,
     ):
         # program (token n, head j): j < H is a query head (-> Q[n, j]); j >= H is KV head j - H, whose normed and
         # rotated key and plain value go to the cache at [slot[n], j - H, write_pos[n]]
+        _await_inputs(PDL)
         n = tl.program_id(0).to(tl.int64)
         j = tl.program_id(1)
         half = tl.arange(0, HD // 2)
@@ -114,10 +170,12 @@ if triton is not None:
     def _decode_attention_kernel(
         Q, K, V, OUT, POS, stride_cs, stride_ch, stride_cl, scale,
         H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # program (row b, kv head): the G query heads sharing that KV head attend over positions 0 .. POS[b] of slot b
         # (a padding row, POS < 0, attends to position 0 only). The G heads are padded to a G_BLOCK >= 16 tile so
         # both products run on tensor cores; online softmax in float32, as flash attention does.
+        _await_inputs(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         g = tl.arange(0, G_BLOCK)
@@ -152,13 +210,14 @@ if triton is not None:
     def _prefill_attention_kernel(
         Q, K, V, OUT, SLOTS, STARTS, LENGTHS, T, stride_cs, stride_ch, stride_cl, scale,
         H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
         # program (sequence b, block of BLOCK_M of its new tokens, kv head): token t (at position starts[b] + t)
         # attends over positions 0 .. its own of slot slots[b], whose K/V (cached prefix and the new tokens) are
         # already in the cache. Tile rows are (token, query head of this KV head) pairs. A padded token
         # (t >= lengths[b]) attends to position 0 only. Keys past a row's position get exactly zero weight, so a row
         # does not depend on the other rows of its tile: a sequence's result does not depend on its batch.
+        _await_inputs(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(2)
         r = tl.arange(0, BLOCK_M * G_BLOCK)
@@ -194,8 +253,9 @@ if triton is not None:
         tl.store(OUT + q_rows[:, None] + d[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
 
     @triton.jit
-    def _silu_mul_kernel(GU, OUT, I, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(GU, OUT, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # [N, 2I] gate|up -> [N, I] silu(gate) * up, rounded after the silu as F.silu(gate) * up is
+        _await_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
@@ -208,8 +268,9 @@ if triton is not None:
 
     @triton.jit
     def _advance_rows_kernel(NXT, TOKENS, POSITIONS, COUNTS, BUDGETS, EOS, OUT, B, stride_out,
-                             NUM_EOS: tl.constexpr, BLOCK: tl.constexpr):
+                             NUM_EOS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # the decode step's bookkeeping for rows [0, B) in one launch (see advance_rows)
+        _await_inputs(PDL)
         b = tl.arange(0, BLOCK)
         m = b < B
         nxt = tl.load(NXT + b, mask=m, other=0)
@@ -225,6 +286,13 @@ if triton is not None:
         tl.store(TOKENS + b, tl.where(live, nxt, tl.load(TOKENS + b, mask=m, other=0)), mask=m)
         tl.store(POSITIONS + b, tl.where(live & ~finished, pos + 1, -1), mask=m)
         tl.store(COUNTS + b, counts, mask=m)
+
+def pdl_options(device: torch.device) -> dict:
+    """The launch arguments of a kernel here or in gemv.py: its PDL constexpr and Triton's launch_pdl, both on or off
+    together (use_pdl)."""
+    on = use_pdl(device)
+    return {"PDL": on, "launch_pdl": on}
+
 
 def _splits(x: torch.Tensor, dtype: torch.dtype) -> int:
     """0 for a plain input of `dtype` [N, W]; S for float32 split-K partial sums [S, N, W] (gemv.partial_products)."""
@@ -248,7 +316,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     y = torch.empty((N, D), dtype=dtype, device=x.device)
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(N,)](x, residual if residual is not None else x, weight, y, D, eps, N * D, SPLITS=splits,
-                           HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)))
+                           HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+                           **pdl_options(x.device))
     return y
 
 
@@ -273,7 +342,7 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write
     _qk_norm_rope_store_kernel[(N, num_heads + num_kv_heads)](
         qkv, q, k_cache, v_cache, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos,
         qkv.stride(-2), sc, sh, sl, eps, N * qkv.shape[-1], H=num_heads, KVH=num_kv_heads, HD=hd, SPLITS=splits,
-        num_warps=1)
+        num_warps=1, **pdl_options(qkv.device))
     return q
 
 
@@ -291,7 +360,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     sc, sh, sl, _ = k_cache.stride()
     _decode_attention_kernel[(B, kvh)](
         q, k_cache, v_cache, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
-        H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, num_warps=4)
+        H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, num_warps=4,
+        **pdl_options(q.device))
     return out
 
 
@@ -315,7 +385,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_m = max(1, 32 // g_block)  # 32 tile rows: (token, query head) pairs
     _prefill_attention_kernel[(B, triton.cdiv(T, block_m), kvh)](
         q, k_cache, v_cache, out, slots, starts, lengths, T, sc, sh, sl, 1.0 / math.sqrt(hd),
-        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, num_warps=4)
+        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, num_warps=4, **pdl_options(q.device))
     return out
 
 
@@ -326,7 +396,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     I = two_i // 2
     out = torch.empty((N, I), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(N, triton.cdiv(I, block))](gate_up, out, I, BLOCK=block, num_warps=4)
+    _silu_mul_kernel[(N, triton.cdiv(I, block))](gate_up, out, I, BLOCK=block, num_warps=4,
+                                                 **pdl_options(gate_up.device))
     return out
 
 
@@ -343,4 +414,5 @@ def advance_rows(next_tokens: torch.Tensor, tokens: torch.Tensor, positions: tor
     for t in (next_tokens, tokens, positions, counts, budgets, eos, out):
         assert t.dtype == torch.long and t.is_contiguous()
     _advance_rows_kernel[(1,)](next_tokens, tokens, positions, counts, budgets, eos, out, B, out.stride(0),
-                               NUM_EOS=eos.shape[0], BLOCK=max(16, triton.next_power_of_2(B)), num_warps=4)
+                               NUM_EOS=eos.shape[0], BLOCK=max(16, triton.next_power_of_2(B)), num_warps=4,
+                               **pdl_options(out.device))

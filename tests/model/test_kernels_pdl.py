@@ -1,0 +1,142 @@
+"""Programmatic dependent launch ($QASR_PDL, model/kernels.py): when it is on and where it is off, and what the
+compiled kernels do with it.
+
+No GPU here, but Triton compiles for one: each kernel of kernels.py and gemv.py is compiled for sm_90 (Hopper) with its
+PDL flag on and off, and the PTX must wait for the previous kernel (griddepcontrol.wait) before its first global load
+or store, allow the next one to launch, and carry neither instruction with the flag off. In Triton's interpreter (the CPU
+tests) the switch on must change nothing: the flag stays off there and the engine's tokens are the same.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from qasr.model import gemv, kernels  # noqa: E402
+
+# every kernel of the two modules, with a signature and constexprs at the 0.6B decoder's shapes (bf16, split-K inputs)
+KERNELS = {
+    "_rms_norm_kernel": (kernels, {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "D": "i32", "eps": "fp32",
+                                   "split_stride": "i32"},
+                         {"SPLITS": 2, "HAS_RESIDUAL": True, "BLOCK": 1024}),
+    "_qk_norm_rope_store_kernel": (kernels, {
+        "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "QW": "*bf16", "KW": "*bf16",
+        "COS": "*bf16", "SIN": "*bf16", "ROPE_POS": "*i64", "SLOT": "*i64", "WRITE_POS": "*i64", "stride_qkv": "i32",
+        "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "eps": "fp32", "split_stride": "i32"},
+        {"H": 16, "KVH": 8, "HD": 128, "SPLITS": 2}),
+    "_decode_attention_kernel": (kernels, {
+        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "POS": "*i64", "stride_cs": "i32", "stride_ch": "i32",
+        "stride_cl": "i32", "scale": "fp32"}, {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64}),
+    "_prefill_attention_kernel": (kernels, {
+        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "SLOTS": "*i64", "STARTS": "*i64",
+        "LENGTHS": "*i64", "T": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "scale": "fp32"},
+        {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64}),
+    "_silu_mul_kernel": (kernels, {"GU": "*bf16", "OUT": "*bf16", "I": "i32"}, {"BLOCK": 1024}),
+    "_advance_rows_kernel": (kernels, {
+        "NXT": "*i64", "TOKENS": "*i64", "POSITIONS": "*i64", "COUNTS": "*i64", "BUDGETS": "*i64", "EOS": "*i64",
+        "OUT": "*i64", "B": "i32", "stride_out": "i32"}, {"NUM_EOS": 2, "BLOCK": 16}),
+    "_gemv_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                            "stride_xm": "i32"},
+                     {"K_SPLIT": 256, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None}),
+    "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "M": "i32", "I": "i32", "K": "i32",
+                                    "stride_xm": "i32"},
+                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
+}
+DEVICE_FUNCTIONS = {"_await_inputs", "_load_input"}  # called from the kernels, not launched
+MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
+
+
+def launched_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
+    found = {}
+    for module in (kernels, gemv):
+        for name, value in vars(module).items():
+            if isinstance(value, triton.runtime.jit.JITFunction) and name not in DEVICE_FUNCTIONS:
+                found[name] = value
+    return found
+
+
+def compile_for_hopper(name: str, pdl: bool):
+    module, signature, constexprs = KERNELS[name]
+    fn = getattr(module, name)
+    constexprs = constexprs | {"PDL": pdl}
+    src = ASTSource(fn=fn, signature=signature | {c: "constexpr" for c in constexprs}, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl, "num_warps": 4})
+
+
+def test_every_launched_kernel_takes_the_pdl_flag_and_is_checked_here():
+    found = launched_kernels()
+    assert set(found) == set(KERNELS), "a kernel was added or renamed: give it a PDL flag and a case in KERNELS"
+    for name, fn in found.items():
+        assert "PDL" in fn.arg_names, name
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_with_pdl_each_program_waits_for_the_previous_kernel_before_touching_memory(name):
+    on = compile_for_hopper(name, True)
+    ptx = on.asm["ptx"]
+    assert on.metadata.launch_pdl
+    wait = ptx.find("griddepcontrol.wait")
+    first_access = MEMORY.search(ptx)
+    assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx
+    assert first_access is not None and wait < first_access.start(), ptx[: first_access.start() + 200]
+    off = compile_for_hopper(name, False)
+    assert not off.metadata.launch_pdl and "griddepcontrol" not in off.asm["ptx"]
+
+
+def test_the_switch_is_off_by_default_and_never_on_off_a_gpu(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(kernels.PDL_ENV, raising=False)
+    assert not kernels.pdl_requested()
+    assert kernels.pdl_options(cpu) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setenv(kernels.PDL_ENV, "1")
+    assert kernels.pdl_requested() and not kernels.use_pdl(cpu)
+    assert kernels.pdl_options(cpu) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setenv(kernels.PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="QASR_PDL"):
+        kernels.pdl_requested()
+
+
+INTERPRETED = r"""
+import json, os, sys
+import numpy as np
+from qasr.model import kernels
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.request import DecodeRequest
+
+flags = []
+real = kernels.pdl_options
+kernels.pdl_options = lambda device: flags.append(real(device)) or flags[-1]
+rng = np.random.default_rng(3)
+reqs = [DecodeRequest(audio=(0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32), max_new_tokens=5)
+        for s in (0.6, 1.3)]
+opts = dict(num_slots=2, max_len=128, num_retained=0)
+fused = Engine.from_pretrained(sys.argv[1], device="cpu", options=EngineOptions(**opts, fused_kernels=True))
+plain = Engine.from_pretrained(sys.argv[1], device="cpu", options=EngineOptions(**opts, fused_kernels=False))
+tokens = {}
+for pdl in ("1", "0"):
+    os.environ["QASR_PDL"] = pdl
+    tokens[pdl] = [r.token_ids for r in fused.transcribe(reqs)]
+tokens["plain"] = [r.token_ids for r in plain.transcribe(reqs)]
+print(json.dumps({"tokens": tokens, "launches": len(flags), "flags_on": sum(f["PDL"] or f["launch_pdl"] for f in flags)}))
+"""
+
+
+def test_in_the_interpreter_pdl_on_gives_the_same_tokens_with_the_calls_elided(tiny_model_dir):
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", INTERPRETED, str(tiny_model_dir)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    tokens = result["tokens"]
+    assert tokens["1"] == tokens["0"] == tokens["plain"] and all(len(t) == 5 for t in tokens["1"])
+    assert result["launches"] > 0 and result["flags_on"] == 0
