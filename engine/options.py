@@ -28,8 +28,12 @@ class EngineOptions:
     # least settled ones, re-decoded); 0: partials decode from the audio alone
     aligner: str | None = None  # a Qwen3-ForcedAligner checkpoint (directory or Hugging Face id), loaded beside the
     # model on its device: finals that ask get word times (qasr.engine.aligner_runner); None: no word times
-    aligner_max_batch: int = 32  # finals aligned in one aligner forward at most; one forward is in flight at a time,
-    # so this bounds the aligner's share of the GPU beside the decode steps
+    aligner_max_batch: int = 8  # finals aligned in one aligner forward at most; one forward is in flight at a time,
+    # so this bounds the aligner's share of the GPU beside the decode steps. 8, not 32: on the H200 (session 5, no
+    # priorities) a 128-row decode step took 4.8 ms beside an 8-final alignment (20 ms) and 10.0 ms beside a 32-final
+    # one (66 ms), so 8 costs decoding the fewest steps per final aligned (~0.4, vs ~0.5 at 1 and at 32) and caps the
+    # step at half the stall; 8 finals per 20 ms forward is ~400 finals a second, above the ~60 of 600 streams with
+    # words on (2,467 finals in a 40 s run)
     stream_priorities: bool = True  # decode steps and admissions on a high-priority CUDA stream, the aligner's forward
     # on the lowest (qasr.engine.streams), so that finals without words keep their pace; False: decoding on the
     # thread's default stream, as before (benchmarks compare)
