@@ -8,10 +8,10 @@ running are never preempted, so priority cuts the decode step's wait, not all of
 CUDA's default priority, 0, is also its lowest (PyTorch's range is 0 down to -3, lower is higher), so the aligner
 cannot go below decoding: decoding has to go above it. The engine thread decodes and admits on `decode_stream()`
 (the highest priority PyTorch gives); the aligner stays at `ALIGNER_PRIORITY`. A CUDA graph launched into a stream
-runs at that stream's priority, whatever stream it was captured on: measured on the H200 with PyTorch 2.11 / CUDA
-13.0 (a graph of 200 small GEMMs beside a queue of 8192^3 GEMMs on a priority-0 stream: 88 ms launched into a
-priority-0 stream, 26.5 ms into a priority -3 one, 0.8 ms alone, the same for graphs captured on either stream; the
-CUDA_GRAPHS_USE_NODE_PRIORITY environment variable changed nothing).
+runs at that stream's priority, whatever stream it was captured on: measured (bench/graph_priority.py) on the H200
+with PyTorch 2.11 / CUDA 13.0 (a graph of 100 small GEMMs and their GELUs beside a queue of 8192^3 GEMMs on a
+priority-0 stream: 88 ms launched into a priority-0 stream, 26.5 ms into a priority -3 one, 0.8 ms alone, the same
+for graphs captured on either stream; the CUDA_GRAPHS_USE_NODE_PRIORITY environment variable changed nothing).
 
 Off CUDA there are no streams: every helper returns None, and `torch.cuda.stream(None)` is a no-op context.
 """
