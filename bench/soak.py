@@ -12,12 +12,18 @@ and the event loop's asyncio tasks (qasr_event_loop_tasks from /metrics) are sam
 (exit 0) when the issue's criteria hold (#14): 0 failed streams, exactly one final per segment, RSS growth < 5% from
 the end of the warm-up to the end, and no more tasks or fds once idle after the run than idle before it. A benchmark
 script, not a test: it prints and writes a JSON report (docs/reliability.md has the runs).
+
+The streams are spread over --client-processes client processes (default: one per 100 streams, at most one per
+core), each running its share (stream i in process i % N) and handing its tallies back to this one, which samples
+the server and merges them into the one report and verdict: one Python event loop driving hundreds of streams and
+their reconnections falls behind its own sends and keepalive pings, and its failures would be the client's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import contextlib
 import json
 import os
@@ -58,6 +64,7 @@ class Sample:
     fds: int
     sessions_active: float | None = None
     tasks: float | None = None  # asyncio tasks in the server's event loop (qasr_event_loop_tasks)
+    rss_mb_by_process: dict | None = None  # pid -> MB (a local server: which process grows)
 
 
 @dataclass
@@ -72,8 +79,12 @@ class Report:
     missing_finals: int = 0
     duplicate_finals: int = 0
     problems: dict = field(default_factory=dict)  # problem -> count
+    first_failures: list = field(default_factory=list)  # [seconds into the run, stream index, problem], the first few
+    client_processes: int = 1
+    completed_per_process: list = field(default_factory=list)  # connections each client process made
     samples: list = field(default_factory=list)
     rss_growth_pct: float | None = None  # from the end of the warm-up to the end
+    rss_mb_by_process: dict | None = None  # pid -> [MB at the end of the warm-up, MB at the end] (a local server)
     threads_growth: int | None = None
     # idle before the first stream -> idle after the last one closed (the server holds nothing of them any more)
     fds_growth: int | None = None
@@ -158,27 +169,39 @@ def problem_of(error: Exception) -> str:
     """A failure's kind; a refused handshake with its HTTP status (503: loading, draining or admission control)."""
     response = getattr(error, "response", None)
     status = getattr(response, "status_code", None)
-    return f"{type(error).__name__} {status}" if status is not None else type(error).__name__
+    if status is not None:
+        return f"{type(error).__name__} {status}"
+    cause = error.__cause__ or error.__context__  # InvalidMessage: why the answer was not HTTP (EOFError: none came)
+    return f"{type(error).__name__} ({type(cause).__name__})" if cause is not None else type(error).__name__
 
 
-def proc_usage(pid: int) -> tuple[float, int, int]:
-    """(RSS MB, threads, fds) of `pid` and its child processes (the engine process), from /proc."""
-    rss, threads, fds = 0.0, 0, 0
+def proc_usage(pid: int) -> tuple[float, int, int, dict[str, float]]:
+    """(RSS MB, threads, fds, RSS MB per pid) of `pid` and its descendants (workers, engine processes), from /proc."""
+    rss, threads, fds, by_process = 0.0, 0, 0, {}
     for process in [pid, *children(pid)]:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, AttributeError):
             status = Path(f"/proc/{process}/status").read_text()
-            rss += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
-            threads += int(re.search(r"Threads:\s+(\d+)", status).group(1))
-            fds += len(os.listdir(f"/proc/{process}/fd"))
-    return rss, threads, fds
+            mb = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
+            count = int(re.search(r"Threads:\s+(\d+)", status).group(1))
+            open_fds = len(os.listdir(f"/proc/{process}/fd"))
+            rss, threads, fds, by_process[str(process)] = rss + mb, threads + count, fds + open_fds, round(mb, 1)
+    return rss, threads, fds, by_process
 
 
 def children(pid: int) -> list[int]:
-    found = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            found += [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
-    return found + [grandchild for child in found for grandchild in children(child)]
+    """Every live descendant of `pid` (with --workers: the workers and the engine processes), from each
+    /proc/<n>/stat's parent pid (/proc/<pid>/task/*/children needs a kernel option)."""
+    parents: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = stat.read_text().rpartition(")")[2].split()  # after the command, which may hold spaces
+            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, tree = [], list(parents.get(pid, []))
+    while tree:
+        process = tree.pop()
+        found.append(process)
+        tree += parents.get(process, [])
+    return found
 
 
 def scrape(metrics_url: str) -> dict[str, float]:
@@ -194,16 +217,28 @@ def scrape(metrics_url: str) -> dict[str, float]:
 
 
 async def take_sample(metrics_url: str, pid: int | None, begin: float) -> Sample:
+    by_process = None
+    if pid is not None:  # before the scrape: its own connection is not among the fds
+        rss, threads, fds, by_process = proc_usage(pid)
     metrics = {}
     with contextlib.suppress(OSError, ValueError):
         metrics = await asyncio.to_thread(scrape, metrics_url)
-    if pid is not None:
-        rss, threads, fds = proc_usage(pid)
-    else:
+    if pid is None:
         rss = metrics.get("process_resident_memory_bytes", 0.0) / 2**20
         threads, fds = 0, int(metrics.get("process_open_fds", 0))
     return Sample(round(time.monotonic() - begin, 1), round(rss, 1), threads, fds, metrics.get("qasr_sessions_active"),
-                  metrics.get("qasr_event_loop_tasks"))
+                  metrics.get("qasr_event_loop_tasks"), by_process)
+
+
+async def idle_sample(metrics_url: str, pid: int | None, begin: float, reads: int = 3, gap_s: float = 1.0) -> Sample:
+    """The idle server: the read with the fewest fds and tasks of a few, a second apart (a socket the kernel is still
+    closing, or the previous scrape's, is not growth; a leak is there in every read)."""
+    samples = []
+    for index in range(reads):
+        if index:
+            await asyncio.sleep(gap_s)
+        samples.append(await take_sample(metrics_url, pid, begin))
+    return min(samples, key=lambda sample: (sample.fds, sample.tasks if sample.tasks is not None else 0))
 
 
 async def monitor(report: Report, metrics_url: str, pid: int | None, begin: float, stop: asyncio.Event,
@@ -216,7 +251,7 @@ async def monitor(report: Report, metrics_url: str, pid: int | None, begin: floa
 
 
 async def soak(args, url: str, pid: int | None) -> Report:
-    report = Report(args.streams, args.minutes, args.stream_seconds)
+    report = Report(args.streams, args.minutes, args.stream_seconds, client_processes=args.client_processes)
     metrics_url = re.sub(r"^ws", "http", url.split("/v1/")[0]) + "/metrics"
     # one short stream first: what the server opens once, lazily (its first connection's, its first decode's), is
     # then in the idle baseline and not counted as growth
@@ -224,13 +259,49 @@ async def soak(args, url: str, pid: int | None) -> Report:
                      final_timeout_s=args.final_timeout_s)
     await asyncio.sleep(args.sample_s)
     begin = time.monotonic()
-    idle_before = await take_sample(metrics_url, pid, begin)
+    idle_before = await idle_sample(metrics_url, pid, begin)
     deadline = begin + args.minutes * 60
     stop = asyncio.Event()
     watching = asyncio.ensure_future(monitor(report, metrics_url, pid, begin, stop, args.sample_s))
 
+    if args.client_processes > 1:
+        await client_processes(args, url, begin, deadline, report)
+    else:
+        await run_streams(args, url, range(args.streams), begin, deadline, report)
+    for _ in range(60):  # the server tears the last connections down
+        await asyncio.sleep(1)
+        if report.samples and not report.samples[-1].sessions_active:
+            break
+    stop.set()
+    await watching
+    await asyncio.sleep(args.sample_s)  # closed connections' sockets and tasks are gone by now
+    idle_after = await idle_sample(metrics_url, pid, begin)
+    report.samples = [idle_before, *report.samples, idle_after]
+    warm = [sample for sample in report.samples if sample.at_s >= args.warmup_s]
+    if len(warm) >= 2:
+        first, last = warm[0], warm[-1]
+        report.rss_growth_pct = round(100 * (last.rss_mb - first.rss_mb) / max(first.rss_mb, 1e-9), 2)
+        report.threads_growth = last.threads - first.threads
+        if first.rss_mb_by_process and last.rss_mb_by_process:
+            report.rss_mb_by_process = {process: [first.rss_mb_by_process.get(process), mb]
+                                        for process, mb in last.rss_mb_by_process.items()}
+    report.fds_growth = idle_after.fds - idle_before.fds
+    if idle_before.tasks is not None and idle_after.tasks is not None:
+        report.tasks_growth = idle_after.tasks - idle_before.tasks
+    report.sessions_active_after = idle_after.sessions_active
+    report.verdict = verdict(report)
+    return report
+
+
+MAX_FIRST_FAILURES = 50
+
+
+async def run_streams(args, url: str, indices, begin: float, deadline: float, report: Report) -> None:
+    """The streams `indices` (of args.streams), each starting at its place in the ramp from `begin` (monotonic:
+    the same clock in every process of the host) and reconnecting until `deadline`; their tallies go to `report`."""
+
     async def worker(index: int) -> None:
-        await asyncio.sleep(args.ramp_s * index / args.streams)  # no handshake storm
+        await asyncio.sleep(max(0.0, begin + args.ramp_s * index / args.streams - time.monotonic()))  # no storm
         round_ = 0
         while time.monotonic() < deadline:
             audio = utterances(args.stream_seconds, seed=index * 1000 + round_)
@@ -244,30 +315,62 @@ async def soak(args, url: str, pid: int | None) -> Report:
             if not result.ok:
                 report.failed += 1
                 report.problems[result.problem] = report.problems.get(result.problem, 0) + 1
+                if len(report.first_failures) < MAX_FIRST_FAILURES:
+                    report.first_failures.append([round(time.monotonic() - begin, 1), index, result.problem])
                 await asyncio.sleep(1.0)  # a refused or broken stream does not retry in a tight loop
             round_ += 1
 
-    await asyncio.gather(*(worker(index) for index in range(args.streams)))
-    for _ in range(60):  # the server tears the last connections down
-        await asyncio.sleep(1)
-        if report.samples and not report.samples[-1].sessions_active:
-            break
-    stop.set()
-    await watching
-    await asyncio.sleep(args.sample_s)  # closed connections' sockets and tasks are gone by now
-    idle_after = await take_sample(metrics_url, pid, begin)
-    report.samples = [idle_before, *report.samples, idle_after]
-    warm = [sample for sample in report.samples if sample.at_s >= args.warmup_s]
-    if len(warm) >= 2:
-        first, last = warm[0], warm[-1]
-        report.rss_growth_pct = round(100 * (last.rss_mb - first.rss_mb) / max(first.rss_mb, 1e-9), 2)
-        report.threads_growth = last.threads - first.threads
-    report.fds_growth = idle_after.fds - idle_before.fds
-    if idle_before.tasks is not None and idle_after.tasks is not None:
-        report.tasks_growth = idle_after.tasks - idle_before.tasks
-    report.sessions_active_after = idle_after.sessions_active
-    report.verdict = verdict(report)
-    return report
+    await asyncio.gather(*(worker(index) for index in indices))
+
+
+TALLIES = ("completed", "failed", "segments", "finals", "missing_finals", "duplicate_finals")
+
+
+def merge_tallies(report: Report, part: dict) -> None:
+    """Add one client process's tallies (its Report's counts, problems and first failures) to `report`."""
+    for name in TALLIES:
+        setattr(report, name, getattr(report, name) + part[name])
+    for problem, count in part["problems"].items():
+        report.problems[problem] = report.problems.get(problem, 0) + count
+    report.first_failures = sorted(report.first_failures + part["first_failures"])[:MAX_FIRST_FAILURES]
+
+
+async def client_processes(args, url: str, begin: float, deadline: float, report: Report) -> None:
+    """--client-processes N: N child processes run the streams (stream i in process i % N) against `url` on the
+    same ramp and deadline, and write their tallies to files this process merges into `report`."""
+    n = args.client_processes
+    with tempfile.TemporaryDirectory(prefix="qasr-soak-clients-") as tmp:
+        procs = []
+        for k in range(n):
+            cmd = [sys.executable, "-m", "qasr.bench.soak", "--url", url, "--streams", str(args.streams),
+                   "--stream-seconds", repr(args.stream_seconds), "--ramp-s", repr(args.ramp_s),
+                   "--final-timeout-s", repr(args.final_timeout_s), *(["--no-partials"] if args.no_partials else []),
+                   "--client", f"{k}/{n}", "--begin", repr(begin), "--deadline", repr(deadline),
+                   "--out", f"{tmp}/tallies-{k}.json"]
+            procs.append(await asyncio.create_subprocess_exec(*cmd))
+        codes = await asyncio.gather(*(proc.wait() for proc in procs))
+        if any(codes):
+            raise RuntimeError(f"soak client processes exited with {codes}")
+        for k in range(n):
+            part = json.loads(Path(f"{tmp}/tallies-{k}.json").read_text())
+            merge_tallies(report, part)
+            report.completed_per_process.append(part["completed"])
+
+
+def run_client(args) -> int:
+    """One of --client-processes' children: its share of the streams; its tallies (a Report's) to --out."""
+    k, n = (int(part) for part in args.client.split("/"))
+    report = Report(args.streams, args.minutes, args.stream_seconds)
+    asyncio.run(run_streams(args, args.url, range(k, args.streams, n), args.begin, args.deadline, report))
+    Path(args.out).write_text(json.dumps({name: getattr(report, name)
+                                          for name in (*TALLIES, "problems", "first_failures")}))
+    return 0
+
+
+def default_client_processes(streams: int, cores: int | None = None) -> int:
+    """One client process per 100 streams, at most one per core."""
+    cores = cores or len(os.sched_getaffinity(0))
+    return max(1, min(math.ceil(streams / 100), cores))
 
 
 @contextlib.contextmanager
@@ -330,10 +433,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="checkpoint for the local server (default: a tiny random one)")
     parser.add_argument("--server-arg", dest="server_args", action="append", default=[],
                         help="extra qasr-server argument for the local server (repeatable)")
+    parser.add_argument("--client-processes", type=int, default=None,
+                        help="spread the streams over this many client processes (default: one per 100 streams, "
+                             "at most one per core); the server is sampled from this one")
     parser.add_argument("--out", default=None, help="write the JSON report here")
+    # internal: one of --client-processes' children (its share K of N, the run's monotonic start and end)
+    parser.add_argument("--client", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--begin", type=float, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.streams < 1 or args.minutes <= 0 or args.stream_seconds <= 0:
         parser.error("--streams, --minutes and --stream-seconds must be positive")
+    if args.client is not None:
+        return run_client(args)
+    if args.client_processes is None:
+        args.client_processes = default_client_processes(args.streams)
+    if args.client_processes < 1:
+        parser.error("--client-processes must be >= 1")
     with contextlib.ExitStack() as stack:
         url, pid = (args.url, args.server_pid) if args.url else stack.enter_context(local_server(args))
         report = asyncio.run(soak(args, url, pid))
