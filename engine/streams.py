@@ -18,6 +18,8 @@ Off CUDA there are no streams: every helper returns None, and `torch.cuda.stream
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 ALIGNER_PRIORITY = 0  # CUDA's lowest (and default) priority
@@ -43,3 +45,16 @@ def aligner_stream(device: torch.device | str) -> "torch.cuda.Stream | None":
     if device.type != "cuda":
         return None
     return torch.cuda.Stream(device, priority=ALIGNER_PRIORITY)
+
+
+def on_own_stream(method):
+    """Decorates an engine method to run with its object's `stream` (from `decode_stream()`) as the thread's current
+    stream, so that everything it queues (graph replays, copies, eager kernels) goes there; no stream (None, or no
+    `stream` attribute): the thread's current stream, as before."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with torch.cuda.stream(getattr(self, "stream", None)):  # a no-op context for None
+            return method(self, *args, **kwargs)
+
+    return run

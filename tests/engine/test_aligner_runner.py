@@ -315,3 +315,39 @@ def test_decoding_asks_for_the_highest_priority_and_the_aligner_for_the_lowest(m
     assert [stream.device for stream in FakeStream.made] == [torch.device("cuda", 0)] * 2
     assert decode.priority <= -3 and side.priority == 0 == streams.ALIGNER_PRIORITY  # CUDA's lowest is its default
     assert decode.waited_for == [current] and side.waited_for == []
+
+
+def test_an_engine_method_on_its_own_stream_runs_with_that_stream_current(monkeypatch):
+    """streams.on_own_stream (how the engine's step enters its decode stream): the method runs inside
+    torch.cuda.stream(self.stream), or inside the no-op context for None (no attribute: None too)."""
+    entered = []
+
+    class Recorder:
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            entered.append(("in", self.stream))
+
+        def __exit__(self, *exc):
+            entered.append(("out", self.stream))
+
+    class Stepper:
+        def __init__(self, stream):
+            self.stream = stream
+
+        @streams.on_own_stream
+        def step(self, value):
+            entered.append(("ran", value))
+            return value * 2
+
+    class Bare:
+        @streams.on_own_stream
+        def step(self):
+            return "ran"
+
+    assert Stepper(None).step(2) == 4 and Bare().step() == "ran"  # the real no-op context on a CPU
+    monkeypatch.setattr(torch.cuda, "stream", Recorder)
+    marker = object()
+    assert Stepper(marker).step(3) == 6
+    assert entered == [("ran", 2), ("in", marker), ("ran", 3), ("out", marker)]
