@@ -3,8 +3,9 @@
 In order, for a stream path (any wire adapter's):
 
     TCP accept      more than max_pending_per_address connections from the peer still in their handshake: an
-                    HTTP 429 is written and the socket closed (slow or idle handshakes cannot pile up; each is
-                    also bounded by websockets' open timeout, 10 s)
+                    HTTP 429 is written and the connection half-closed, its request discarded unread, and closed
+                    when the client closes (at most REFUSED_LINGER_S later): slow or idle handshakes cannot pile
+                    up; each is also bounded by websockets' open timeout, 10 s
     request read    Origin not allowed (browsers only; clients without an Origin pass)       -> 403
                     max_connections_per_address open connections from the client's address  -> 429
                     no valid credential where authentication is required (qasr.server.auth)  -> 401
@@ -19,6 +20,7 @@ apply there); their clients are, by address, once the request is read.
 
 from __future__ import annotations
 
+import asyncio
 import http
 import ipaddress
 import json
@@ -37,6 +39,7 @@ from qasr.server.security import SecuritySettings
 log = logging.getLogger("qasr.server")
 
 TOKENS_PATH = "/v1/tokens"
+REFUSED_LINGER_S = 2.0  # a connection refused at accept is closed this long after its 429, unless its client closed
 
 
 class AddressBook:
@@ -155,6 +158,8 @@ class GatedConnection(PingAwareConnection):
         self.peer = "?"
         self._pending = False  # counted in addresses.pending
         self._open_address: str | None = None  # counted in addresses.open
+        self._refused = False  # answered 429 at accept: what arrives is discarded until the client closes
+        self._linger: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -169,10 +174,29 @@ class GatedConnection(PingAwareConnection):
                     f"{settings.max_pending_per_address})\n").encode()
             transport.write(b"HTTP/1.1 429 Too Many Requests\r\nContent-Type: text/plain; charset=utf-8\r\n"
                             b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-            transport.close()
+            self._refuse_at_accept(transport)
             return
         book.add(book.pending, self.peer)
         self._pending = True
+
+    def _refuse_at_accept(self, transport) -> None:
+        """After the 429: half-close, discard what the client sends, and close once it has closed (or after
+        REFUSED_LINGER_S). Closing at once, with its request already received and unread, made the kernel reset the
+        connection (RST, not FIN), and a reset can destroy the 429 before the client reads it: the client saw a
+        connection dropped without an HTTP answer."""
+        self._refused = True
+        if transport.can_write_eof():
+            transport.write_eof()
+        self._linger = self.loop.call_later(REFUSED_LINGER_S, transport.abort)
+
+    def data_received(self, data: bytes) -> None:
+        if not self._refused:  # a refused connection's request is read and dropped, never parsed
+            super().data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if self._refused:
+            return None  # the client has read the 429 and closed: the transport closes
+        return super().eof_received()
 
     async def handshake(self, *args, **kwargs) -> None:
         try:
@@ -188,6 +212,8 @@ class GatedConnection(PingAwareConnection):
             self.gate.addresses.add(self.gate.addresses.open, address)
 
     def connection_lost(self, exc) -> None:
+        if self._linger is not None:
+            self._linger.cancel()
         super().connection_lost(exc)
         self._end_pending()
         if self._open_address is not None:
