@@ -196,8 +196,9 @@ class EnginePool:
 
     def stats(self) -> dict:
         """`engines`: each engine's own stats plus `streams` placed, `final_latency_ms` and `final_queue_ms` (p90s of
-        recent finals: the signal and its queue part), `headroom` and `serving` (0/1), in device order; `headroom` (the best serving engine's) and `partials_thinned`. No key is
-        both the pool's and an engine's: /metrics shows the engines' with an `engine` label."""
+        recent finals: the signal and its queue part), `headroom` and `serving` (0/1), in device order; `headroom`
+        (the best serving engine's) and `partials_thinned`. No key is both the pool's and an engine's: /metrics shows
+        the engines' with an `engine` label."""
         engines, best = [], None
         for member in self._members:
             headroom = self._headroom(member)

@@ -1,7 +1,8 @@
 """EnginePool over fake engines: new streams go to the least-loaded engine, a stream's requests all go to its engine,
 release frees its placement, a failed engine leaves the others serving, headroom follows the finals' latency (the
 round trip, never less than the engine's own account: queue + encode + prefill + decode) and the decode rows, and
-partials thin only past the target (refusing new streams comes first). (Two real engine processes: test_pool_processes.py.)
+partials thin only past the target (refusing new streams comes first). (Two real engine processes:
+test_pool_processes.py.)
 """
 
 import asyncio
