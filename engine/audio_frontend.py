@@ -46,6 +46,8 @@ class _Clip:
     lows: np.ndarray | None = None  # per computed chunk: least and greatest raw value
     highs: np.ndarray | None = None
     clip_max: float = -np.inf
+    staged: object = None  # the samples its first mel reads, staged on the host (ModelRunner.stage_samples, shared
+    # by the batch: set on the first clip of a prepared batch)
 
     @property
     def num_new_frames(self) -> int:
@@ -60,12 +62,23 @@ class AudioFrontEnd:
 
     def embed(self, clips: list[np.ndarray], states: list[StreamState | None]) -> list[AudioEmbedding]:
         """Audio embeddings of each clip; states[i]: its stream's kept front-end work (updated here), None for none."""
+        return self.run(self.prepare(clips, states))
+
+    def prepare(self, clips: list[np.ndarray], states: list[StreamState | None]) -> list[_Clip]:
+        """The host's part, before any device work (the engine does it while a decode step runs): what each clip
+        keeps, where its new frames start, and the samples they read staged for the device."""
         work = [_Clip(audio, state) for audio, state in zip(clips, states)]
         for clip in work:
             if clip.state is not None and not clip.state.continues(clip.audio):
                 clip.state.restart_audio()  # not this stream's audio: nothing kept applies
             clip.first_frame = clip.state.num_chunks * qaudio.CHUNK_FRAMES if clip.state else 0
-        self._log_spectrogram(work)
+        if work:
+            work[0].staged = self.runner.stage_samples(clips, [clip.first_frame for clip in work])
+        return work
+
+    def run(self, work: list[_Clip]) -> list[AudioEmbedding]:
+        """The device's part: prepare's clips -> their audio embeddings (states updated)."""
+        self._log_spectrogram(work, work[0].staged if work else None)
         redo = [clip for clip in work if self._floor_moved_into_kept_chunks(clip)]
         self.counters["floor_moves"] += len(redo)
         if redo:  # the clip's maximum rose and dropped kept chunks, whose frames are needed again
@@ -84,9 +97,10 @@ class AudioFrontEnd:
             out.append(AudioEmbedding(torch.cat(kept + clip_windows), len(kept)))
         return out
 
-    def _log_spectrogram(self, work: list[_Clip]) -> None:
+    def _log_spectrogram(self, work: list[_Clip], staged=None) -> None:
         """Raw frames from each clip's first frame on, and their per-chunk extremes (one host read for the batch)."""
-        log_spec = self.runner.log_spectrogram([clip.audio for clip in work], [clip.first_frame for clip in work])
+        log_spec = self.runner.log_spectrogram([clip.audio for clip in work], [clip.first_frame for clip in work],
+                                               staged)
         counts = [clip.num_new_frames for clip in work]
         lows, highs = self.runner.chunk_extremes(log_spec, counts)
         for i, clip in enumerate(work):

@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -41,6 +42,17 @@ __all__ = ["AsyncEngine", "Engine", "EngineOptions", "display_name"]
 log = logging.getLogger(__name__)
 
 IDLE_ALIGNMENT_WAIT_S = 0.002  # an idle engine waits this long for an alignment in flight, then looks for new work
+
+
+@dataclass
+class _Prepared:
+    """An admission's host work, done while a decode step ran: the sequences that fit (their prompts built), their
+    audio front end's host part, and the streams running when it was scheduled."""
+
+    seqs: list[Sequence]
+    clips: list | None  # AudioFrontEnd.prepare's answer
+    busy: set[str]
+    started: float  # perf_counter when the admission began (the end of the sequences' queue delay)
 
 
 class Engine:
@@ -73,6 +85,8 @@ class Engine:
         self.recent_batch_sizes: collections.deque[int] = collections.deque(maxlen=64)  # for metrics
         self.steps = 0
         self._last_admission = -math.inf
+        self._first_unread: list[Sequence] = []  # admitted, their first token on the device: read with the next step
+        self._scheduled: list[Sequence] = []  # taken from the queue by an admission not done yet (fail_all's too)
         # cumulative work, to measure what partials reuse: prompt positions prefilled vs copied from a retained
         # prefix, encoder windows computed vs kept from a stream's earlier partial
         # decode_rows / steps is the mean decode batch
@@ -135,17 +149,27 @@ class Engine:
         return (bool(self.scheduler.running) or len(self.scheduler) > 0
                 or (self.aligner is not None and self.aligner.has_work()))
 
+    overlap_admissions = True  # False: admit, then decode, as before the overlap (the tests compare the two)
+
     @torch.inference_mode()
     def step(self) -> None:
+        """Admit (when due) and decode one step. While rows decode, an admission overlaps the step: the step is
+        launched first (a graph's replay returns at once), the admission's host work (scheduling, prompts, the audio
+        front end's bookkeeping and staging) runs while the device decodes, then the step's tokens are read and the
+        admission's device work is queued; its rows decode from the next step on. Each row's tokens depend only on
+        its own inputs (identical inputs give identical rows), so the order changes when rows run, not what they
+        say. With nothing decoding, the admission runs whole and its rows decode in this step."""
         self._apply_releases()
         self._drop_cancelled()
-        if self.scheduler.can_admit() and self._admission_due():
+        admitting = self.scheduler.can_admit() and self._admission_due()
+        if admitting and not (self.overlap_admissions and self.scheduler.running):
             start = time.perf_counter()
             self._admit()
             self._last_admission = time.perf_counter()  # the interval counts from the end: decoding gets it whole
             self.seconds["admit"] += self._last_admission - start
+            admitting = False
         if self.scheduler.running:
-            self._decode()
+            self._decode(admitting)
         if self.aligner is not None:
             self._align()
 
@@ -197,6 +221,7 @@ class Engine:
             "steps": self.steps,
             "batch_sizes": list(self.recent_batch_sizes),
             "counters": dict(self.counters),
+            "host_reads": self.runner.host_reads,
             "prompt_templates": {"hits": self.prompts.hits, "misses": self.prompts.misses},
             **({"aligner": {"parked": len(self.aligner), "in_flight": self.aligner.num_in_flight,
                             "batches": self.aligner.num_batches, "graphed": self.aligner.num_graphed,
@@ -209,15 +234,52 @@ class Engine:
     # -- admit: schedule, encode, prefill, postprocess the first tokens ---------------------------------------------
 
     def _admit(self) -> None:
-        seqs = self.scheduler.schedule(self.options.max_prefill_tokens, lambda s: prompting.prefill_cost(s.request))
+        seqs = self._schedule()
         if seqs:
             self._admit_apart(seqs)
 
-    def _admit_apart(self, seqs: list[Sequence]) -> None:
-        """Admit `seqs` together; if that raises, each on its own, so that a request the encoder or the prefill cannot
-        take (bad shapes, a fault of its own) fails alone and its batch mates run as if it had not been there."""
+    def _schedule(self) -> list[Sequence]:
+        return self.scheduler.schedule(self.options.max_prefill_tokens, lambda s: prompting.prefill_cost(s.request))
+
+    def _prepare_admission(self) -> tuple[list[Sequence], _Prepared | None]:
+        """The host half of an admission (while a decode step runs) -> the sequences scheduled and their
+        preparation (None if it raised: the admission then does it again, and a request that cannot be prepared
+        fails alone there)."""
+        seqs = self._schedule()
+        if not seqs:
+            return seqs, None
         try:
-            self._admit_together(seqs)
+            return seqs, self._prepare(seqs)
+        except Exception:
+            log.warning("preparing an admission failed: admitting without the overlap", exc_info=True)
+            return seqs, None
+
+    def _prepare(self, seqs: list[Sequence]) -> _Prepared:
+        """Prompts and the audio front end's host part for `seqs`; a request whose prompt cannot fit is finished
+        with its error here (it alone)."""
+        started = time.perf_counter()
+        busy = self.scheduler.running_streams()
+        fitting = []
+        for seq in seqs:
+            frames = qaudio.num_frames(seq.request.audio.size)
+            try:
+                seq.prompt, seq.budget = prompting.prepare_prompt(
+                    self.prompts, self.options, seq.request, int(qaudio.num_audio_tokens(frames)),
+                    self._rolled_back_answer(seq))
+            except ValueError as e:  # this request only
+                seq.finish(e)
+                continue
+            fitting.append(seq)
+        clips = (self.frontend.prepare([seq.request.audio for seq in fitting],
+                                       [self._stream_state(seq) for seq in fitting]) if fitting else None)
+        return _Prepared(fitting, clips, busy, started)
+
+    def _admit_apart(self, seqs: list[Sequence], prepared: _Prepared | None = None) -> None:
+        """Admit `seqs` together; if that raises, each on its own, so that a request the encoder or the prefill cannot
+        take (bad shapes, a fault of its own) fails alone and its batch mates run as if it had not been there.
+        prepared: their host work, done already (while a decode step ran)."""
+        try:
+            self._admit_together(seqs, prepared)
         except Exception as error:
             left = self._undo_admission(seqs)
             if len(seqs) > 1:
@@ -245,9 +307,13 @@ class Engine:
         self.runner.stop_rows(placed)
         return left
 
-    def _admit_together(self, seqs: list[Sequence]) -> None:
-        t0 = time.perf_counter()
-        seqs, embeds, starts = self._encode(seqs)
+    def _admit_together(self, seqs: list[Sequence], prepared: _Prepared | None = None) -> None:
+        """The admission's device work (and its host work first, unless `prepared`): encode, prefill, and the rows
+        started with their first tokens left on the device (read with the next decode step's output)."""
+        if prepared is None:
+            prepared = self._prepare(seqs)
+        t0 = prepared.started
+        seqs, embeds, starts = self._encode(prepared)
         if not seqs:
             return
         t1 = time.perf_counter()
@@ -258,46 +324,28 @@ class Engine:
         first = self.runner.prefill([e[s:] for e, s in zip(embeds, starts)], slots, starts)
         self.counters["prefill_tokens"] += sum(e.shape[0] - s for e, s in zip(embeds, starts))
         self.counters["reused_tokens"] += sum(starts)
-        self._retain_prefixes(seqs)
+        self._retain_prefixes(seqs, prepared.busy)
         t2 = time.perf_counter()
-        live_slots, live_first, live_pos, live_budget = [], [], [], []
-        for seq, tok in zip(seqs, first):
+        for seq in seqs:
             seq.timings.update(queue_ms=(t0 - seq.t_submit) * 1e3, encode_ms=(t1 - t0) * 1e3,
                                prefill_ms=(t2 - t1) * 1e3)
             seq.t_decode = t2
-            reason = postprocess.stop_reason(seq, tok, self.eos_ids)
-            if reason:
-                self._complete(seq, reason)
-            else:
-                live_slots.append(seq.slot)
-                live_first.append(tok)
-                live_pos.append(seq.prompt.num_tokens)
-                live_budget.append(seq.budget)
-        if live_slots:
-            self.runner.start_rows(live_slots, live_first, live_pos, live_budget)
+        ordered = [seqs[i] for i in first.order]  # the prefill's order (by length): its tokens' order
+        self.runner.start_rows([seq.slot for seq in ordered], first.tokens, [seq.prompt.num_tokens for seq in ordered],
+                               [seq.budget for seq in ordered])
+        self._first_unread += ordered
 
-    def _encode(self, seqs: list[Sequence]) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
-        """Mel + encoder for the admitted sequences (a stream's partial only what is new; see audio_frontend.py)
+    def _encode(self, prepared: _Prepared) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
+        """Mel + encoder for the prepared sequences (a stream's partial only what is new; see audio_frontend.py)
         -> prompt embeddings.
 
-        Returns the sequences that fit (the others are finished with their error), each one's full prompt
-        embeddings [T, D], and how many leading positions can be copied from a retained KV prefix.
+        Returns the sequences (those whose prompt fit), each one's full prompt embeddings [T, D], and how many
+        leading positions can be copied from a retained KV prefix.
         """
-        fitting = []
-        for seq in seqs:
-            frames = qaudio.num_frames(seq.request.audio.size)
-            try:
-                seq.prompt, seq.budget = prompting.prepare_prompt(
-                    self.prompts, self.options, seq.request, int(qaudio.num_audio_tokens(frames)),
-                    self._rolled_back_answer(seq))
-            except ValueError as e:  # this request only
-                seq.finish(e)
-                continue
-            fitting.append(seq)
+        fitting = prepared.seqs
         if not fitting:
             return [], [], []
-        embedded = self.frontend.embed([seq.request.audio for seq in fitting],
-                                       [self._stream_state(seq) for seq in fitting])
+        embedded = self.frontend.run(prepared.clips)
         embeds = self.runner.embed_prompts([seq.prompt for seq in fitting], [e.audio for e in embedded])
         starts = [self._reusable_positions(seq, e.kept_windows) for seq, e in zip(fitting, embedded)]
         return fitting, embeds, starts
@@ -324,9 +372,10 @@ class Engine:
         n = min(windows, state.kv_windows)
         return len(seq.prompt.prefix_ids) + n * qaudio.WINDOW_TOKENS if n > 0 else 0
 
-    def _retain_prefixes(self, seqs: list[Sequence]) -> None:
-        """After prefill: keep each partial's prompt prefix + whole-window audio KV for the stream's next partial."""
-        busy = self.scheduler.running_streams()
+    def _retain_prefixes(self, seqs: list[Sequence], busy: set[str]) -> None:
+        """After prefill: keep each partial's prompt prefix + whole-window audio KV for the stream's next partial.
+        busy: the streams running when the admission was scheduled (their retained KV is not taken)."""
+        busy = busy | {seq.stream_id for seq in seqs if seq.stream_id}
         for seq in seqs:
             state = self._stream_state(seq)
             if state is None or not state.windows:
@@ -340,17 +389,46 @@ class Engine:
 
     # -- decode and postprocess ------------------------------------------------------------------------------------
 
-    def _decode(self) -> None:
+    def _decode(self, admitting: bool = False) -> None:
+        """One decode step; admitting: an admission is due, its host work done while the step runs (see step)."""
         running = self.scheduler.running
         self.recent_batch_sizes.append(len(running))
         self.counters["decode_rows"] += len(running)
         t0 = time.perf_counter()
-        out = self.runner.decode(max(running) + 1).numpy()
+        self.runner.launch_decode(max(running) + 1, read_tokens=bool(self._first_unread))
         t1 = time.perf_counter()
-        self.seconds["decode_gpu"] += t1 - t0
+        seqs, prepared = self._prepare_admission() if admitting else ([], None)
+        self._scheduled = seqs  # neither waiting nor running until admitted: if the step fails, fail_all finishes them
+        t2 = time.perf_counter()
+        out, fed = self.runner.read_decode()
+        t3 = time.perf_counter()
+        self.seconds["decode_gpu"] += (t1 - t0) + (t3 - t2)
+        self.seconds["admit"] += t2 - t1
         self.steps += 1
-        self._postprocess(out)
-        self.seconds["decode_host"] += time.perf_counter() - t1
+        self._take_first_tokens(fed)
+        self._postprocess(out.numpy())
+        t4 = time.perf_counter()
+        self.seconds["decode_host"] += t4 - t3
+        if admitting:
+            if seqs:
+                self._admit_apart(seqs, prepared)
+            self._scheduled = []
+            self._last_admission = time.perf_counter()
+            self.seconds["admit"] += self._last_admission - t4
+
+    def _take_first_tokens(self, fed) -> None:
+        """The first tokens of the rows started since the last step (fed to this step): record each, finish those
+        it ends (their rows were left idle on the device, see ModelRunner.start_rows), before this step's tokens."""
+        unread, self._first_unread = self._first_unread, []
+        if fed is None:
+            return
+        fed = fed.numpy()
+        for seq in unread:
+            if self.scheduler.running.get(seq.slot) is not seq:  # cancelled meanwhile
+                continue
+            reason = postprocess.stop_reason(seq, int(fed[seq.slot]), self.eos_ids)
+            if reason:
+                self._complete(seq, reason)
 
     def _postprocess(self, out) -> None:
         """out: [2, rows] (token or -1 for an idle row, finished on the device) -> finish what stopped."""
@@ -395,6 +473,10 @@ class Engine:
             self.streams.release(stream_id)
 
     def fail_all(self, error: BaseException) -> None:
+        self._first_unread = []
+        scheduled, self._scheduled = self._scheduled, []
+        for seq in scheduled:  # finished already if admitted (finish is once)
+            seq.finish(error)
         running = list(self.scheduler.running)
         for seq in self.scheduler.drain():
             seq.finish(error)

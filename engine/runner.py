@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -67,6 +68,22 @@ def advance_rows(next_tokens: torch.Tensor, tokens: torch.Tensor, positions: tor
     tokens[:B] = torch.where(live, next_tokens, tokens[:B])
     positions[:B] = torch.where(live & ~finished, pos + 1, -1)
     counts[:B] = n
+
+
+@dataclass
+class FirstTokens:
+    """What a prefill made: the first generated token of each sequence, still on the device (reading it would make the
+    host wait for the prefill). tokens[j] is that of the prefill's sequence order[j]."""
+
+    tokens: torch.Tensor
+    order: list[int]
+
+    def tolist(self) -> list[int]:
+        """Read to the host (waits for the prefill), in the prefill's sequence order."""
+        first = [0] * len(self.order)
+        for i, token in zip(self.order, self.tokens.tolist()):
+            first[i] = token
+        return first
 
 
 class PrefillBucket:
@@ -130,6 +147,11 @@ class ModelRunner:
         self.budgets = torch.zeros(S, dtype=torch.long, device=self.device)
         self.out = torch.zeros(2, S, dtype=torch.long, device=self.device)  # [token or -1, finished] per row
         self.out_host = torch.zeros(2, S, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.tokens_host = torch.zeros(S, dtype=torch.long, pin_memory=self.device.type == "cuda")  # the tokens fed
+        # to a step, read with its output when asked (the first tokens of rows admitted since the last read)
+        self._launched: tuple[int, bool] | None = None  # (rows, tokens asked) of the decode step launched, not read
+        self.host_reads = 0  # times the host waited for the device to hand it a result (decode steps, the mel's
+        # extremes, first tokens read apart): what overlapping host and device work is about, counted
         self.buckets = tuple(b for b in buckets if b < S) + (S,)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.encoder_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # windows -> (graph, output)
@@ -174,45 +196,86 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, rows: int) -> torch.Tensor:
         """Run one step over the first `rows` slots (padded up to a bucket) -> host [2, rows] (token|-1, finished)."""
+        self.launch_decode(rows)
+        return self.read_decode()[0]
+
+    @torch.inference_mode()
+    def launch_decode(self, rows: int, read_tokens: bool = False) -> None:
+        """Queue one step over the first `rows` slots and the copy of its [2, B] output to the host, and return at
+        once on CUDA (a graph's replay is asynchronous): the host works on while the step runs; `read_decode` waits
+        for it. read_tokens: also copy the tokens the step is fed, as they are before it (first tokens of rows
+        started since the last step), in the same read."""
+        if self._launched is not None:
+            raise RuntimeError("a decode step is already launched and not read")
         B = self.bucket_for(rows)
+        if read_tokens:
+            self.tokens_host[:B].copy_(self.tokens[:B], non_blocking=True)
         if B in self.graphs:
             self.graphs[B].replay()
         else:
             self._step(B)
-        host = self.out_host[:, :B]
-        host.copy_(self.out[:, :B], non_blocking=True)
+        self.out_host[:, :B].copy_(self.out[:, :B], non_blocking=True)
+        self._launched = (rows, read_tokens)
+
+    def read_decode(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Wait for the step launched -> host [2, rows] (token|-1, finished) and, if asked at the launch, the tokens
+        it was fed [rows] (else None). One wait for both."""
+        if self._launched is None:
+            raise RuntimeError("no decode step launched")
+        (rows, read_tokens), self._launched = self._launched, None
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
-        return host[:, :rows]
+        self.host_reads += 1
+        return self.out_host[:, :rows], self.tokens_host[:rows] if read_tokens else None
 
-    def start_rows(self, slots: list[int], first_tokens: list[int], positions: list[int], budgets: list[int]) -> None:
-        """Put freshly prefilled sequences into decode: they continue from their first generated token."""
-        idx = torch.tensor(slots, device=self.device)
-        self.tokens[idx] = torch.tensor(first_tokens, device=self.device)
-        self.positions[idx] = torch.tensor(positions, device=self.device)
+    def to_device(self, values, dtype=torch.long) -> torch.Tensor:
+        """A small host list (or CPU tensor) on the device without waiting: on CUDA, through pinned memory and
+        non-blocking (a copy from pageable memory synchronizes the stream: the host would wait for every launch
+        queued before it, the decode step among them)."""
+        on_cuda = self.device.type == "cuda"
+        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+        if not on_cuda:
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def start_rows(self, slots: list[int], first_tokens: list[int] | torch.Tensor, positions: list[int],
+                   budgets: list[int]) -> None:
+        """Put freshly prefilled sequences into decode: they continue from their first generated token.
+
+        first_tokens: a list, or the prefill's tensor still on the device (the host need not read it first). A row
+        whose first token already ends it (an EOS id, or a budget of 1) is left idle: the host, reading the first
+        tokens with the next step, finishes it as it always did."""
+        idx = self.to_device(slots)
+        first = first_tokens if isinstance(first_tokens, torch.Tensor) else self.to_device(first_tokens)
+        budget = self.to_device(budgets)
+        done = (first[:, None] == self.eos[None, :]).any(-1) | (budget <= 1)
+        self.tokens[idx] = first
+        self.positions[idx] = torch.where(done, -1, self.to_device(positions))
         self.counts[idx] = 1
-        self.budgets[idx] = torch.tensor(budgets, device=self.device)
+        self.budgets[idx] = budget
 
     def stop_rows(self, slots: list[int]) -> None:
         """Idle these rows (cancelled, or stopped by the host's repetition guard)."""
         if slots:
-            self.positions[torch.tensor(slots, device=self.device)] = -1
+            self.positions[self.to_device(slots)] = -1
 
     # -- prefill ---------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, embeds: list[torch.Tensor], slots: list[int], starts: list[int]) -> list[int]:
+    def prefill(self, embeds: list[torch.Tensor], slots: list[int], starts: list[int]) -> FirstTokens:
         """Write the new tokens of each sequence into its slot after `starts[i]` reused positions.
 
-        embeds: per sequence [T_i, D] (the prompt positions from starts[i] on) -> first generated token each.
+        embeds: per sequence [T_i, D] (the prompt positions from starts[i] on) -> first generated token each, left
+        on the device: the engine hands them to start_rows and reads them with the next decode step's output, so
+        the host does not wait for the prefill (py-spy at 1000 streams: that wait was 18% of the engine thread).
         """
         lengths = [e.shape[0] for e in embeds]
         if not self.prefill_buckets:
-            return self._prefill_eager(embeds, slots, starts, lengths).tolist()
+            return FirstTokens(self._prefill_eager(embeds, slots, starts, lengths), list(range(len(embeds))))
         # graphed buckets hold at most PREFILL_BATCH_BUCKETS[-1] sequences: a larger admission replays several,
         # similar lengths together (less padding). Eagerly, its ~250 Triton launches cost more CPU than the GPU work.
-        # The chunks' first tokens stay on the device until all are queued, then cross in one read: a read per chunk
-        # made the host wait for each chunk's GPU work before it could queue the next (measured at 1000 streams).
+        # The chunks' first tokens stay on the device: a read per chunk made the host wait for each chunk's GPU work
+        # before it could queue the next (measured at 1000 streams).
         order = sorted(range(len(embeds)), key=lengths.__getitem__)
         tokens: list[torch.Tensor] = []
         for c in range(0, len(order), PREFILL_BATCH_BUCKETS[-1]):
@@ -224,15 +287,12 @@ class ModelRunner:
                 tokens.append(bucket.run(args[0], args[1:]).clone())
             else:
                 tokens.append(self._prefill_eager(*args))
-        first = [0] * len(embeds)
-        for i, token in zip(order, torch.cat(tokens).tolist()):
-            first[i] = token
-        return first
+        return FirstTokens(torch.cat(tokens), order)
 
     def _prefill_eager(self, embeds, slots, starts, lengths) -> torch.Tensor:
         T = max(lengths)
         x = torch.stack([torch.nn.functional.pad(e, (0, 0, 0, T - e.shape[0])) for e in embeds])
-        dev = lambda v: torch.tensor(v, device=self.device)  # noqa: E731
+        dev = self.to_device
         num_keys = prefill_keys(max(s + n for s, n in zip(starts, lengths)), self.cache)
         return self._prefill_first(x, dev(slots), dev(starts), dev(lengths), num_keys)
 
@@ -277,17 +337,26 @@ class ModelRunner:
         return self.model.encoder.cfg.window_tokens
 
     @torch.inference_mode()
-    def log_spectrogram(self, clips: list[np.ndarray], first_frames: list[int]) -> torch.Tensor:
+    def log_spectrogram(self, clips: list[np.ndarray], first_frames: list[int],
+                        staged: torch.Tensor | None = None) -> torch.Tensor:
         """Raw log10 mel frames (before the clip-wide floor) of 16 kHz clips, each from first_frames[i] to its end
         -> [B, mels, n_max] on the device, zero past clip i's num_frames(len) - first_frames[i] frames.
 
         Only the samples those frames read cross to the device, all clips in one copy (one per clip cost ~0.3 ms of
-        CPU each in a large admission)."""
-        tails = [clip[qaudio.stft_start_sample(first):] for clip, first in zip(clips, first_frames)]
-        flat = torch.from_numpy(np.concatenate(tails).astype(np.float32, copy=False)).to(self.device)
-        log_spec, _ = qaudio.log_spectrogram_batch(list(torch.split(flat, [tail.size for tail in tails])),
+        CPU each in a large admission). staged: stage_samples' answer for these clips, if taken before."""
+        staged = self.stage_samples(clips, first_frames) if staged is None else staged
+        flat = staged.to(self.device, non_blocking=self.device.type == "cuda")
+        sizes = [clip.size - qaudio.stft_start_sample(first) for clip, first in zip(clips, first_frames)]
+        log_spec, _ = qaudio.log_spectrogram_batch(list(torch.split(flat, sizes)),
                                                    [clip.size for clip in clips], first_frames, device=self.device)
         return log_spec
+
+    def stage_samples(self, clips: list[np.ndarray], first_frames: list[int]) -> torch.Tensor:
+        """The host half of log_spectrogram (it can run while the device decodes): the samples its frames read, all
+        clips' in one host tensor, pinned on CUDA (so that their copy waits for nothing)."""
+        tails = [clip[qaudio.stft_start_sample(first):] for clip, first in zip(clips, first_frames)]
+        flat = torch.from_numpy(np.concatenate(tails).astype(np.float32, copy=False))
+        return flat.pin_memory() if self.device.type == "cuda" else flat
 
     @torch.inference_mode()
     def chunk_extremes(self, log_spec: torch.Tensor, counts: list[int]) -> np.ndarray:
@@ -299,15 +368,16 @@ class ModelRunner:
             return np.zeros((2, B, 0), dtype=np.float32)
         padded = torch.nn.functional.pad(log_spec, (0, chunks * qaudio.CHUNK_FRAMES - n))
         beyond = (torch.arange(padded.shape[-1], device=self.device)[None, :]
-                  >= torch.tensor(counts, device=self.device)[:, None])[:, None, :]  # [B, 1, frames]
+                  >= self.to_device(counts)[:, None])[:, None, :]  # [B, 1, frames]
         lows = padded.masked_fill(beyond, float("inf")).view(B, qaudio.N_MELS, chunks, -1).amin(dim=(1, 3))
         highs = padded.masked_fill(beyond, float("-inf")).view(B, qaudio.N_MELS, chunks, -1).amax(dim=(1, 3))
+        self.host_reads += 1  # needed: the host decides from them whether kept chunks changed
         return torch.stack([lows, highs]).cpu().numpy()
 
     @torch.inference_mode()
     def floor_log_spectrogram(self, log_spec: torch.Tensor, clip_maxes: list[float]) -> torch.Tensor:
         """The features: each clip's raw frames [B, mels, n] floored 8 below its whole clip's maximum, then scaled."""
-        clip_max = torch.tensor(clip_maxes, dtype=log_spec.dtype).to(self.device).view(-1, 1, 1)
+        clip_max = self.to_device(clip_maxes, dtype=log_spec.dtype).view(-1, 1, 1)
         return qaudio.floor_log_spectrogram(log_spec, clip_max)
 
     @torch.inference_mode()
@@ -321,11 +391,17 @@ class ModelRunner:
     def encode(self, clips: list[torch.Tensor]) -> list[list[torch.Tensor]]:
         """The encoder's transformer over several clips' conv tokens [T_i, D] (each starting at a window boundary),
         their windows packed into one call -> per clip, its windows' outputs [tokens, out]."""
-        windows, lengths, owners = self.model.encoder.pack_windows(clips)
+        windows, lengths, _ = self.model.encoder.pack_windows(clips)
         out = self.encode_windows(windows, lengths)
         per_clip: list[list[torch.Tensor]] = [[] for _ in clips]
-        for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
-            per_clip[owner].append(out[w, :n])
+        # each window's length from the clips' shapes, as pack_windows cuts them (reading its device copy of the
+        # lengths made the host wait for the encoder)
+        size, w = self.window_tokens, 0
+        for owner, clip in enumerate(clips):
+            n = clip.shape[0]
+            for k in range(-(-n // size)):
+                per_clip[owner].append(out[w, : min(size, n - k * size)])
+                w += 1
         return per_clip
 
     @torch.inference_mode()
@@ -333,7 +409,7 @@ class ModelRunner:
         """Each prompt's token embeddings with its audio [N_i, D] in place of the placeholders -> [T_i, D] each.
         One lookup for all prompts."""
         ids = np.concatenate([prompt.input_ids for prompt in prompts])
-        tokens = self.model.decoder.embed_tokens(torch.from_numpy(ids).to(self.device))
+        tokens = self.model.decoder.embed_tokens(self.to_device(torch.from_numpy(ids)))
         return [self.model.splice_audio(t, a, prompt.audio_offset)
                 for t, a, prompt in zip(tokens.split([p.num_tokens for p in prompts]), audio, prompts)]
 

@@ -98,15 +98,15 @@ def test_decoding_gets_the_whole_interval_between_admissions_that_take_longer_th
     clips = alone[0]
     engine = make_engine(tiny_model_dir, num_slots=8, admission_interval_ms=30, ignore_eos=True)
     admissions = []  # (start, end, sequences running at the start)
-    admit = engine._admit
+    admit = engine._admit_apart  # an admission's device work, overlapped with a decode step or not
 
-    def slow_admission():  # as under load on a GPU: admitting takes longer than the interval
+    def slow_admission(seqs, prepared=None):  # as under load on a GPU: admitting takes longer than the interval
         start = time.perf_counter()
         time.sleep(0.06)
-        admit()
+        admit(seqs, prepared)
         admissions.append((start, time.perf_counter(), len(engine.scheduler.running)))
 
-    engine._admit = slow_admission
+    engine._admit_apart = slow_admission
     engine.add(DecodeRequest(audio=clips[3], max_new_tokens=150), lambda r: None)  # decodes throughout
     for step in range(60):
         if step % 5 == 0:  # arrivals keep an admission due

@@ -1,0 +1,150 @@
+"""An admission overlapped with a decode step (Engine.step): the step is launched, the admission's host work (prompts,
+the audio front end's staging) runs while it decodes, the step is read, then the admission's device work is queued;
+the first tokens of a prefill stay on the device until the next step's read. The host waits (counted, not timed)
+once per step and once per admission's mel, not once more per prefill; and the results are those of admitting
+first and decoding after (the order before the overlap), token for token, including rows that end at their first
+token."""
+
+import numpy as np
+import pytest
+import torch
+
+from qasr.engine.request import DecodeRequest, Priority
+
+from test_engine import assert_idle, make_engine, speech
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir):
+    return make_engine(tiny_model_dir, admission_interval_ms=0)
+
+
+def test_the_admissions_host_work_runs_between_the_decode_steps_launch_and_its_read(engine):
+    events = []
+
+    def spy(obj, name):
+        method = getattr(obj, name)
+        setattr(obj, name, lambda *a, **k: events.append(name) or method(*a, **k))
+
+    for name in ("launch_decode", "read_decode", "stage_samples", "log_spectrogram", "prefill"):
+        spy(engine.runner, name)
+    spy(engine.prompts, "build")
+    try:
+        engine.add(DecodeRequest(audio=speech(1.3, seed=1), max_new_tokens=12), lambda r: None)
+        engine.step()  # nothing decoding: admitted whole, then its first step
+        assert events == ["build", "stage_samples", "log_spectrogram", "prefill", "launch_decode", "read_decode"]
+        events.clear()
+        engine.add(DecodeRequest(audio=speech(0.9, seed=2), max_new_tokens=4), lambda r: None)
+        engine.step()  # decoding: the admission overlaps the step
+        assert events == ["launch_decode", "build", "stage_samples", "read_decode", "log_spectrogram", "prefill"]
+        engine.run_until_done()
+    finally:
+        for name in ("launch_decode", "read_decode", "stage_samples", "log_spectrogram", "prefill"):
+            delattr(engine.runner, name)
+        del engine.prompts.build
+    assert_idle(engine)
+
+
+def test_the_host_waits_once_per_step_and_once_per_admissions_mel_not_for_the_prefill(engine):
+    def reads_of(step):
+        before = engine.runner.host_reads
+        step()
+        return engine.runner.host_reads - before
+
+    engine.add(DecodeRequest(audio=speech(1.3, seed=1), max_new_tokens=12), lambda r: None)
+    engine.add(DecodeRequest(audio=speech(2.2, seed=3), max_new_tokens=12), lambda r: None)
+    # admitting two while idle: the mel's extremes, then the step (the first tokens come with it); before: + 1
+    assert reads_of(engine.step) == 2
+    engine.add(DecodeRequest(audio=speech(0.9, seed=2), max_new_tokens=4), lambda r: None)
+    assert reads_of(engine.step) == 2  # admitting while decoding: the step and the mel
+    assert reads_of(engine.step) == 1  # the admitted row's first token came with this step's read
+    engine.run_until_done()
+    assert_idle(engine)
+
+
+def workload(engine) -> dict:
+    """Finals arriving while others decode (one of a single token), and a stream's partials, each asked once the one
+    before it answered (as a session does), then its final -> each request's tokens and finish reason."""
+    long_audio = speech(3.1, seed=7)
+    results: dict = {}
+
+    def add(key, request):
+        engine.add(request, lambda r, key=key: results.__setitem__(key, r))
+
+    arrivals = {0: [("a", DecodeRequest(audio=speech(2.2, seed=3), max_new_tokens=14))],
+                2: [("b", DecodeRequest(audio=speech(0.9, seed=2), max_new_tokens=1))],
+                3: [("c", DecodeRequest(audio=speech(1.7, seed=5), max_new_tokens=9)),
+                    ("d", DecodeRequest(audio=speech(0.4, seed=6), max_new_tokens=5))],
+                9: [("e", DecodeRequest(audio=speech(1.3, seed=1), max_new_tokens=7))]}
+    partials = [int(s * 16000) for s in (1.0, 1.6, 2.2, 2.8)]
+    asked = 0
+    for step in range(400):
+        for key, request in arrivals.get(step, []):
+            add(key, request)
+        if asked < len(partials) and (asked == 0 or f"p{asked - 1}" in results) and step >= 1:
+            add(f"p{asked}", DecodeRequest(audio=long_audio[: partials[asked]], priority=Priority.PARTIAL,
+                                          stream_id="s", max_new_tokens=8))
+            asked += 1
+        elif asked == len(partials) and f"p{asked - 1}" in results and "final" not in results:
+            add("final", DecodeRequest(audio=long_audio, stream_id="s", max_new_tokens=10))
+            asked += 1
+        engine.step()
+        if len(results) == 5 + len(partials) + 1 and not engine.has_work():
+            break
+    engine.release_stream("s")
+    engine.step()
+    assert_idle(engine)
+    return {key: (r.token_ids, r.finish_reason) for key, r in results.items()}
+
+
+def test_overlapped_admissions_give_the_same_tokens_as_admitting_first(engine):
+    engine.overlap_admissions = False
+    try:
+        before = workload(engine)
+    finally:
+        del engine.overlap_admissions
+    overlapped = workload(engine)
+    assert overlapped == before and len(before) == 10
+    assert before["b"] == (before["b"][0], "length") and len(before["b"][0]) == 1
+    alone = engine.transcribe([DecodeRequest(audio=speech(2.2, seed=3), max_new_tokens=14)])[0]
+    assert overlapped["a"][0] == alone.token_ids
+
+
+def test_a_row_that_ends_at_its_first_token_is_left_idle_and_finished_with_the_next_read(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, admission_interval_ms=0)
+    clip = speech(1.3, seed=1)
+    first = engine.transcribe([DecodeRequest(audio=clip, max_new_tokens=1)])[0].token_ids[0]
+    other = speech(2.2, seed=3)
+    engine.eos_ids, engine.runner.eos = (first,), torch.tensor([first])  # this clip's first token ends it now
+
+    def run(overlap):
+        engine.overlap_admissions = overlap
+        results = {}
+        engine.add(DecodeRequest(audio=other, max_new_tokens=10), lambda r: results.__setitem__("other", r))
+        engine.step()
+        engine.add(DecodeRequest(audio=clip, max_new_tokens=10), lambda r: results.__setitem__("eos", r))
+        engine.run_until_done()
+        assert_idle(engine)
+        return {key: (r.token_ids, r.finish_reason) for key, r in results.items()}
+
+    assert run(True) == run(False)
+    assert run(True)["eos"] == ((), "eos")
+    assert np.all(engine.runner.positions.numpy() == -1)
+
+
+def test_requests_taken_for_an_admission_are_failed_with_the_rest_if_the_step_fails(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, admission_interval_ms=0)
+    results = {}
+    engine.add(DecodeRequest(audio=speech(1.3, seed=1), max_new_tokens=12), lambda r: results.__setitem__("a", r))
+    engine.step()
+    engine.add(DecodeRequest(audio=speech(0.9, seed=2), max_new_tokens=4), lambda r: results.__setitem__("b", r))
+
+    def broken():
+        raise RuntimeError("device lost")
+
+    engine.runner.read_decode = broken
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.step()  # "b" was scheduled (out of the queue) while the step ran, not admitted yet
+    assert len(engine.scheduler) == 0 and "b" not in results
+    engine.fail_all(RuntimeError("engine failed"))  # what AsyncEngine does when its loop raises
+    assert isinstance(results["a"], RuntimeError) and isinstance(results["b"], RuntimeError)
