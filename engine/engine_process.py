@@ -222,6 +222,19 @@ def only_this_gpu(device):
     return "cuda:0"
 
 
+def cpu_threads(device: str, cores: int | None = None) -> int | None:
+    """Torch threads for an engine process on the CPU: every usable core but one, which the front end (the server's
+    event loop or its workers) keeps; None (torch's default) on a GPU or when OMP_NUM_THREADS says how many.
+
+    By default torch takes every core, and its OpenMP threads wait for each other at the end of every op: on a machine
+    whose other core runs the event loop, a decode step of the tiny model took 289 ms on two threads and 27 ms on one
+    (the soak on two cores, docs/reliability.md)."""
+    if device != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return None
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1, cores - 1)
+
+
 def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_setup,
                  listen: tuple[str, bytes] | None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: the server decides
@@ -229,6 +242,15 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_se
     try:
         device = only_this_gpu(device)  # before torch is imported
         from .engine import AsyncEngine, Engine  # here, not at the top: the server process never imports torch
+
+        import torch
+
+        on = "cuda" if device in (None, "auto") and torch.cuda.is_available() else str(device or "cpu")
+        threads = cpu_threads("cpu" if on == "auto" else on.split(":")[0])
+        if threads is not None:
+            torch.set_num_threads(threads)
+            log.info("engine on the CPU: %d torch threads (a core left to the front end; OMP_NUM_THREADS overrides)",
+                     threads)
 
         core = Engine.from_pretrained(model, device=device, dtype=dtype, options=options)
         engine = AsyncEngine(core)
