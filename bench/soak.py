@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import math
 import contextlib
+import functools
 import json
 import os
 import re
@@ -81,6 +82,7 @@ class Report:
     problems: dict = field(default_factory=dict)  # problem -> count
     first_failures: list = field(default_factory=list)  # [seconds into the run, stream index, problem], the first few
     client_processes: int = 1
+    warmup_s: float = 30.0
     completed_per_process: list = field(default_factory=list)  # connections each client process made
     samples: list = field(default_factory=list)
     rss_growth_pct: float | None = None  # from the end of the warm-up to the end
@@ -90,6 +92,7 @@ class Report:
     fds_growth: int | None = None
     tasks_growth: float | None = None
     sessions_active_after: float | None = None
+    idle_after_series: list = field(default_factory=list)  # [s, fds, tasks, sessions] read every second after the run
     verdict: dict = field(default_factory=dict)  # each pass criterion of the issue -> whether it held
 
 
@@ -117,6 +120,21 @@ def utterances(seconds: float, seed: int) -> np.ndarray:
         total += len(speech) + len(pause)
     audio = np.concatenate(pieces)[:int(seconds * SAMPLE_RATE)]
     return (np.clip(audio, -1, 1) * 32767).astype("<i2")
+
+
+AUDIO_POOL = 32  # different utterance sets per client process; a stream's rounds cycle through them
+
+
+@functools.lru_cache(maxsize=AUDIO_POOL)
+def pooled_utterances(seconds: float, seed: int) -> np.ndarray:
+    return utterances(seconds, seed)
+
+
+def stream_audio(seconds: float, index: int, round_: int) -> np.ndarray:
+    """A connection's audio: one of AUDIO_POOL sets, made once per process. Synthesising 30 s of utterances takes
+    ~25 ms of the client's event loop; made anew for every reconnection of hundreds of streams, it was a share of
+    the lag that starved the client's own sends, reads and handshakes."""
+    return pooled_utterances(seconds, (index * 7 + round_) % AUDIO_POOL)
 
 
 async def one_stream(url: str, audio: np.ndarray, *, partials: bool = True, final_timeout_s: float = 120.0
@@ -230,6 +248,24 @@ async def take_sample(metrics_url: str, pid: int | None, begin: float) -> Sample
                   metrics.get("qasr_event_loop_tasks"), by_process)
 
 
+async def settle(metrics_url: str, pid: int | None, begin: float, before: Sample, wait_s: float
+                 ) -> tuple[Sample, list]:
+    """The idle server after the run: read every second until its fds and tasks are back to `before`, for at most
+    `wait_s` (connections the server is still closing, within websockets' close timeout, are not growth; a leak is
+    there at every read). -> (the read with the fewest, [[s, fds, tasks, sessions], ...] of every read)."""
+    reads = []
+    deadline = time.monotonic() + wait_s
+    while True:
+        await asyncio.sleep(1.0)
+        reads.append(await take_sample(metrics_url, pid, begin))
+        last = reads[-1]
+        back = last.fds <= before.fds and (last.tasks is None or before.tasks is None or last.tasks <= before.tasks)
+        if back or time.monotonic() >= deadline:
+            break
+    series = [[read.at_s, read.fds, read.tasks, read.sessions_active] for read in reads]
+    return min(reads, key=lambda read: (read.fds, read.tasks if read.tasks is not None else 0)), series
+
+
 async def idle_sample(metrics_url: str, pid: int | None, begin: float, reads: int = 3, gap_s: float = 1.0) -> Sample:
     """The idle server: the read with the fewest fds and tasks of a few, a second apart (a socket the kernel is still
     closing, or the previous scrape's, is not growth; a leak is there in every read)."""
@@ -251,7 +287,8 @@ async def monitor(report: Report, metrics_url: str, pid: int | None, begin: floa
 
 
 async def soak(args, url: str, pid: int | None) -> Report:
-    report = Report(args.streams, args.minutes, args.stream_seconds, client_processes=args.client_processes)
+    report = Report(args.streams, args.minutes, args.stream_seconds, client_processes=args.client_processes,
+                    warmup_s=args.warmup_s)
     metrics_url = re.sub(r"^ws", "http", url.split("/v1/")[0]) + "/metrics"
     # one short stream first: what the server opens once, lazily (its first connection's, its first decode's), is
     # then in the idle baseline and not counted as growth
@@ -274,10 +311,9 @@ async def soak(args, url: str, pid: int | None) -> Report:
             break
     stop.set()
     await watching
-    await asyncio.sleep(args.sample_s)  # closed connections' sockets and tasks are gone by now
-    idle_after = await idle_sample(metrics_url, pid, begin)
+    idle_after, report.idle_after_series = await settle(metrics_url, pid, begin, idle_before, args.idle_wait_s)
     report.samples = [idle_before, *report.samples, idle_after]
-    warm = [sample for sample in report.samples if sample.at_s >= args.warmup_s]
+    warm = [sample for sample in report.samples if sample.at_s >= report.warmup_s]
     if len(warm) >= 2:
         first, last = warm[0], warm[-1]
         report.rss_growth_pct = round(100 * (last.rss_mb - first.rss_mb) / max(first.rss_mb, 1e-9), 2)
@@ -304,7 +340,7 @@ async def run_streams(args, url: str, indices, begin: float, deadline: float, re
         await asyncio.sleep(max(0.0, begin + args.ramp_s * index / args.streams - time.monotonic()))  # no storm
         round_ = 0
         while time.monotonic() < deadline:
-            audio = utterances(args.stream_seconds, seed=index * 1000 + round_)
+            audio = stream_audio(args.stream_seconds, index, round_)
             result = await one_stream(url, audio, partials=not args.no_partials,
                                       final_timeout_s=args.final_timeout_s)
             report.completed += 1
@@ -367,6 +403,11 @@ def run_client(args) -> int:
     return 0
 
 
+def default_warmup_s(minutes: float) -> float:
+    """A fifth of the run, at least 30 s and at most 120 s."""
+    return max(30.0, min(120.0, 12.0 * minutes))
+
+
 def default_client_processes(streams: int, cores: int | None = None) -> int:
     """One client process per 100 streams, at most one per core."""
     cores = cores or len(os.sched_getaffinity(0))
@@ -422,7 +463,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stream-seconds", type=float, default=30.0, help="audio per connection before it ends "
                                                                             "and reconnects")
     parser.add_argument("--ramp-s", type=float, default=10.0, help="spread the streams' starts over this long")
-    parser.add_argument("--warmup-s", type=float, default=30.0, help="growth is measured from here to the end")
+    parser.add_argument("--warmup-s", type=float, default=None,
+                        help="RSS growth is measured from here to the end (default: a fifth of the run, 30-120 s: the "
+                             "server's buffers and the allocator's pools fill during the first minute at 100 streams)")
+    parser.add_argument("--idle-wait-s", type=float, default=30.0,
+                        help="after the run, wait at most this long for the server's fds and tasks to return to "
+                             "their idle count before the last sample")
     parser.add_argument("--sample-s", type=float, default=5.0, help="seconds between resource samples")
     parser.add_argument("--no-partials", action="store_true", help="ask for finals only (a CPU that cannot keep "
                                                                    "up with every stream's partials)")
@@ -446,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--streams, --minutes and --stream-seconds must be positive")
     if args.client is not None:
         return run_client(args)
+    if args.warmup_s is None:
+        args.warmup_s = default_warmup_s(args.minutes)
     if args.client_processes is None:
         args.client_processes = default_client_processes(args.streams)
     if args.client_processes < 1:

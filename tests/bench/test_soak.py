@@ -13,7 +13,7 @@ from websockets.datastructures import Headers
 from websockets.exceptions import InvalidMessage, InvalidStatus
 from websockets.http11 import Response
 
-from qasr.bench.soak import Report, default_client_processes, merge_tallies, problem_of, verdict
+from qasr.bench.soak import Report, default_client_processes, default_warmup_s, merge_tallies, problem_of, verdict
 from qasr.bench.soak import main as soak_main
 
 PASSING = Report(streams=10, minutes=1, stream_seconds=10, completed=30, segments=90, finals=90, rss_growth_pct=1.2,
@@ -62,6 +62,11 @@ def test_one_client_process_per_100_streams_at_most_one_per_core(streams, cores,
     assert default_client_processes(streams, cores) == processes
 
 
+@pytest.mark.parametrize("minutes, warmup_s", [(0.5, 30), (2, 30), (5, 60), (10, 120), (60, 120)])
+def test_the_warm_up_is_a_fifth_of_the_run_within_30_to_120_s(minutes, warmup_s):
+    assert default_warmup_s(minutes) == warmup_s
+
+
 def test_a_refused_handshake_without_an_http_answer_names_why():
     try:
         try:
@@ -101,3 +106,4 @@ def test_a_soak_spread_over_client_processes_merges_their_streams_into_one_repor
     assert report["verdict"]["no_failed_streams"] and report["verdict"]["one_final_per_segment"]
     assert code == (0 if all(report["verdict"].values()) else 1)
     assert report["samples"] and report["samples"][0]["fds"] > 0  # the server is sampled by this process
+    assert report["warmup_s"] == 2 and report["idle_after_series"]  # read after the run until back to idle
