@@ -168,7 +168,8 @@ def _launch_products(x, weight, out, config: GemvConfig) -> None:
     grid = (_row_tiles(M), triton.cdiv(N, config.block_n), config.splits(K))
     _gemv_kernel[grid](x, weight, out, M, N, K, x.stride(0), K_SPLIT=config.k_per_split(K), BLOCK_M=BLOCK_M,
                        BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=_precision(x),
-                       num_warps=config.num_warps, num_stages=config.num_stages, **kernels.pdl_options(x.device))
+                       num_warps=config.num_warps, num_stages=config.num_stages,
+                       **kernels.pdl_options(x.device, M))
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
@@ -183,7 +184,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | Non
     grid = (_row_tiles(M), triton.cdiv(I, config.block_n))
     _gate_up_silu_kernel[grid](x, weight, out, M, I, K, x.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
                                BLOCK_K=config.block_k, PRECISION=_precision(x), num_warps=config.num_warps,
-                               num_stages=config.num_stages, **kernels.pdl_options(x.device))
+                               num_stages=config.num_stages, **kernels.pdl_options(x.device, M))
     return out
 
 

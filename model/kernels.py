@@ -12,8 +12,8 @@ Each kernel rounds to the activation dtype wherever the PyTorch reference does (
 only in reduction order. Every row is computed by its own programs: a row's result never depends on its batch mates.
 The tests run them on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 
-Programmatic dependent launch ($QASR_PDL=1, Hopper and later; off by default): every kernel here and in gemv.py is
-then launched with the PDL attribute, so the GPU may start its programs while the kernel before it in the stream is
+Programmatic dependent launch ($QASR_PDL=1, Hopper and later; off by default): every kernel here and in gemv.py over
+at most PDL_MAX_ROWS rows (the decode step's small buckets) is then launched with the PDL attribute, so the GPU may start its programs while the kernel before it in the stream is
 still running (CUDA graph capture keeps this as a programmatic edge). Each program's first statement is
 `_await_inputs`: it waits until the previous kernel has finished and its writes are visible, and only then lets the
 next kernel launch. As every PDL kernel waits before it touches memory, a kernel's completion implies its
@@ -41,6 +41,10 @@ except ImportError:  # CPU-only installs: the decoder uses its PyTorch path
 log = logging.getLogger(__name__)
 
 PDL_ENV = "QASR_PDL"  # "1": programmatic dependent launch where the GPU has it (use_pdl); "0" (default): none
+# Launches of up to this many rows (tokens) take PDL: in the decode step's buckets up to 32 the products are gemv.py's
+# and 227 of the step's 235 launches are one chain of Triton kernels; above, every product is a cuBLAS kernel, which
+# breaks the chain (114 breaks a step at 64 rows), and on the H200 PDL gained nothing at 64 rows and cost 4% at 256.
+PDL_MAX_ROWS = 32
 
 
 def available(device: torch.device) -> bool:
@@ -287,10 +291,10 @@ if triton is not None:
         tl.store(POSITIONS + b, tl.where(live & ~finished, pos + 1, -1), mask=m)
         tl.store(COUNTS + b, counts, mask=m)
 
-def pdl_options(device: torch.device) -> dict:
-    """The launch arguments of a kernel here or in gemv.py: its PDL constexpr and Triton's launch_pdl, both on or off
-    together (use_pdl)."""
-    on = use_pdl(device)
+def pdl_options(device: torch.device, rows: int) -> dict:
+    """The launch arguments of a kernel here or in gemv.py over `rows` rows (tokens): its PDL constexpr and Triton's
+    launch_pdl, both on (use_pdl, and at most PDL_MAX_ROWS rows) or both off."""
+    on = rows <= PDL_MAX_ROWS and use_pdl(device)
     return {"PDL": on, "launch_pdl": on}
 
 
@@ -317,7 +321,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(N,)](x, residual if residual is not None else x, weight, y, D, eps, N * D, SPLITS=splits,
                            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-                           **pdl_options(x.device))
+                           **pdl_options(x.device, N))
     return y
 
 
@@ -342,7 +346,7 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write
     _qk_norm_rope_store_kernel[(N, num_heads + num_kv_heads)](
         qkv, q, k_cache, v_cache, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos,
         qkv.stride(-2), sc, sh, sl, eps, N * qkv.shape[-1], H=num_heads, KVH=num_kv_heads, HD=hd, SPLITS=splits,
-        num_warps=1, **pdl_options(qkv.device))
+        num_warps=1, **pdl_options(qkv.device, N))
     return q
 
 
@@ -361,7 +365,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _decode_attention_kernel[(B, kvh)](
         q, k_cache, v_cache, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
         H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, num_warps=4,
-        **pdl_options(q.device))
+        **pdl_options(q.device, B))
     return out
 
 
@@ -385,7 +389,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     block_m = max(1, 32 // g_block)  # 32 tile rows: (token, query head) pairs
     _prefill_attention_kernel[(B, triton.cdiv(T, block_m), kvh)](
         q, k_cache, v_cache, out, slots, starts, lengths, T, sc, sh, sl, 1.0 / math.sqrt(hd),
-        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, num_warps=4, **pdl_options(q.device))
+        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, num_warps=4, **pdl_options(q.device, N))
     return out
 
 
@@ -397,7 +401,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((N, I), dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(N, triton.cdiv(I, block))](gate_up, out, I, BLOCK=block, num_warps=4,
-                                                 **pdl_options(gate_up.device))
+                                                 **pdl_options(gate_up.device, N))
     return out
 
 
@@ -415,4 +419,4 @@ def advance_rows(next_tokens: torch.Tensor, tokens: torch.Tensor, positions: tor
         assert t.dtype == torch.long and t.is_contiguous()
     _advance_rows_kernel[(1,)](next_tokens, tokens, positions, counts, budgets, eos, out, B, out.stride(0),
                                NUM_EOS=eos.shape[0], BLOCK=max(16, triton.next_power_of_2(B)), num_warps=4,
-                               **pdl_options(out.device))
+                               **pdl_options(out.device, B))

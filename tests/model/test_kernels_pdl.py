@@ -3,8 +3,8 @@ compiled kernels do with it.
 
 No GPU here, but Triton compiles for one: each kernel of kernels.py and gemv.py is compiled for sm_90 (Hopper) with its
 PDL flag on and off, and the PTX must wait for the previous kernel (griddepcontrol.wait) before its first global load
-or store, allow the next one to launch, and carry neither instruction with the flag off. In Triton's interpreter (the CPU
-tests) the switch on must change nothing: the flag stays off there and the engine's tokens are the same.
+or store, allow the next one to launch, and carry neither instruction with the flag off. In Triton's interpreter (the
+CPU tests) the switch on must change nothing: the flag stays off there and the engine's tokens are the same.
 """
 
 import json
@@ -97,10 +97,13 @@ def test_the_switch_is_off_by_default_and_never_on_off_a_gpu(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(kernels.PDL_ENV, raising=False)
     assert not kernels.pdl_requested()
-    assert kernels.pdl_options(cpu) == {"PDL": False, "launch_pdl": False}
+    assert kernels.pdl_options(cpu, 1) == {"PDL": False, "launch_pdl": False}
     monkeypatch.setenv(kernels.PDL_ENV, "1")
     assert kernels.pdl_requested() and not kernels.use_pdl(cpu)
-    assert kernels.pdl_options(cpu) == {"PDL": False, "launch_pdl": False}
+    assert kernels.pdl_options(cpu, 1) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setattr(kernels, "use_pdl", lambda device: True)  # as on an H200 with QASR_PDL=1
+    assert kernels.pdl_options(cpu, kernels.PDL_MAX_ROWS) == {"PDL": True, "launch_pdl": True}
+    assert kernels.pdl_options(cpu, kernels.PDL_MAX_ROWS + 1) == {"PDL": False, "launch_pdl": False}  # cuBLAS's
     monkeypatch.setenv(kernels.PDL_ENV, "yes")
     with pytest.raises(ValueError, match="QASR_PDL"):
         kernels.pdl_requested()
@@ -115,7 +118,7 @@ from qasr.engine.request import DecodeRequest
 
 flags = []
 real = kernels.pdl_options
-kernels.pdl_options = lambda device: flags.append(real(device)) or flags[-1]
+kernels.pdl_options = lambda *args: flags.append(real(*args)) or flags[-1]
 rng = np.random.default_rng(3)
 reqs = [DecodeRequest(audio=(0.1 * rng.standard_normal(int(s * 16000))).astype(np.float32), max_new_tokens=5)
         for s in (0.6, 1.3)]
@@ -127,7 +130,7 @@ for pdl in ("1", "0"):
     os.environ["QASR_PDL"] = pdl
     tokens[pdl] = [r.token_ids for r in fused.transcribe(reqs)]
 tokens["plain"] = [r.token_ids for r in plain.transcribe(reqs)]
-print(json.dumps({"tokens": tokens, "launches": len(flags), "flags_on": sum(f["PDL"] or f["launch_pdl"] for f in flags)}))
+print(json.dumps({"tokens": tokens, "launches": len(flags), "flags_on": sum(any(f.values()) for f in flags)}))
 """
 
 
@@ -140,3 +143,16 @@ def test_in_the_interpreter_pdl_on_gives_the_same_tokens_with_the_calls_elided(t
     tokens = result["tokens"]
     assert tokens["1"] == tokens["0"] == tokens["plain"] and all(len(t) == 5 for t in tokens["1"])
     assert result["launches"] > 0 and result["flags_on"] == 0
+
+
+def test_kernel_check_counts_the_launches_pdl_can_chain():
+    from qasr.bench import kernel_check
+
+    triton_names = kernel_check.triton_kernel_names()
+    assert set(KERNELS) <= triton_names
+    step = ["index_select_kernel", "Memcpy DtoD", "_rms_norm_kernel", "_gemv_kernel", "_qk_norm_rope_store_kernel",
+            "nvjet_gemm", "_rms_norm_kernel", "argmax_kernel", "_advance_rows_kernel"]
+    kinds = kernel_check.launch_kinds(step * 2, triton_names, replays=2)
+    assert (kinds["triton"], kinds["other"], kinds["copy"]) == (5, 3, 1)
+    assert kinds["chain_breaks"] == 3  # after the copy, after the cuBLAS product, after the argmax
+    assert kinds["other_names"] == {"index_select_kernel": 1, "nvjet_gemm": 1, "argmax_kernel": 1}
