@@ -3,12 +3,18 @@ small-batch GEMV kernels (model/gemv.py) against cuBLAS (agreement, row independ
 decode step on three paths (plain PyTorch, fused kernels with cuBLAS products, fused with GEMV: graph replay time,
 kernels per step) and the encoder graphs against eager.
 
-`python -m qasr.bench.kernel_check [0.6B|1.7B]` on a CUDA machine; prints one JSON object per line, a section each,
-as each completes (so a time limit leaves the sections that finished).
+First, programmatic dependent launch (#16, $QASR_PDL): one runner's decode step captured twice in one process, with
+QASR_PDL=0 and =1, timed at each bucket (graph replay), its logits compared bit for bit between the two, and its
+kernels per step counted by kind (Triton, whose launches PDL can overlap, and the rest: cuBLAS, PyTorch, copies).
+Run the whole check with QASR_PDL=1 and every kernel comparison after it runs with PDL on too.
+
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,steps]` on a CUDA machine; prints one
+JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -19,14 +25,18 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
 
 from qasr.model import gemv, kernels
 from qasr.model.modeling import RMSNorm, rotate_half
 from qasr.model.testmodel import make_test_model
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.runner import ModelRunner
+from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
 
 from .offline import kernels_per_step
+
+SECTIONS = ("pdl", "kernels", "gemv", "steps")
+PDL_BUCKETS = (1, 8, 32, 64, 256)
 
 
 def compare(got: torch.Tensor, expected: torch.Tensor) -> dict:
@@ -172,8 +182,136 @@ def gemv_rows(rows: int):
             os.environ[gemv.MAX_ROWS_ENV] = before
 
 
+@contextlib.contextmanager
+def pdl_env(value: str):
+    """$QASR_PDL for the kernels launched (and so the graphs captured) inside."""
+    before = os.environ.get(kernels.PDL_ENV)
+    os.environ[kernels.PDL_ENV] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[kernels.PDL_ENV]
+        else:
+            os.environ[kernels.PDL_ENV] = before
+
+
+def triton_kernel_names() -> set[str]:
+    """The names the profiler gives the launches of kernels.py's and gemv.py's Triton kernels."""
+    import triton
+
+    return {name for module in (kernels, gemv) for name, value in vars(module).items()
+            if isinstance(value, triton.runtime.jit.JITFunction)}
+
+
+def launch_kinds(names: list[str], triton_names: set[str], replays: int = 1) -> dict:
+    """Launches in GPU order (`replays` steps' worth) by kind, per step: Triton kernels (PDL can start each before the
+    previous ends), other kernels (cuBLAS, PyTorch: launched plainly, each starts after the previous kernel ends),
+    copies and sets. `chain_breaks`: Triton kernels whose previous launch is not a Triton kernel (no overlap there);
+    `other_names`: the non-Triton kernels by name."""
+    kinds = ["copy" if n.startswith(("Memcpy", "Memset")) else "triton" if n in triton_names else "other"
+             for n in names]
+    other: dict[str, float] = {}
+    for name, kind in zip(names, kinds):
+        if kind == "other":
+            other[name[:90]] = other.get(name[:90], 0) + 1 / replays
+    breaks = sum(1 for i, k in enumerate(kinds) if k == "triton" and (i == 0 or kinds[i - 1] != "triton"))
+    return {k: kinds.count(k) / replays for k in ("triton", "other", "copy")} | {
+        "chain_breaks": breaks / replays, "other_names": other}
+
+
+def kernel_kinds(replay, replays: int = 3) -> dict:
+    """launch_kinds of `replays` calls of replay() (a graph's), from the profiler's GPU events in start order."""
+    replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    return launch_kinds([e.name for e in events], triton_kernel_names(), replays)
+
+
+def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
+    """The decode step with QASR_PDL=0 and =1 on one runner (one cache, one graph pool): ms per graph replay at each
+    bucket, the logits of the two bit for bit (the same kernels and configs; a missing wait would show as a race),
+    and the kernels of a step by kind at 1 and 64 rows."""
+    S = max(buckets)
+    runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
+                         buckets=tuple(b for b in buckets if b < S))
+    gen = torch.Generator(device=device).manual_seed(5)
+    for layer in (*runner.cache.k, *runner.cache.v):
+        layer.normal_(generator=gen)
+    tokens = torch.randint(0, model.cfg.text.vocab_size, (S,), device=device, generator=gen)
+    decoder = model.decoder
+
+    def reset(B: int) -> None:  # every row live at `context`, the same tokens: a replay rewrites the same cache cells
+        runner.tokens.copy_(tokens)
+        runner.positions[:B] = context
+        runner.budgets[:B] = 1 << 30
+
+    def step(B: int):
+        runner._step(B)
+
+    def logits(B: int):
+        return decoder.decode(runner.tokens[:B], runner.positions[:B], runner.cache, runner.layer_ops)
+
+    graphs: dict[tuple[str, str, int], tuple] = {}  # (step or logits, QASR_PDL, bucket) -> (graph, its output)
+    out = {"use_pdl_when_on": None, "step_ms": {}, "logits_identical": {}, "logits_max_abs": {}, "kinds": {}}
+    t0 = time.perf_counter()
+    pool = None
+    with torch.inference_mode():
+        for value in ("0", "1"):
+            with pdl_env(value), capture_stream() as stream:
+                if value == "1":
+                    out["use_pdl_when_on"] = kernels.use_pdl(device)
+                for B in reversed(buckets):
+                    reset(B)
+                    for kind, fn in (("step", step), ("logits", logits)):
+                        graph, result = capture_graph(lambda: fn(B), stream, pool, warmups=2)
+                        pool = graph.pool() if pool is None else pool
+                        graphs[(kind, value, B)] = (graph, result)
+        out["capture_s"] = time.perf_counter() - t0
+        for B in buckets:
+            got = {}
+            for value in ("0", "1"):
+                graph, result = graphs[("logits", value, B)]
+                reset(B)
+                graph.replay()
+                got[value] = result.float().clone()
+            out["logits_identical"][B] = float((got["0"] == got["1"]).float().mean())
+            out["logits_max_abs"][B] = float((got["0"] - got["1"]).abs().max())
+            for value in ("0", "1"):
+                graph = graphs[("step", value, B)][0]
+                samples = []
+                for _ in range(53):
+                    reset(B)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    graph.replay()
+                    end.record()
+                    end.synchronize()
+                    samples.append(start.elapsed_time(end))
+                out["step_ms"].setdefault(f"pdl{value}", {})[B] = statistics.median(samples[3:])
+        for B in (1, 64):
+            if B in buckets:  # rows stay live for the few replays profiled (each moves them on by one position)
+                reset(B)
+                out["kinds"][B] = kernel_kinds(graphs[("step", "1", B)][0].replay)
+    runner.positions.fill_(-1)
+    del graphs, runner
+    torch.cuda.empty_cache()
+    return out
+
+
 def main(argv=None) -> None:
-    size = (argv or sys.argv[1:] or ["0.6B"])[0]
+    parser = argparse.ArgumentParser(prog="python -m qasr.bench.kernel_check")
+    parser.add_argument("size", nargs="?", default="0.6B", choices=("0.6B", "1.7B"))
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {SECTIONS}")
+    args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        parser.error(f"--sections takes {SECTIONS}, got {args.sections!r}")
+    size = args.size
     device = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         d = make_test_model(f"{tmp}/m", size=size, dtype="bfloat16")
@@ -186,11 +324,21 @@ def main(argv=None) -> None:
         print(json.dumps({section: value}), flush=True)
 
     emit("size", size)
-    emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
-    t = time.perf_counter()
-    emit("gemv_bf16_vs_cublas", gemv_cases(model.cfg.text, device))
-    emit("gemv_cases_s", time.perf_counter() - t)
-    emit("gemv_configs", gemv.chosen_configs())
+    emit("pdl", {"QASR_PDL": os.environ.get(kernels.PDL_ENV, "0"), "use_pdl": kernels.use_pdl(device),
+                 "capability": ".".join(map(str, torch.cuda.get_device_capability(device)))})
+    if "pdl" in sections:
+        t = time.perf_counter()
+        emit("decode_step_pdl", pdl_steps(model, device))
+        emit("decode_step_pdl_s", time.perf_counter() - t)
+    if "kernels" in sections:
+        emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
+    if "gemv" in sections:
+        t = time.perf_counter()
+        emit("gemv_bf16_vs_cublas", gemv_cases(model.cfg.text, device))
+        emit("gemv_cases_s", time.perf_counter() - t)
+        emit("gemv_configs", gemv.chosen_configs())
+    if "steps" not in sections:
+        return
     for name, fused, rows in (("fused_gemv", True, gemv.max_rows()), ("fused_cublas", True, 0), ("pytorch", False, 0)):
         with gemv_rows(rows):
             runner = ModelRunner(model, num_slots=64, max_len=320, fused_kernels=fused)
