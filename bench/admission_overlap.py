@@ -102,7 +102,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--every", type=int, default=2, help="steps between two batches of partials")
     p.add_argument("--tokens", type=int, default=8, help="tokens each partial decodes")
     p.add_argument("--max-seconds", type=int, default=12, help="a stream's segment grows to this, then restarts")
-    p.add_argument("--steps", type=int, default=600, help="decode steps per run")
+    p.add_argument("--steps", type=int, default=400, help="decode steps per run (the finals' budgets last ~560)")
     p.add_argument("--rounds", type=int, default=2, help="off/on pairs")
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
