@@ -36,6 +36,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .stream_cache import StreamCache, StreamState
+from .streams import decode_stream, on_own_stream
 
 __all__ = ["AsyncEngine", "Engine", "EngineOptions", "display_name"]
 
@@ -79,6 +80,8 @@ class Engine:
         self.aligner = (AlignerRunner(aligner, max_batch=options.aligner_max_batch, cuda_graphs=options.cuda_graphs)
                         if aligner is not None else None)
         self._last_alignment = -math.inf
+        # step() decodes and admits here, above the aligner's stream in priority (None: the thread's current stream)
+        self.stream = decode_stream(self.runner.device) if options.stream_priorities else None
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
         self._lock = threading.Lock()  # guards the stream cache's release from other threads
         self._released: list[str] = []
@@ -152,6 +155,7 @@ class Engine:
     overlap_admissions = True  # False: admit, then decode, as before the overlap (the tests compare the two)
 
     @torch.inference_mode()
+    @on_own_stream
     def step(self) -> None:
         """Admit (when due) and decode one step. While rows decode, an admission overlaps the step: the step is
         launched first (a graph's replay returns at once), the admission's host work (scheduling, prompts, the audio
