@@ -109,8 +109,10 @@ if [ -n "${WARMUP:-}" ]; then  # WARMUP=N: N clients for 10 s first, not reporte
   echo "warm-up: $(grep -m1 '^# .* segments' "$out/warmup.log")"
 fi
 run=0
-for n in $counts; do  # a count may repeat ("1000 1000 1000": consecutive runs on one lease); each run its own files
-  run=$((run + 1)); r="$n-r$run"
+for spec in $counts; do  # a count may repeat ("1000 1000 1000": consecutive runs on one lease); each run its own files
+  # with ALIGNER=1 a count may name its own words fraction: "600@0 600@0.5" (one server: none ask, then half ask)
+  n=${spec%@*}; run=$((run + 1)); r="$n-r$run"
+  [ "$spec" != "$n" ] && words=(--words-fraction "${spec#*@}" --language English)
   metrics > "$out/metrics-$r-before.txt"
   [ -n "${PYSPY:-}" ] && { pyspy "$r" & }
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration ${DURATION:-40} \
