@@ -63,11 +63,13 @@ ENGINE_STATS_HELP = {
     "process_cpu_seconds": "CPU time of the engine process (all threads).",
     "restarts": "Engine processes replaced after one died (a device error, out of memory, a kill).",
     "streams": "Streams (segments) placed on the engine and not released (qasr.engine.pool).",
+    "final_latency_ms": "The p90 latency (submit to result, as the pool saw it) of the finals the engine answered in "
+                        "the last few seconds, ms: admission control's signal.",
     "final_queue_ms": "The p90 queue delay of the finals the engine answered in the last few seconds, ms.",
-    "headroom": "What the engine can still take: the smaller of 1 - recent final queue delay / the latency target "
+    "headroom": "What the engine can still take: the smaller of 1 - recent final latency / the latency target "
                 "and 1 - decode rows in use / slots (1 idle, 0 at the target, below 0 past it).",
     "serving": "1 while the engine can take work (0: restarting or failed).",
-    "partials_thinned": "Partials skipped because their engine was near its latency target (finals go first).",
+    "partials_thinned": "Partials skipped because their engine was past its latency target (finals go first).",
 }
 # stats that only grow: shown as counters (`qasr_engine_<key>_total`)
 ENGINE_STATS_COUNTERS = {"restarts", "partials_thinned"}
