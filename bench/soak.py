@@ -330,6 +330,7 @@ async def soak(args, url: str, pid: int | None) -> Report:
 
 
 MAX_FIRST_FAILURES = 50
+RANDOM_MODEL_TOKENS_PER_S = 3.7  # the local tiny random model's decode budget per second of audio (bench/h200_*.sh)
 
 
 async def run_streams(args, url: str, indices, begin: float, deadline: float, report: Report) -> None:
@@ -418,11 +419,16 @@ def default_client_processes(streams: int, cores: int | None = None) -> int:
 def local_server(args):
     """A qasr-server on the CPU (a tiny random model unless --model): yields (url, pid). Admission control is off
     (a later --server-arg=--admission-target-ms=MS turns it on): the soak holds its load to see what drifts, and a
-    CPU past the latency target would answer new streams 503, which counts as failed streams."""
+    CPU past the latency target would answer new streams 503, which counts as failed streams. The random model's
+    decodes are as long as speech's (RANDOM_MODEL_TOKENS_PER_S; --server-arg=--base-tokens=N etc. override)."""
     workdir = Path(tempfile.mkdtemp(prefix="qasr-soak-"))
     model = args.model
     try:
+        decode_length = []
         if model is None:
+            # random weights never emit EOS, so each request would decode its whole budget (24 + 12 per audio
+            # second: ~57 tokens for a 2.75 s utterance, ~10 in speech); as long as a real model's instead (H200 runs too)
+            decode_length = ["--base-tokens", "0", "--tokens-per-second", str(RANDOM_MODEL_TOKENS_PER_S)]
             model = str(workdir / "tiny")
             subprocess.run([sys.executable, "-m", "qasr.model.testmodel", model, "--size", "tiny"], check=True,
                            capture_output=True)
@@ -432,7 +438,8 @@ def local_server(args):
                                    # every soak client connects from 127.0.0.1: the per-address handshake limit
                                    # (64) would refuse reconnections with 429 whenever the CPU falls behind
                                    "--max-pending-per-address", str(args.streams + 8),
-                                   "--admission-target-ms", "0", *args.server_args], stderr=log, stdout=log)
+                                   "--admission-target-ms", "0", *decode_length, *args.server_args],
+                                  stderr=log, stdout=log)
         try:
             url = None
             for _ in range(600):
