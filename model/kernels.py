@@ -12,7 +12,7 @@ Each kernel rounds to the activation dtype wherever the PyTorch reference does (
 only in reduction order. Every row is computed by its own programs: a row's result never depends on its batch mates.
 The tests run them on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 
-Programmatic dependent launch ($QASR_PDL=1, Hopper and later; off by default): every kernel here and in gemv.py over
+Programmatic dependent launch (Hopper and later; on by default, $QASR_PDL=0 turns it off): every kernel here and in gemv.py over
 at most PDL_MAX_ROWS rows (the decode step's small buckets) is then launched with the PDL attribute, so the GPU may start its programs while the kernel before it in the stream is
 still running (CUDA graph capture keeps this as a programmatic edge). Each program's first statement is
 `_await_inputs`: it waits until the previous kernel has finished and its writes are visible, and only then lets the
@@ -40,7 +40,8 @@ except ImportError:  # CPU-only installs: the decoder uses its PyTorch path
 
 log = logging.getLogger(__name__)
 
-PDL_ENV = "QASR_PDL"  # "1": programmatic dependent launch where the GPU has it (use_pdl); "0" (default): none
+PDL_ENV = "QASR_PDL"  # "1" (default): programmatic dependent launch where the GPU has it (use_pdl); "0": none
+# (on the H200 the decode step at B=1 went 1.175 -> 1.039 ms with logits bit-identical: docs/benchmarks.md)
 # Launches of up to this many rows (tokens) take PDL: in the decode step's buckets up to 32 the products are gemv.py's
 # and 227 of the step's 235 launches are one chain of Triton kernels; above, every product is a cuBLAS kernel, which
 # breaks the chain (114 breaks a step at 64 rows), and on the H200 PDL gained nothing at 64 rows and cost 4% at 256.
@@ -55,8 +56,8 @@ def available(device: torch.device) -> bool:
 
 
 def pdl_requested() -> bool:
-    """Whether $QASR_PDL asks for programmatic dependent launch ("1"; "0" or unset: no)."""
-    value = os.environ.get(PDL_ENV, "0")
+    """Whether $QASR_PDL asks for programmatic dependent launch ("1" or unset; "0": no)."""
+    value = os.environ.get(PDL_ENV, "1")
     if value not in ("0", "1"):
         raise ValueError(f"{PDL_ENV} must be 0 or 1, got {value!r}")
     return value == "1"
@@ -64,7 +65,8 @@ def pdl_requested() -> bool:
 
 def use_pdl(device: torch.device) -> bool:
     """Whether kernels launched now on `device` use programmatic dependent launch: asked for ($QASR_PDL=1), on a CUDA
-    GPU of compute capability 9.0 or later, with a Triton that has grid dependency control, never in the interpreter.
+    GPU of compute capability 9.0 or later, with a Triton that has grid dependency control, never in the interpreter
+    (by default: a GPU or Triton without it quietly goes without; asked for explicitly, a warning says why).
     Read at every launch, so a graph captured with it on keeps it (kernel_check captures both ways in one process)."""
     if not pdl_requested() or device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
@@ -76,9 +78,10 @@ def _pdl_supported(index: int) -> bool:
     major, minor = torch.cuda.get_device_capability(index)
     has_gdc = triton is not None and hasattr(getattr(tl.extra, "cuda", None), "gdc_wait")
     if major < 9 or not has_gdc:
-        log.warning("%s=1 ignored on cuda:%d: programmatic dependent launch needs compute capability 9.0+ (this GPU "
-                    "has %d.%d) and a Triton with tl.extra.cuda.gdc_wait (%s)", PDL_ENV, index, major, minor,
-                    "present" if has_gdc else "missing")
+        log.log(logging.WARNING if PDL_ENV in os.environ else logging.DEBUG,
+                "%s=1 ignored on cuda:%d: programmatic dependent launch needs compute capability 9.0+ (this GPU has "
+                "%d.%d) and a Triton with tl.extra.cuda.gdc_wait (%s)", PDL_ENV, index, major, minor,
+                "present" if has_gdc else "missing")
         return False
     return True
 

@@ -93,11 +93,13 @@ def test_with_pdl_each_program_waits_for_the_previous_kernel_before_touching_mem
     assert not off.metadata.launch_pdl and "griddepcontrol" not in off.asm["ptx"]
 
 
-def test_the_switch_is_off_by_default_and_never_on_off_a_gpu(monkeypatch):
+def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
     cpu = torch.device("cpu")
     monkeypatch.delenv(kernels.PDL_ENV, raising=False)
-    assert not kernels.pdl_requested()
+    assert kernels.pdl_requested() and not kernels.use_pdl(cpu)
     assert kernels.pdl_options(cpu, 1) == {"PDL": False, "launch_pdl": False}
+    monkeypatch.setenv(kernels.PDL_ENV, "0")
+    assert not kernels.pdl_requested()
     monkeypatch.setenv(kernels.PDL_ENV, "1")
     assert kernels.pdl_requested() and not kernels.use_pdl(cpu)
     assert kernels.pdl_options(cpu, 1) == {"PDL": False, "launch_pdl": False}
