@@ -14,8 +14,8 @@ Row independence: a row's result depends only on its own input and on the config
 shape (N, K), never per batch, so every bucket up to `max_rows()` runs the same reduction order: a row gets the same
 bits whatever its batch mates and its bucket. More than 16 rows are more programs over the same 16-row tile.
 
-With programmatic dependent launch (on by default; $QASR_PDL=0 turns it off) these kernels take part in programmatic dependent launch as kernels.py's do (see its docstring):
-each program waits for the kernel before it before its first load.
+These kernels take part in programmatic dependent launch as kernels.py's do (on by default, $QASR_PDL=0 turns it
+off; see its docstring): each program waits for the kernel before it before its first load.
 """
 
 from __future__ import annotations
