@@ -49,8 +49,9 @@ def keys_file(path) -> SecuritySettings:
     return SecuritySettings(auth=Authenticator(KeyStore.load(path), required=True))
 
 
-async def stream(port: int, key: str, audio: np.ndarray) -> list[dict]:
-    """The audio in 100 ms frames, then end; -> every event (ready first) until the server closes the stream."""
+async def stream(port: int, key: str, audio: np.ndarray, pause_s: float = FRAME_PAUSE_S) -> list[dict]:
+    """The audio in 100 ms frames, `pause_s` apart, then end; -> every event (ready first) until the server closes
+    the stream."""
     pcm = to_s16le(audio)
     async with connect(stream_url(port), additional_headers={"Authorization": f"Bearer {key}"}) as websocket:
         await websocket.send(json.dumps({"type": "start", "sample_rate": 16000}))
@@ -65,7 +66,7 @@ async def stream(port: int, key: str, audio: np.ndarray) -> list[dict]:
         reader = asyncio.create_task(read())
         for offset in range(0, len(pcm), 2 * FRAME_SAMPLES):
             await websocket.send(pcm[offset:offset + 2 * FRAME_SAMPLES])
-            await asyncio.sleep(FRAME_PAUSE_S)
+            await asyncio.sleep(pause_s)
         await websocket.send(json.dumps({"type": "end"}))
         await reader
         assert websocket.close_code == 1000, events
@@ -85,7 +86,8 @@ def test_concurrent_streams_of_several_keys_each_get_exactly_their_own_finals_an
         engine = AsyncEngine(await asyncio.to_thread(Engine.from_pretrained, str(tiny_model_dir), device="cpu",
                                                      dtype="float32", options=OPTIONS))
         async with serving(engine, security=keys_file(tmp_path / "keys")) as server:
-            alone = [await stream(server.port, key, audio) for key, audio in zip(keys, audios)]
+            # alone, one after another: nothing to overlap with, so as fast as the server takes the audio
+            alone = [await stream(server.port, key, audio, pause_s=0) for key, audio in zip(keys, audios)]
             cached_alone = await released(engine)
             cached = []
 
