@@ -12,8 +12,10 @@ aligner into a temporary folder; or give --model/--aligner), speech-like clips o
   CUDA graphs; on a CPU the same padded buffers run eagerly and `cuda_graphs` is false); ms per call and per final.
   Both include the mel, the upload and the one device-to-host read.
 - "host": the engine thread's part of a launch: `prepare_ms` (split and tokenize the words), `plan_ms` (the batch's
-  layout, padded to its bucket), and `launch_ms`, the whole `AlignerRunner.launch()` (host part, copies, mel and
-  graph launches queued on the aligner's stream; on a CPU it also runs the forward).
+  layout, padded to its bucket), `park_ms` (`AlignerRunner.park()` of the B finals, which prepares their words), and
+  `launch_ms`, the whole `AlignerRunner.launch()` (layout, pinned staging, copies, mel and graph launches queued on
+  the aligner's stream; on a CPU it also runs the forward); `syncs_per_launch`: the calls in launch() that made the
+  host wait for the device (CUDA's sync debug mode; 0 expected, None on a CPU).
 - "overlap": --decode-rows rows decode (CUDA-graph steps) while one alignment batch of B finals is in flight on the
   side stream: the decode step's ms alone and during the alignment, the steps that ran meanwhile, and the
   alignment's wall ms from launch to done while decoding vs alone. With --priority both (the default) every batch is
@@ -28,11 +30,13 @@ Prints one JSON object (and writes it to --out).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -137,11 +141,29 @@ def park(runner: AlignerRunner, clips: list[np.ndarray], texts: list[str]) -> No
                                       finish_reason="length", num_audio_tokens=0))
 
 
+@contextlib.contextmanager
+def counting_syncs(device: torch.device):
+    """Counts the calls that made the host wait for the device inside the block (CUDA's sync debug mode: a value
+    read back, a blocking or pageable copy) -> a one-item list filled on exit; empty off CUDA."""
+    counted: list[int] = []
+    if device.type != "cuda":
+        yield counted
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield counted
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    counted.append(sum("synchroniz" in str(w.message) for w in caught))
+
+
 def host_part(runner: AlignerRunner, batches: list[int], args) -> list[dict]:
     aligner, rows = runner.aligner, []
     for batch in batches:
         clips, texts = clips_and_texts(batch, args.seconds, args.words_per_second)
-        prepare, plan, launch = [], [], []
+        prepare, plan, parking, launch, syncs = [], [], [], [], []
         for _ in range(args.repeats + 1):
             t0 = time.perf_counter()
             inputs = [aligner.prepare(text, "English") for text in texts]
@@ -150,17 +172,22 @@ def host_part(runner: AlignerRunner, batches: list[int], args) -> list[dict]:
             if runner.graphs is not None and (shape := runner.graphs.shape_for(layout)) is not None:
                 layout.padded(*shape, pad_id=aligner.tokenizer.endoftext_id)
             t2 = time.perf_counter()
+            park_seconds = runner.park_seconds
             park(runner, clips, texts)
+            parking.append(runner.park_seconds - park_seconds)
             sync(aligner.device)
             t3 = time.perf_counter()
-            runner.launch()
+            with counting_syncs(aligner.device) as counted:
+                runner.launch()
             t4 = time.perf_counter()
             runner.poll(wait_s=float("inf"))
             prepare.append(t1 - t0)
             plan.append(t2 - t1)
             launch.append(t4 - t3)
+            syncs.append(counted[0] if counted else None)
         ms = lambda xs: round(statistics.median(xs[1:]) * 1e3, 3)  # noqa: E731  (the first run warms up)
-        rows.append({"batch": batch, "prepare_ms": ms(prepare), "plan_ms": ms(plan), "launch_ms": ms(launch)})
+        rows.append({"batch": batch, "prepare_ms": ms(prepare), "plan_ms": ms(plan), "park_ms": ms(parking),
+                     "launch_ms": ms(launch), "syncs_per_launch": syncs[-1]})
     return rows
 
 

@@ -1,20 +1,23 @@
 """Word times for the finals that asked: the forced aligner run after their decode, beside it, many finals per forward.
 
 A final whose request has `words=True` is not handed out when its decode stops: the engine parks it here with its
-result. `launch()` takes up to `max_batch` parked finals, does the host's part (split and tokenize the words, lay the
-batch out: qasr.model.aligner_batch), and queues the forward (qasr.model.aligner: mel, encoder windows of all clips
-packed, one causal pass, argmax at every position) on a CUDA stream of its own, replaying CUDA graphs
-(qasr.engine.aligner_graphs) when the batch fits a bucket; then it records an event and returns. The engine keeps
-decoding on its stream meanwhile, at a higher priority when it decodes on qasr.engine.streams' `decode_stream()`: the
-aligner's stream has CUDA's lowest priority, so the GPU schedules a decode step's blocks before the aligner's
-waiting ones. The aligner needs nothing the decode stream makes (its own mel and encoder, from the request's audio on
-the host), so no event joins the two streams. `poll()`, called every engine step, finishes the batch once its event has
-completed: it reads the small [rows, tokens] class tensor, repairs each row's times (the monotonic repair) and hands
-the finals out. One batch is in flight at a time (the graphs' static buffers are its inputs), of at most `max_batch`
-finals (EngineOptions.aligner_max_batch): that bounds the aligner's share of the GPU at any moment; finals that stop
-meanwhile wait for the next launch, which comes only once the one in flight is done. Finals that did not ask never
-come here and never wait. On the CPU (tests, small deployments) the same calls run the forward synchronously:
-`launch()` then `poll()` completes at once.
+result, and its words are split and tokenized then (a final that cannot be aligned gets its reason at once). While rows
+decode, a forward is due once `min_batch` finals are parked or the oldest has waited `max_wait_ms` (fewer, fuller
+forwards: `can_launch`); with nothing decoding, at once. `launch()` takes up to `max_batch` parked finals, lays the
+batch out (qasr.model.aligner_batch), stages the clips and the layout in pinned memory, and queues the forward
+(qasr.model.aligner: mel, encoder windows of all clips packed, one causal pass, argmax at every position) on a CUDA
+stream of its own, replaying CUDA graphs (qasr.engine.aligner_graphs) when the batch fits a bucket; then it records an
+event and returns, having waited for the device nowhere (no value read back, no blocking copy: a test watches for
+them). The engine keeps decoding on its stream meanwhile, at a higher priority when it decodes on qasr.engine.streams'
+`decode_stream()`: the aligner's stream has CUDA's lowest priority, so the GPU schedules a decode step's blocks before
+the aligner's waiting ones. The aligner needs nothing the decode stream makes (its own mel and encoder, from the
+request's audio on the host), so no event joins the two streams. `poll()`, called every engine step, finishes the batch
+once its event has completed: it reads the small [rows, tokens] class tensor, repairs each row's times (the monotonic
+repair) and hands the finals out. One batch is in flight at a time (the graphs' static buffers are its inputs), of at
+most `max_batch` finals (EngineOptions.aligner_max_batch): that bounds the aligner's share of the GPU at any moment;
+finals that stop meanwhile wait for the next launch, which comes only once the one in flight is done. Finals that did
+not ask never come here and never wait. On the CPU (tests, small deployments) the same calls run the forward
+synchronously: `launch()` then `poll()` completes at once.
 
 Times are seconds from the start of the request's audio; the caller offsets them to its own timeline (the session by
 the segment's start). A word cannot be said after its clip ended: times the aligner puts past the clip's end (a model
@@ -56,6 +59,7 @@ class Parked:
     seq: Sequence
     result: DecodeResult
     parked_at: float  # perf_counter
+    item: "AlignerInput"  # its words split and tokenized when it was parked
 
 
 @dataclass
@@ -72,12 +76,18 @@ class InFlight:
 class AlignerRunner:
     """Parked finals waiting for their word times; at most one batch of them aligning at a time."""
 
-    def __init__(self, aligner: "ForcedAligner", *, max_batch: int = 32, cuda_graphs: bool | None = None):
-        """cuda_graphs: replay the forward from CUDA graphs (None: on a CUDA device)."""
-        if max_batch < 1:
-            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    def __init__(self, aligner: "ForcedAligner", *, max_batch: int = 32, min_batch: int = 1, max_wait_ms: float = 0.0,
+                 cuda_graphs: bool | None = None):
+        """min_batch, max_wait_ms: while the engine decodes, launch once min_batch finals are parked (at most
+        max_batch) or the oldest has waited max_wait_ms (`can_launch`); the defaults launch at once.
+        cuda_graphs: replay the forward from CUDA graphs (None: on a CUDA device)."""
+        if max_batch < 1 or min_batch < 1 or max_wait_ms < 0:
+            raise ValueError(f"need max_batch >= 1, min_batch >= 1 and max_wait_ms >= 0, got {max_batch}, "
+                             f"{min_batch} and {max_wait_ms}")
         self.aligner = aligner
         self.max_batch = max_batch
+        self.min_batch = min(min_batch, max_batch)
+        self.max_wait_s = max_wait_ms / 1e3
         on_cuda = aligner.device.type == "cuda"
         self.stream = aligner_stream(aligner.device)  # CUDA's lowest priority; None on a CPU
         use_graphs = on_cuda if cuda_graphs is None else cuda_graphs
@@ -88,6 +98,7 @@ class AlignerRunner:
         self.num_graphed = 0  # of them, replayed from graphs (the others ran eagerly)
         self.num_rows = 0  # finals aligned (with words or a reason)
         self.launch_seconds = 0.0  # the engine thread's time in launch(): the host's share of alignment
+        self.park_seconds = 0.0  # the engine thread's time in park(): splitting and tokenizing the words
 
     def __len__(self) -> int:
         """Finals parked, not yet launched."""
@@ -101,12 +112,29 @@ class AlignerRunner:
         return bool(self._parked) or self._in_flight is not None
 
     def park(self, seq: Sequence, result: DecodeResult) -> None:
-        """Hold a decoded final until its word times are known."""
-        self._parked.append(Parked(seq, result, time.perf_counter()))
+        """Hold a decoded final until its word times are known. Its words are split and tokenized now, host work
+        that launch() then does not do; a final that cannot be aligned (its language, no words) is finished at once
+        with its reason, without waiting for a launch."""
+        start = time.perf_counter()
+        item = self._prepare(result)
+        parked = Parked(seq, result, start, item)
+        if item is None or item.reason is not None:
+            self._finish(parked, (), item.reason if item is not None else FAILED_REASON)
+        else:
+            self._parked.append(parked)
+        self.park_seconds += time.perf_counter() - start
 
-    def can_launch(self) -> bool:
-        """Finals are parked and no batch is in flight (the bound: one batch of at most max_batch at a time)."""
-        return bool(self._parked) and self._in_flight is None
+    def can_launch(self, idle: bool = False) -> bool:
+        """Finals are parked, no batch is in flight (the bound: one batch of at most max_batch at a time), and the
+        batch is due: the engine is idle (nothing decodes, so a launch delays no decode step), or min_batch finals
+        are parked, or the oldest has waited max_wait_ms. Fewer, fuller forwards: each launch costs the engine
+        thread its host part and the decode steps beside it some of the GPU, nearly whatever its size (the aligner's
+        forward takes about as long for 8 finals as for 1 on the H200: docs/benchmarks.md)."""
+        if not self._parked or self._in_flight is not None:
+            return False
+        if idle or len(self._parked) >= self.min_batch:
+            return True
+        return time.perf_counter() - self._parked[0].parked_at >= self.max_wait_s
 
     def run(self) -> int:
         """Launch a batch and wait for it: the synchronous path (offline use, tests) -> finals finished."""
@@ -116,12 +144,15 @@ class AlignerRunner:
     # -- launch ----------------------------------------------------------------------------------------------------
 
     def launch(self) -> int:
-        """Take the oldest `max_batch` parked finals and queue their forward -> how many finals it finished at once.
+        """Take the oldest `max_batch` parked finals and queue their forward -> how many finals it finished at once
+        (whether the batch is due is `can_launch`'s question: this launches whenever one can be in flight).
 
-        A final cancelled meanwhile is finished with CancelledError; one whose text cannot be aligned (its language,
-        no words) gets its reason now. If the host's part or the launch fails, the finals still complete, with no
-        words and a reason."""
-        if not self.can_launch():
+        A final cancelled meanwhile is finished with CancelledError. If the host's part or the launch fails, the
+        finals still complete, with no words and a reason. On CUDA nothing here waits for the device: the clips and
+        the layout cross in one pinned, asynchronous copy each (qasr.model.aligner), and the result comes back the
+        same way, read by poll() once its event has completed (tests/engine/test_aligner_runner.py checks launch()
+        makes no read that would block)."""
+        if not self._parked or self._in_flight is not None:
             return 0
         start = time.perf_counter()
         taken, self._parked = self._parked[: self.max_batch], self._parked[self.max_batch :]
@@ -130,14 +161,9 @@ class AlignerRunner:
             if parked.seq.cancelled:
                 parked.seq.finish(asyncio.CancelledError())
                 finished += 1
-                continue
-            item = self._prepare(parked)
-            if item is None or item.reason is not None:
-                self._finish(parked, (), item.reason if item is not None else FAILED_REASON)
-                finished += 1
             else:
                 finals.append(parked)
-                inputs.append(item)
+                inputs.append(parked.item)
         if finals:
             try:
                 self._in_flight = self._launch(finals, inputs)
@@ -150,9 +176,9 @@ class AlignerRunner:
         self.launch_seconds += time.perf_counter() - start
         return finished
 
-    def _prepare(self, parked: Parked) -> "AlignerInput | None":
+    def _prepare(self, result: DecodeResult) -> "AlignerInput | None":
         try:
-            return self.aligner.prepare(parked.result.text, parked.result.language or None)
+            return self.aligner.prepare(result.text, result.language or None)
         except Exception:
             log.exception("preparing a final's text for the aligner failed")
             return None

@@ -34,6 +34,15 @@ class EngineOptions:
     # one (66 ms), so 8 costs decoding the fewest steps per final aligned (~0.4, vs ~0.5 at 1 and at 32) and caps the
     # step at half the stall; 8 finals per 20 ms forward is ~400 finals a second, above the ~60 of 600 streams with
     # words on (2,467 finals in a 40 s run)
+    aligner_min_batch: int = 8  # while sequences decode, an aligner forward waits for this many parked finals (capped
+    aligner_max_wait_ms: float = 150.0  # at aligner_max_batch) or until the oldest has waited this long; with nothing
+    # decoding it launches at once. Fewer, fuller forwards: a forward costs about the same for 1 final as for 8 (34.9
+    # vs 36.0 ms on the H200, docs/benchmarks.md), its kernels hold SMs the decode steps and admissions then wait for
+    # (running blocks are not preempted, whatever the stream's priority), and each launch costs the engine thread its
+    # host part. At 600 streams, half with words (~60 finals a second with words), launching whenever the last
+    # forward was done made 5.3 finals a forward (234 forwards in 20 s, one every 85 ms); 8 finals gather in ~130 ms
+    # at that rate, so 150 ms gives full forwards under load and bounds the wait at low load.
+    # aligner_min_batch 1 (or aligner_max_wait_ms 0): launch as soon as the previous forward is done
     stream_priorities: bool = True  # decode steps and admissions on a high-priority CUDA stream, the aligner's forward
     # on the lowest (qasr.engine.streams), so that finals without words keep their pace; False: decoding on the
     # thread's default stream, as before (benchmarks compare)
@@ -41,7 +50,7 @@ class EngineOptions:
     def __post_init__(self):
         if (self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1
                 or self.admission_interval_ms < 0 or self.rollback_tokens < 0
-                or self.aligner_max_batch < 1):
+                or self.aligner_max_batch < 1 or self.aligner_min_batch < 1 or self.aligner_max_wait_ms < 0):
             raise ValueError(f"invalid engine options: {self}")
 
 

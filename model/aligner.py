@@ -282,14 +282,22 @@ class ForcedAligner:
 
     def upload_clips(self, audios: Sequence[np.ndarray | torch.Tensor]) -> list[torch.Tensor]:
         """The clips on the device as float32, in one copy (asynchronous from pinned memory on CUDA)."""
-        flat = torch.from_numpy(np.concatenate([np.asarray(a, dtype=np.float32).reshape(-1) for a in audios]))
-        return list(torch.split(self._to_device(flat), [int(a.shape[0]) for a in audios]))
+        flat = self._to_device(self._staged([np.asarray(a) for a in audios], torch.float32))
+        return list(torch.split(flat, [int(a.shape[0]) for a in audios]))
 
     def upload(self, batch: AlignerBatch) -> dict[str, torch.Tensor]:
         """The batch's integer arrays on the device, in one copy -> {name: tensor} (names: aligner_batch.ARRAYS)."""
-        flat = self._to_device(torch.from_numpy(batch.flat()))
+        flat = self._to_device(self._staged([getattr(batch, name) for name in ARRAYS], torch.int64))
         sizes = [getattr(batch, name).size for name in ARRAYS]
         return {name: part.view(getattr(batch, name).shape) for name, part in zip(ARRAYS, torch.split(flat, sizes))}
+
+    def _staged(self, parts: list[np.ndarray], dtype: torch.dtype) -> torch.Tensor:
+        """`parts` one after another in one host tensor of `dtype`, pinned on CUDA: written there in one pass (no
+        pageable concatenation copied again into pinned memory), ready for an asynchronous copy."""
+        host = torch.empty(sum(part.size for part in parts), dtype=dtype, pin_memory=self.device.type == "cuda")
+        if parts:
+            np.concatenate([part.reshape(-1) for part in parts], out=host.numpy(), casting="same_kind")
+        return host
 
     def chunks(self, clips: list[torch.Tensor], batch: AlignerBatch, chunk_source: torch.Tensor) -> torch.Tensor:
         """Log-mel of the clips on the device, cut into the batch's chunk slots -> [8W, mels, 100], model dtype."""
@@ -318,10 +326,10 @@ class ForcedAligner:
         tok = self.tokenizer
         return [tok.audio_start_id, *[tok.audio_pad_id] * num_audio_tokens, tok.audio_end_id, *item.text_ids]
 
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return tensor.to(self.device)
-        return tensor.pin_memory().to(self.device, non_blocking=True)
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A `_staged` tensor on the device; on CUDA the copy is queued on the current stream and the host goes on
+        (the caching host allocator keeps the pinned block until the copy is done)."""
+        return host.to(self.device, non_blocking=True)
 
     def _check_clip(self, audio: np.ndarray | torch.Tensor) -> np.ndarray | torch.Tensor:
         if audio.ndim != 1:

@@ -5,11 +5,12 @@ decoding goes on (a held event stands in for a slow GPU); finals that do not ask
 waiting for the aligner; partials never get words."""
 
 import asyncio
+import weakref
 
 import pytest
 import torch
 
-from qasr.engine import streams
+from qasr.engine import aligner_runner, streams
 from qasr.engine.aligner_runner import FAILED_REASON, AlignerRunner
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest, DecodeResult, EngineClosed, Priority
@@ -351,3 +352,162 @@ def test_an_engine_method_on_its_own_stream_runs_with_that_stream_current(monkey
     marker = object()
     assert Stepper(marker).step(3) == 6
     assert entered == [("ran", 2), ("in", marker), ("ran", 3), ("out", marker)]
+
+
+class Clock:
+    """Stands in for the runner's time module: perf_counter() reads `now`, which the test moves."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def test_a_launch_is_due_at_min_batch_finals_or_once_the_oldest_has_waited_max_wait(aligner, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(aligner_runner, "time", clock)
+    runner = AlignerRunner(aligner, max_batch=4, min_batch=3, max_wait_ms=50)
+    outcomes = []
+    parked_final(runner, speech(1.0, seed=90), outcomes)
+    clock.now += 0.020
+    parked_final(runner, speech(1.1, seed=91), outcomes)
+    assert len(runner) == 2 and not runner.can_launch()  # two of three, the oldest 20 ms old
+    assert runner.can_launch(idle=True)  # nothing decodes: a launch delays nobody, so it goes at once
+    clock.now += 0.029
+    assert not runner.can_launch()  # 49 ms
+    clock.now += 0.002
+    assert runner.can_launch()  # the oldest has waited 51 ms
+    clock.now -= 0.030
+    parked_final(runner, speech(1.2, seed=92), outcomes)
+    assert runner.can_launch()  # three parked: a full enough batch at once
+    assert runner.launch() == 0 and runner.num_in_flight == 3
+    parked_final(runner, speech(1.3, seed=93), outcomes)
+    clock.now += 1.0
+    assert not runner.can_launch() and not runner.can_launch(idle=True)  # one batch in flight at a time
+    assert runner.poll() == 3 and runner.can_launch()  # the CPU ran it in launch(); the fourth has waited 1 s
+    runner.launch()
+    assert runner.poll() == 1 and len(outcomes) == 4 and all(outcome.words for outcome in outcomes)
+
+
+def test_min_batch_is_capped_at_max_batch_and_the_defaults_launch_at_once(aligner):
+    outcomes = []
+    capped = AlignerRunner(aligner, max_batch=2, min_batch=8, max_wait_ms=1e9)
+    parked_final(capped, speech(1.0, seed=94), outcomes)
+    assert not capped.can_launch()
+    parked_final(capped, speech(1.0, seed=95), outcomes)
+    assert capped.can_launch()  # two: as full as a batch gets
+    eager = AlignerRunner(aligner, max_batch=8)
+    parked_final(eager, speech(1.0, seed=96), outcomes)
+    assert eager.can_launch()
+    with pytest.raises(ValueError):
+        AlignerRunner(aligner, min_batch=0)
+    with pytest.raises(ValueError):
+        AlignerRunner(aligner, max_wait_ms=-1)
+    for options in (dict(aligner_min_batch=0), dict(aligner_max_wait_ms=-1.0)):
+        with pytest.raises(ValueError):
+            EngineOptions(**options)
+
+
+def test_a_final_that_cannot_be_aligned_is_finished_when_parked_and_counts_toward_no_batch(aligner):
+    outcomes = []
+    runner = AlignerRunner(aligner, max_batch=8, min_batch=2, max_wait_ms=1e9)
+    seq = Sequence(final(speech(1.0, seed=97), language="Arabic"), outcomes.append)
+    runner.park(seq, DecodeResult(text="marhaba", language="Arabic", raw_text="marhaba", token_ids=(),
+                                  finish_reason="stop", num_audio_tokens=0))
+    assert len(outcomes) == 1 and "does not support Arabic" in outcomes[0].words_reason and not len(runner)
+    parked_final(runner, speech(1.0, seed=98), outcomes, text="...")  # no words in it
+    assert outcomes[1].words == () and "no words" in outcomes[1].words_reason
+    assert not runner.has_work() and runner.park_seconds > 0 and runner.num_batches == 0
+
+
+def test_while_rows_decode_a_final_with_words_waits_for_a_fuller_batch_and_goes_once_decoding_stops(tiny_model_dir,
+                                                                                                    tiny_aligner_dir):
+    engine = make_engine(tiny_model_dir, aligner=str(tiny_aligner_dir), aligner_min_batch=2,
+                         aligner_max_wait_ms=1e9)
+    if engine.aligner.min_batch != 2:  # the lead deletes this with the engine's part applied
+        pytest.skip("the engine does not pass the options on yet: /work/briefs/s6/aligner2-engine.patch")
+    done = {}
+    engine.add(final(speech(1.0, seed=99), budget=2), lambda r: done.__setitem__("words", r))
+    engine.add(final(speech(2.0, seed=100), words=False, budget=12), lambda r: done.__setitem__("plain", r))
+    step_until(engine, lambda: len(engine.aligner) == 1)
+    assert engine.scheduler.running and engine.aligner.num_batches == 0  # one of two, decoding goes on: not due
+    step_until(engine, lambda: "plain" in done)
+    engine.run_until_done()  # nothing decodes any more: it launches at once, not after the wait
+    assert engine.aligner.num_batches == 1 and done["words"].words and done["plain"].words is None
+
+
+class SyncWatch(torch.overrides.TorchFunctionMode):
+    """Records the calls that would make the host wait for the device on CUDA, telling host tensors (made here from
+    host data with no device named: Python values, numpy arrays, empty buffers; and their views) from device ones
+    (everything else, and what a copy to a device gives, even on the CPU where that is the same tensor):
+    - a read of a device tensor's values (item, tolist, numpy, cpu, bool/int/float, nonzero);
+    - a host tensor copied to a device without non_blocking=True (a pageable or blocking copy);
+    - a tensor made from Python values straight on a device (torch.tensor(list, device=...))."""
+
+    READS = {"item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+    FACTORIES = {"tensor", "as_tensor", "empty", "zeros", "ones", "full", "from_numpy"}
+    VIEWS = {"reshape", "view", "split", "__getitem__", "flatten"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+        self.host: dict[int, weakref.ref] = {}  # id -> the host tensor (ids are reused once it is gone)
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        ref = self.host.get(id(t))
+        return ref is not None and ref() is t
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", str(func))
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        on_host = bool(tensors) and all(self.is_host(t) for t in tensors)
+        if name in self.READS and not on_host:
+            self.calls.append(name)
+        to_device = name in ("to", "copy_") and (
+            "device" in kwargs or any(isinstance(a, (str, torch.device)) for a in args[1:]) or name == "copy_")
+        if to_device and self.is_host(args[-1] if name == "copy_" else args[0]) and not kwargs.get("non_blocking"):
+            self.calls.append(f"{name} (blocking, from the host)")
+        if name in ("tensor", "as_tensor") and kwargs.get("device") is not None:
+            self.calls.append(f"{name}(device=...)")
+        out = func(*args, **kwargs)
+        made = out if isinstance(out, (tuple, list)) else [out]
+        for t in made:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if to_device:
+                self.host.pop(id(t), None)
+            elif (name in self.FACTORIES and kwargs.get("device") is None and not tensors) or (
+                    name in self.VIEWS and on_host):
+                self.host[id(t)] = weakref.ref(t)
+        return out
+
+
+def test_launch_makes_no_read_or_copy_that_would_block_the_engine_thread(aligner, monkeypatch):
+    """The eager path on the CPU runs the whole forward in launch(); on CUDA the same calls are only queued, so a
+    value read back or a blocking copy here would stall the engine thread until the aligner's stream got there."""
+    runner = AlignerRunner(aligner, max_batch=4)
+    outcomes = []
+    parked_final(runner, speech(1.0, seed=109), outcomes)
+    runner.run()  # the first launch in a process makes the mel's constants on the device, once
+    for i in range(3):
+        parked_final(runner, speech(1.0 + 0.7 * i, seed=110 + i), outcomes, text="one two three four five")
+    watch = SyncWatch()
+    with watch:
+        runner.launch()
+    assert runner.num_in_flight == 3 and watch.calls == []
+    assert runner.poll() == 3 and all(outcome.words for outcome in outcomes)
+
+
+def test_the_sync_watch_sees_a_blocking_copy_and_a_read(aligner):
+    """The watch above can fail: what launch() used to do (a pageable copy of the mel's per-clip table) and a
+    value read back are caught; the asynchronous copy of a host tensor and reading a host tensor are not."""
+    watch = SyncWatch()
+    with watch:
+        table = torch.tensor([[1, 2], [3, 4]], dtype=torch.int64).reshape(4)
+        table.numpy()
+        on_device = table.to(aligner.device, non_blocking=True)
+        torch.tensor([5, 6]).to(aligner.device)
+        on_device.sum().item()
+    assert watch.calls == ["to (blocking, from the host)", "item"]
