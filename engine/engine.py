@@ -77,7 +77,8 @@ class Engine:
             fused_kernels=options.fused_kernels,
         )
         self.scheduler = Scheduler(options.num_slots)
-        self.aligner = (AlignerRunner(aligner, max_batch=options.aligner_max_batch, cuda_graphs=options.cuda_graphs)
+        self.aligner = (AlignerRunner(aligner, max_batch=options.aligner_max_batch, min_batch=options.aligner_min_batch,
+                                      max_wait_ms=options.aligner_max_wait_ms, cuda_graphs=options.cuda_graphs)
                         if aligner is not None else None)
         self._last_alignment = -math.inf
         # step() decodes and admits here, above the aligner's stream in priority (None: the thread's current stream)
@@ -183,8 +184,8 @@ class Engine:
         little for the batch in flight instead of spinning."""
         start = time.perf_counter()
         idle = not self.scheduler.running and len(self.scheduler) == 0
-        self.aligner.poll(wait_s=IDLE_ALIGNMENT_WAIT_S if idle and not self.aligner.can_launch() else 0.0)
-        if self.aligner.can_launch() and self._alignment_due():
+        self.aligner.poll(wait_s=IDLE_ALIGNMENT_WAIT_S if idle and not self.aligner.can_launch(idle=True) else 0.0)
+        if self.aligner.can_launch(idle=not self.scheduler.running) and self._alignment_due():
             self.aligner.launch()
             self._last_alignment = time.perf_counter()
             self.aligner.poll()  # on the CPU the forward ran in launch(): its finals go out in this step

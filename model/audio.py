@@ -271,7 +271,9 @@ def log_spectrogram_batch(tails: list[torch.Tensor | np.ndarray], num_samples: l
     offsets = np.cumsum([0] + [clip.shape[0] for clip in clips[:-1]])
     rows = [[total, offset - start, count, first, start]
             for total, offset, count, first, start in zip(num_samples, offsets, counts, first_frames, starts)]
-    per_clip = torch.tensor(rows, dtype=torch.int64).reshape(batch, 5).to(device)
+    # pinned and asynchronous on CUDA: a pageable copy would make the host wait for the device (#17)
+    per_clip = torch.tensor(rows, dtype=torch.int64, pin_memory=device.type == "cuda").reshape(batch, 5)
+    per_clip = per_clip.to(device, non_blocking=True)
     num_frames_out = per_clip[:, 2]
     if max_count == 0:
         return torch.zeros(batch, N_MELS, 0, device=device), num_frames_out
