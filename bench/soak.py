@@ -330,6 +330,9 @@ async def soak(args, url: str, pid: int | None) -> Report:
 
 
 MAX_FIRST_FAILURES = 50
+# rows per decode step: the CPU default (8) left throughput unused once streams queue (the tiny model's output layer
+# costs 1.43 ms a token for 8 rows, 0.63 for 32); at 200 streams on 2 cores, 8 fell behind and 32 kept up
+CPU_SLOTS = 32
 RANDOM_MODEL_TOKENS_PER_S = 3.7  # the local tiny random model's decode budget per second of audio (bench/h200_*.sh)
 
 
@@ -419,8 +422,9 @@ def default_client_processes(streams: int, cores: int | None = None) -> int:
 def local_server(args):
     """A qasr-server on the CPU (a tiny random model unless --model): yields (url, pid). Admission control is off
     (a later --server-arg=--admission-target-ms=MS turns it on): the soak holds its load to see what drifts, and a
-    CPU past the latency target would answer new streams 503, which counts as failed streams. The random model's
-    decodes are as long as speech's (RANDOM_MODEL_TOKENS_PER_S; --server-arg=--base-tokens=N etc. override)."""
+    CPU past the latency target would answer new streams 503, which counts as failed streams. It decodes CPU_SLOTS
+    sequences at once, and the random model's decodes are as long as speech's (RANDOM_MODEL_TOKENS_PER_S);
+    --server-arg=--slots=N, --server-arg=--base-tokens=N etc. override."""
     workdir = Path(tempfile.mkdtemp(prefix="qasr-soak-"))
     model = args.model
     try:
@@ -438,7 +442,8 @@ def local_server(args):
                                    # every soak client connects from 127.0.0.1: the per-address handshake limit
                                    # (64) would refuse reconnections with 429 whenever the CPU falls behind
                                    "--max-pending-per-address", str(args.streams + 8),
-                                   "--admission-target-ms", "0", *decode_length, *args.server_args],
+                                   "--admission-target-ms", "0", "--slots", str(CPU_SLOTS), *decode_length,
+                                   *args.server_args],
                                   stderr=log, stdout=log)
         try:
             url = None
