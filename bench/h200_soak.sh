@@ -15,7 +15,7 @@
 # Writes to OUTDIR: soak.json (the report: verdict, failures by kind with the first 50 timed, samples per process,
 # the idle series after the run), soak.log, server.log (info: every refusal and disconnect), metrics-before.txt and
 # metrics-after.txt, tcp.txt (the host's TCP counters over the run: listen-queue overflows, resets, aborts) and
-# server-log-counts.txt (refusals, disconnects, handshake failures, dropped slow readers, by kind).
+# server-log-counts.txt (refusals, disconnects, handshake failures, dropped slow readers, by kind): 7 files.
 set -uo pipefail
 out=${1:?OUTDIR}; mkdir -p "$out"; streams=${2:-600}; minutes=${3:-5}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -34,17 +34,17 @@ ready || { echo "server not ready"; tail -30 "$out/server.log"; kill "$server"; 
 echo "server ready after ${SECONDS}s"
 metrics() { python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8765/metrics').read().decode())"; }
 tcp() { cat /proc/net/netstat /proc/net/snmp; }
-metrics > "$out/metrics-before.txt"; tcp > "$out/tcp-before.txt"
+metrics > "$out/metrics-before.txt"; tcp > /tmp/tcp-before.txt  # OUTDIR keeps 7 files: the device tool returns 8
 partials=(); [ "${PARTIALS:-1}" = 0 ] && partials=(--no-partials)
 # shellcheck disable=SC2086  # SOAK_ARGS is a list of flags
 python3 -m qasr.bench.soak --url ws://127.0.0.1:8765/v1/stream --server-pid "$server" --streams "$streams" \
   --minutes "$minutes" ${CLIENTS:+--client-processes "$CLIENTS"} "${partials[@]}" ${SOAK_ARGS:-} --out "$out/soak.json" \
   > "$out/soak.log" 2>&1
 code=$?
-metrics > "$out/metrics-after.txt"; tcp > "$out/tcp-after.txt"
+metrics > "$out/metrics-after.txt"; tcp > /tmp/tcp-after.txt
 cat "$out/soak.log"
 echo "soak exit $code (0: every criterion held)"
-python3 - "$out/tcp-before.txt" "$out/tcp-after.txt" > "$out/tcp.txt" <<'PY'
+python3 - /tmp/tcp-before.txt /tmp/tcp-after.txt > "$out/tcp.txt" <<'PY'
 import sys
 def counters(path):
     lines, values = open(path).read().splitlines(), {}
