@@ -98,6 +98,10 @@ class RecentDelays:
         self._samples.append((self._clock(), delay_ms))
         self._p90 = None
 
+    def clear(self) -> None:
+        self._samples.clear()
+        self._p90 = None
+
     def p90(self) -> float:
         """0 when nothing was observed within the window. Asked for every partial (thinning), so the sort is redone
         only when the window's samples changed (py-spy at 1000 streams: the sort was ~5% of a worker's time)."""
@@ -181,6 +185,13 @@ class EnginePool:
                 if "queue_ms" in result.timings:
                     member.final_queue.add(result.timings["queue_ms"])
             return result
+
+    def forget_recent_finals(self) -> None:
+        """Drop the finals seen so far from the signal: the server's warm-up decodes pay first-use costs (kernel
+        compiles, autotuning: seconds on a fresh GPU), which would read as no headroom and refuse the first clients."""
+        for member in self._members:
+            member.final_latency.clear()
+            member.final_queue.clear()
 
     def release_stream(self, stream_id: str) -> None:
         self._partials_seen.pop(stream_id, None)

@@ -368,6 +368,9 @@ async def _warm_up(engine: SpeechEngine) -> None:
     finally:
         for stream in streams:
             engine.release_stream(stream)
+    forget = getattr(engine, "forget_recent_finals", None)  # a pool: its first-use costs are not the load
+    if forget is not None:
+        forget()
 
 
 class _EngineView:

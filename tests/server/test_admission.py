@@ -244,6 +244,27 @@ def test_the_warm_up_reaches_every_engine_of_a_pool():
     assert engines[0].released == [WARM_UP_STREAM] and engines[1].released == [f"{WARM_UP_STREAM}/1"]
 
 
+def test_a_slow_warm_up_does_not_refuse_the_first_clients():
+    """Found on the H200: the warm-up decode pays first-use costs (seconds), and counted as a final it left no
+    headroom, so every stream of the first few seconds was refused 503."""
+    engine = LoadedFake()
+    engine.latency_ms = 30 * TARGET_MS
+
+    async def main():
+        server = QasrServer(None, ServerConfig(port=0, ping_interval_s=None))
+        await server.start()
+        try:
+            await server.load_engine(lambda: EnginePool([engine], LoadPolicy(target_ms=TARGET_MS, window_s=60)))
+            async with connect(url(server)) as first:
+                await first.send(START)
+                return json.loads(await first.recv())["type"], server.engine.stats()["headroom"]
+        finally:
+            await server.stop()
+
+    assert run(main()) == ("ready", 1.0)
+    assert engine.calls[0].request.stream_id == WARM_UP_STREAM  # the slow final was the warm-up's
+
+
 def test_metrics_label_each_engine_of_a_pool_and_show_the_headroom():
     from prometheus_client.parser import text_string_to_metric_families
 
