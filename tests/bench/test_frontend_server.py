@@ -3,26 +3,10 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from qasr.bench import stream as stream_bench
 from qasr.bench.frontend_server import spoken_words
-
-
-@pytest.fixture(scope="module")
-def frontend_server():
-    process = subprocess.Popen([sys.executable, "-m", "qasr.bench.frontend_server", "--port", "0", "--delay-ms", "5"],
-                               stdout=subprocess.PIPE, text=True)
-    try:
-        ready = process.stdout.readline().split()  # "ready PID PORT", or nothing if it died
-        assert ready[:1] == ["ready"], f"the front-end server did not start (exit code {process.poll()})"
-        yield int(ready[1]), int(ready[2])
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 @pytest.mark.parametrize("protocol, extra, audio_format", [

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pytest
 from websockets.datastructures import Headers
@@ -75,20 +73,6 @@ def test_a_refused_handshake_without_an_http_answer_names_why():
             raise InvalidMessage("did not receive a valid HTTP response") from eof
     except InvalidMessage as error:
         assert problem_of(error) == "InvalidMessage (EOFError)"
-
-
-@pytest.fixture(scope="module")
-def frontend_server():
-    """The server on the fake engine (bench/frontend_server.py): real sockets, sessions and VAD, no model."""
-    process = subprocess.Popen([sys.executable, "-m", "qasr.bench.frontend_server", "--port", "0", "--delay-ms", "5"],
-                               stdout=subprocess.PIPE, text=True)
-    try:
-        ready = process.stdout.readline().split()  # "ready PID PORT", or nothing if it died
-        assert ready[:1] == ["ready"], f"the front-end server did not start (exit code {process.poll()})"
-        yield int(ready[1]), int(ready[2])
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
 
 
 def test_a_soak_spread_over_client_processes_merges_their_streams_into_one_report(frontend_server, tmp_path):
