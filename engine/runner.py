@@ -16,7 +16,7 @@ import torch
 
 from qasr.model import audio as qaudio
 from qasr.model import kernels
-from qasr.model.modeling import FusedLayerOps, PlainLayerOps, Qwen3ASR, prefill_keys
+from qasr.model.modeling import FusedLayerOps, PlainLayerOps, Qwen3ASR, prefill_keys, window_lengths
 from qasr.model.prompt import Prompt
 
 log = logging.getLogger(__name__)
@@ -394,13 +394,11 @@ class ModelRunner:
         windows, lengths, _ = self.model.encoder.pack_windows(clips)
         out = self.encode_windows(windows, lengths)
         per_clip: list[list[torch.Tensor]] = [[] for _ in clips]
-        # each window's length from the clips' shapes, as pack_windows cuts them (reading its device copy of the
-        # lengths made the host wait for the encoder)
-        size, w = self.window_tokens, 0
+        # each window's length from the clips' shapes (reading pack_windows' device copy would wait for the encoder)
+        w = 0
         for owner, clip in enumerate(clips):
-            n = clip.shape[0]
-            for k in range(-(-n // size)):
-                per_clip[owner].append(out[w, : min(size, n - k * size)])
+            for n in window_lengths(clip.shape[0], self.window_tokens):
+                per_clip[owner].append(out[w, :n])
                 w += 1
         return per_clip
 

@@ -154,9 +154,10 @@ class AudioEncoder(nn.Module):
         pieces, lengths, owners = [], [], []
         for i, x in enumerate(clips):  # one pad per clip (not per window): launches are the cost here
             n = x.shape[0]
-            k = -(-n // size)
+            cut = window_lengths(n, size)
+            k = len(cut)
             pieces.append(F.pad(x, (0, 0, 0, k * size - n)).view(k, size, x.shape[1]))
-            lengths += [size] * (k - 1) + [n - (k - 1) * size]
+            lengths += cut
             owners += [i] * k
         windows = torch.cat(pieces)
         return windows, torch.tensor(lengths, device=windows.device), owners
@@ -167,6 +168,13 @@ class AudioEncoder(nn.Module):
         for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
             parts[owner].append(out[w, :n])
         return [torch.cat(p) for p in parts]
+
+
+def window_lengths(num_tokens: int, size: int) -> list[int]:
+    """How pack_windows cuts a clip's `num_tokens` conv tokens into windows of `size`: each window's real tokens
+    (the host's copy of what it puts on the device: reading that back would wait for the device)."""
+    k = -(-num_tokens // size)
+    return [size] * (k - 1) + [num_tokens - (k - 1) * size]
 
 
 # ----------------------------------------------------------------------------------------------------------------
