@@ -12,9 +12,8 @@ The decoder answers `language X<asr_text>TEXT` then EOS (only `TEXT` when the la
 
 from __future__ import annotations
 
-import collections
+import functools
 import re
-import threading
 from dataclasses import dataclass
 
 from .tokenizer import ASR_TEXT, IM_END, IM_START, Tokenizer
@@ -141,33 +140,29 @@ class PromptTemplates:
     def __init__(self, tok: Tokenizer, maxsize: int = 1024):
         if maxsize < 1:
             raise ValueError(f"maxsize must be >= 1, got {maxsize}")
-        self.tok, self.maxsize = tok, maxsize
-        self._pieces: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
+        self.tok = tok
+        self._pieces = functools.lru_cache(maxsize=maxsize)(self._tokenize)  # a lookup that raises keeps nothing
+
+    def _tokenize(self, context: str, language: str | None) -> tuple[tuple[int, ...], tuple[int, ...], str | None]:
+        bare = build_prompt(self.tok, context=context, language=language, num_audio_tokens=0)
+        return bare.prefix_ids, bare.suffix_ids, bare.language
 
     def __len__(self) -> int:
-        return len(self._pieces)
+        return self._pieces.cache_info().currsize
+
+    @property
+    def hits(self) -> int:
+        return self._pieces.cache_info().hits
+
+    @property
+    def misses(self) -> int:
+        return self._pieces.cache_info().misses
 
     def build(self, *, context: str = "", language: str | None = None, num_audio_tokens: int,
               answer_ids: tuple[int, ...] = ()) -> Prompt:
         """As build_prompt (the same errors: a bad context or language is never kept)."""
         _check_num_audio_tokens(num_audio_tokens)
-        key = (context or "", language)
-        with self._lock:
-            pieces = self._pieces.get(key)
-            if pieces is not None:
-                self._pieces.move_to_end(key)
-                self.hits += 1
-        if pieces is None:
-            bare = build_prompt(self.tok, context=context, language=language, num_audio_tokens=0)
-            pieces = (bare.prefix_ids, bare.suffix_ids, bare.language)
-            with self._lock:
-                self.misses += 1
-                self._pieces[key] = pieces
-                while len(self._pieces) > self.maxsize:
-                    self._pieces.popitem(last=False)
-        prefix_ids, suffix_ids, forced = pieces
+        prefix_ids, suffix_ids, forced = self._pieces(context or "", language)
         answer_ids = tuple(answer_ids)
         return Prompt(prefix_ids=prefix_ids, num_audio_tokens=num_audio_tokens, suffix_ids=suffix_ids + answer_ids,
                       audio_pad_id=self.tok.audio_pad_id, language=forced, answer_ids=answer_ids)
