@@ -71,10 +71,6 @@ class AlignerBatch:
     def chunks_per_window(self) -> int:
         return self.chunk_source.shape[0] // self.window_lengths.shape[0]
 
-    def flat(self) -> np.ndarray:
-        """Every array in ARRAYS, one after another: one host-to-device copy for all of them."""
-        return np.concatenate([getattr(self, name).reshape(-1) for name in ARRAYS])
-
     def read_classes(self, classes: np.ndarray) -> list[list[int]]:
         """classes [>= B, >= T] (argmax at every position) -> per real row, its timestamp slots' classes."""
         return [classes[b, positions].tolist() for b, positions in enumerate(self.slots)]
