@@ -41,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from qasr.audio import SAMPLE_RATE
+from qasr.bench import proc_tree
 from qasr.bench.synthetic import speech_like
 
 FRAME_S = 0.1
@@ -196,7 +197,7 @@ def problem_of(error: Exception) -> str:
 def proc_usage(pid: int) -> tuple[float, int, int, dict[str, float]]:
     """(RSS MB, threads, fds, RSS MB per pid) of `pid` and its descendants (workers, engine processes), from /proc."""
     rss, threads, fds, by_process = 0.0, 0, 0, {}
-    for process in [pid, *children(pid)]:
+    for process in [pid, *proc_tree.descendants(pid)]:
         with contextlib.suppress(OSError, AttributeError):
             status = Path(f"/proc/{process}/status").read_text()
             mb = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024
@@ -204,22 +205,6 @@ def proc_usage(pid: int) -> tuple[float, int, int, dict[str, float]]:
             open_fds = len(os.listdir(f"/proc/{process}/fd"))
             rss, threads, fds, by_process[str(process)] = rss + mb, threads + count, fds + open_fds, round(mb, 1)
     return rss, threads, fds, by_process
-
-
-def children(pid: int) -> list[int]:
-    """Every live descendant of `pid` (with --workers: the workers and the engine processes), from each
-    /proc/<n>/stat's parent pid (/proc/<pid>/task/*/children needs a kernel option)."""
-    parents: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rpartition(")")[2].split()  # after the command, which may hold spaces
-            parents.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, tree = [], list(parents.get(pid, []))
-    while tree:
-        process = tree.pop()
-        found.append(process)
-        tree += parents.get(process, [])
-    return found
 
 
 def scrape(metrics_url: str) -> dict[str, float]:

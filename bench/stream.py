@@ -47,7 +47,6 @@ import collections
 import dataclasses
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -58,6 +57,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from qasr.audio import SAMPLE_RATE
+from qasr.bench import proc_tree
 from qasr.bench.protocol_clients import (CLIENTS, DEEPGRAM_RATE, NATIVE_ENCODINGS, OPENAI_RATE, TWILIO_RATE,
                                          ClientRecord, endpoint)
 from qasr.bench.synthetic import speech_like
@@ -116,29 +116,11 @@ def client_audio(source: np.ndarray | None, seconds: float, index: int) -> np.nd
 
 def process_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds so far of a local process and all its live descendants (a server's front-end workers
-    and engine processes, however deep): every /proc/<n>/stat read once (parent pid, utime, stime: fields 4, 14, 15)
-    and the tree walked down from `pid` by parent pid. FileNotFoundError once `pid` is gone."""
-    parents, seconds = {}, {}
-    for path in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            stat = path.read_text()
-        except OSError:  # it exited meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces: skip past it
-        process = int(path.parent.name)
-        parents[process] = int(fields[1])
-        seconds[process] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    if pid not in seconds:
+    and engine processes, however deep: qasr.bench.proc_tree). FileNotFoundError once `pid` is gone."""
+    table = proc_tree.processes()
+    if pid not in table:
         raise FileNotFoundError(f"/proc/{pid}/stat")
-    children: dict[int, list[int]] = {}
-    for process, parent in parents.items():
-        children.setdefault(parent, []).append(process)
-    total, tree = 0.0, [pid]
-    while tree:
-        process = tree.pop()
-        total += seconds[process]
-        tree += children.get(process, [])
-    return total
+    return sum(table[process][1] for process in [pid, *proc_tree.descendants(pid, table)])
 
 
 def metrics_cpu_seconds(metrics_url: str) -> float | None:
