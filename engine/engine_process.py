@@ -247,8 +247,8 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_se
 
         import torch
 
-        on = "cuda" if device in (None, "auto") and torch.cuda.is_available() else str(device or "cpu")
-        threads = cpu_threads("cpu" if on == "auto" else on.split(":")[0])
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        threads = cpu_threads(auto if device in (None, "auto") else str(device).split(":")[0])
         if threads is not None:
             torch.set_num_threads(threads)
             log.info("engine on the CPU: %d torch threads (a core left to the front end; OMP_NUM_THREADS overrides)",

@@ -12,9 +12,10 @@ Each kernel rounds to the activation dtype wherever the PyTorch reference does (
 only in reduction order. Every row is computed by its own programs: a row's result never depends on its batch mates.
 The tests run them on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
 
-Programmatic dependent launch (Hopper and later; on by default, $QASR_PDL=0 turns it off): every kernel here and in gemv.py over
-at most PDL_MAX_ROWS rows (the decode step's small buckets) is then launched with the PDL attribute, so the GPU may start its programs while the kernel before it in the stream is
-still running (CUDA graph capture keeps this as a programmatic edge). Each program's first statement is
+Programmatic dependent launch (Hopper and later; on by default, $QASR_PDL=0 turns it off): every kernel here and in
+gemv.py over at most PDL_MAX_ROWS rows (the decode step's small buckets) is launched with the PDL attribute, so the
+GPU may start its programs while the kernel before it in the stream is still running (CUDA graph capture keeps this
+as a programmatic edge). Each program's first statement is
 `_await_inputs`: it waits until the previous kernel has finished and its writes are visible, and only then lets the
 next kernel launch. As every PDL kernel waits before it touches memory, a kernel's completion implies its
 predecessors' completions too, so reading an output from several kernels back (the residual stream) stays safe, and
