@@ -160,7 +160,11 @@ class AudioEncoder(nn.Module):
             lengths += cut
             owners += [i] * k
         windows = torch.cat(pieces)
-        return windows, torch.tensor(lengths, device=windows.device), owners
+        # through pinned memory: a list put on a CUDA device directly is copied from pageable memory, which waits
+        # for everything queued on the stream (a decode step, the admission's convolutions)
+        on_cuda = windows.device.type == "cuda"
+        lengths = torch.tensor(lengths, pin_memory=on_cuda).to(windows.device, non_blocking=on_cuda)
+        return windows, lengths, owners
 
     @staticmethod
     def unpack_windows(out: torch.Tensor, lengths: torch.Tensor, owners: list[int], num_clips: int) -> list[torch.Tensor]:
