@@ -11,14 +11,22 @@ next `--per-admission` of `--streams` streams ask for a partial whose audio is o
 decode_gpu = launching and waiting for the step, decode_host), the host's waits for the device per step
 (runner.host_reads) and the partials' engine latency (timings engine_ms, submit to result) p50/p90. Writes
 OUT/admission_overlap.json. Random weights: the transcripts are meaningless, the work is real.
+
+`--sync-audit` (CUDA): the runs with the overlap on also run under torch's sync debug mode, and every call that made
+the host wait for the device is counted by where it came from (its innermost qasr frames). Two are meant: the
+decode step's read (runner.read_decode) and the mel's chunk extremes (runner.chunk_extremes); any other is a wait
+to remove (a scalar or list copied from pageable memory, an .item(), a .tolist()).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import tempfile
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +89,44 @@ def run_load(engine: Engine, args, overlap: bool, round_index: int) -> dict:
                                   "p90": float(np.percentile(latencies, 90)) if latencies else None}}
 
 
+def qasr_frames() -> list[str]:
+    """The caller's stack, innermost first, as "file:line function" for the frames of qasr's own modules (not the
+    benches' or the tests')."""
+    frames, frame = [], sys._getframe(1)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("qasr.") and not module.startswith(("qasr.bench", "qasr.tests")):
+            frames.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} {frame.f_code.co_name}")
+        frame = frame.f_back
+    return frames
+
+
+def audit_syncs(fn, cuda: bool = True):
+    """fn() under CUDA's sync debug mode -> (its result, {call site: times the host waited for the device there}).
+    A site is the innermost three qasr frames (outside bench/ and tests/) of the call that synchronized. cuda=False: only the
+    warnings fn raises itself (the tests, on a CPU)."""
+    import torch
+
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        sites[" <- ".join(qasr_frames()[:3])] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            result = fn()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(0)
+    return result, dict(sites.most_common())
+
+
 def print_run(row: dict) -> None:
     lat = row["partial_engine_ms"]
     fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
@@ -106,6 +152,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=2, help="off/on pairs")
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sync-audit", action="store_true",
+                   help="CUDA: count where the host waited for the device in the runs with the overlap on")
     p.add_argument("--out", default=None, help="folder for admission_overlap.json")
     return p
 
@@ -126,7 +174,14 @@ def run(args) -> dict:
         rows = []
         for r in range(max(1, args.rounds)):
             for overlap in (False, True):
-                rows.append(run_load(engine, args, overlap, r))
+                if overlap and args.sync_audit and device.type == "cuda":
+                    row, syncs = audit_syncs(lambda: run_load(engine, args, overlap, r))
+                    row["syncs"] = syncs
+                    print("  host waited for the device at:", *(f"    {n:6d}  {site}" for site, n in syncs.items()),
+                          sep="\n")
+                else:
+                    row = run_load(engine, args, overlap, r)
+                rows.append(row)
                 print_run(rows[-1])
     out = {"model": args.model or f"random {args.size}", "device": str(device), "date": time.strftime("%Y-%m-%d"),
            "config": {k: v for k, v in vars(args).items() if k != "out"}, "runs": rows}
