@@ -8,7 +8,8 @@
 #     -d .whl websockets webrtcvad-wheels soxr soundfile tqdm prometheus-client orjson pybase64 py-spy cffi pycparser
 # Usage (repo root, from the device tool with carry [".whl"]): bash bench/h200_stream.sh OUTDIR "600 800"
 # Env: LABEL (the run's line on a scaling curve: qasr-bench stream --label), DURATION (s per client, 40), STAGGER (s over which clients start, 10), WARMUP=N (N clients for 10 s first,
-# not reported), PYSPY=1 (sample the server's and the engine process's Python stacks mid-run into OUTDIR), ALIGNER=1
+# not reported), PYSPY=N (sample the server's and the engine process's Python stacks mid-run into OUTDIR, in run N
+# only, so the other runs are not perturbed; PYSPY=all: every run), ALIGNER=1
 # (word times: a random Qwen3-ForcedAligner-0.6B-shaped aligner beside the model, every client asks with --words),
 # WORDS_FRACTION=F (with ALIGNER=1: only this fraction of the clients ask, --words-fraction F; each run then prints
 # final latency apart for the streams with and without words),
@@ -99,7 +100,7 @@ if n:
 print(f"admission control: {d['refused']:.0f} streams refused (no headroom), {d['thinned']:.0f} partials thinned")
 PY
 }
-# PYSPY=1: sample the server's Python stacks mid-run (all threads, then only the thread holding the GIL), raw folded
+# PYSPY: sample the server's Python stacks mid-run (all threads, then only the thread holding the GIL), raw folded
 pyspy() { sleep $(( ${STAGGER:-10} + 2 ))
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-all.txt" > /dev/null 2>&1
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1; }
@@ -114,7 +115,7 @@ for spec in $counts; do  # a count may repeat ("1000 1000 1000": consecutive run
   n=${spec%@*}; run=$((run + 1)); r="$n-r$run"
   [ "$spec" != "$n" ] && words=(--words-fraction "${spec#*@}" --language English)
   metrics > "$out/metrics-$r-before.txt"
-  [ -n "${PYSPY:-}" ] && { pyspy "$r" & }
+  [ -n "${PYSPY:-}" ] && { [ "$PYSPY" = all ] || [ "$PYSPY" = "$run" ]; } && { pyspy "$r" & }
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration ${DURATION:-40} \
     "${words[@]}" ${LABEL:+--label "$LABEL"} --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$r.json" \
     > "$out/stream-$r.log" 2>&1
