@@ -123,6 +123,8 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict,
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
     out["quantize"] = args.quantize
     out["fp8_products"] = len(fp8.quantized(engine.model))
+    if args.quantize is not None:
+        out["fp8_check"] = fp8_check(engine)
 
     # batch-1 latency, features included: audio array in -> text out
     for _ in range(3):
@@ -182,6 +184,24 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict,
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def fp8_check(engine: Engine) -> dict:
+    """On the engine's device: the activation kernel against PyTorch's arithmetic (scales and e4m3 bytes, which must
+    be identical), and the first layer's FP8 gate_up against its bf16 product (relative error, ~0.03 expected)."""
+    layer = engine.model.decoder.layers[0].mlp.gate_up_proj
+    device = layer.weight.device
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn((300, layer.in_features), generator=gen, device=device)
+    x = (x * torch.logspace(-3, 3, 300, device=device)[:, None]).to(torch.bfloat16)
+    q, scale = fp8.quantize_rows(x)
+    ref_scale = (x.abs().amax(1, keepdim=True).float() / fp8.E4M3_MAX).clamp(min=fp8.MIN_SCALE)
+    ref_q = (x.float() / ref_scale).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3)
+    product = torch.nn.functional.linear(x.float(), layer.weight.float())
+    error = (layer(x).float() - product).norm() / product.norm()
+    return {"kernel_scales_identical": bool(torch.equal(scale, ref_scale)),
+            "kernel_bytes_identical_share": float((q.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean()),
+            "gate_up_relative_error": float(error)}
 
 
 def agreement_requests(args) -> list[DecodeRequest]:
