@@ -8,8 +8,13 @@ QASR_PDL=0 and =1, timed at each bucket (graph replay), its logits compared bit 
 kernels per step counted by kind (Triton, whose launches PDL can overlap, and the rest: cuBLAS, PyTorch, copies).
 Run the whole check with QASR_PDL=1 and every kernel comparison after it runs with PDL on too.
 
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,steps]` on a CUDA machine; prints one
-JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
+Then the step's ends as kernels (#16, section "chain"): the step as session 6 ran it (seven PyTorch ops at its start,
+the argmax after the lm_head) and chained (kernels.decode_begin, the argmax in the lm_head's GEMV and advance_rows),
+on one runner: graph replay ms per bucket, logits and the step's outputs bit for bit, launches per step by kind (the
+profiler's) and in order as the host launched them (`recorded_launches`, which also runs on the CPU).
+
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,chain,kernels,gemv,steps]` on a CUDA machine; prints
+one JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
 """
 
 from __future__ import annotations
@@ -27,15 +32,18 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from qasr.model import gemv, kernels
-from qasr.model.modeling import RMSNorm, rotate_half
+from qasr.model.modeling import FusedLayerOps, RMSNorm, rotate_half
 from qasr.model.testmodel import make_test_model
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
+from qasr.engine.runner import advance_rows as runner_advance_rows
 
 from .offline import kernels_per_step
 
-SECTIONS = ("pdl", "kernels", "gemv", "steps")
+SECTIONS = ("pdl", "chain", "kernels", "gemv", "steps")
 PDL_BUCKETS = (1, 8, 32, 64, 256)
 
 
@@ -232,6 +240,168 @@ def kernel_kinds(replay, replays: int = 3) -> dict:
     return launch_kinds([e.name for e in events], triton_kernel_names(), replays)
 
 
+# PyTorch ops that launch nothing: allocations (views are told by their schema)
+NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
+             "detach", "alias", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous"}
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """The kernels launched inside, in order, as the host launches them (on the CPU too, where the Triton kernels
+    run in the interpreter): kernels.py's and gemv.py's Triton kernels by name, and every PyTorch op that runs a
+    kernel as "aten.<op>" (views and allocations launch none). Yields the list, filled as they launch."""
+    import triton
+
+    launched: list[str] = []
+    inside_triton = [False]  # the interpreter's own tensor work inside a Triton launch is not a launch
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not inside_triton[0] and not func.is_view and name not in NO_LAUNCH:
+                launched.append(f"aten.{name}")
+            return func(*args, **(kwargs or {}))
+
+    class Counted:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(self.name)
+                inside_triton[0] = True
+                try:
+                    return self.fn[grid](*args, **kw)
+                finally:
+                    inside_triton[0] = False
+
+            return launch
+
+    kinds = (triton.runtime.jit.JITFunction, triton.runtime.interpreter.InterpretedFunction)
+    swapped = [(module, name, value) for module in (kernels, gemv) for name, value in vars(module).items()
+               if isinstance(value, kinds) and name.endswith("_kernel")]  # launched kernels, not device functions
+    for module, name, value in swapped:
+        setattr(module, name, Counted(name, value))
+    try:
+        with Ops():
+            yield launched
+    finally:
+        for module, name, value in swapped:
+            setattr(module, name, value)
+
+
+def launch_summary(launched: list[str]) -> dict:
+    """recorded_launches' list -> launches, Triton kernels, PyTorch ops by name, and Triton chain breaks (a Triton
+    kernel after a PyTorch op: PDL does not overlap it with what came before)."""
+    torch_ops: dict[str, int] = {}
+    for name in launched:
+        if name.startswith("aten."):
+            torch_ops[name] = torch_ops.get(name, 0) + 1
+    breaks = sum(1 for i, n in enumerate(launched) if not n.startswith("aten.") and i > 0
+                 and launched[i - 1].startswith("aten."))
+    return {"launches": len(launched), "triton": len(launched) - sum(torch_ops.values()), "torch_ops": torch_ops,
+            "chain_breaks": breaks}
+
+
+def greedy_step(runner: ModelRunner, B: int, ops) -> torch.Tensor:
+    """One decode step of `runner`'s rows [0, B) on layer ops `ops` as the runner takes it (its logits returned):
+    FusedLayerOps(chain=False) as session 6 did (decode, torch's argmax, advance_rows), chained ops as now."""
+    decoder = runner.model.decoder
+    args = (runner.tokens[:B], runner.positions[:B], runner.cache, ops)
+    if getattr(ops, "chain", False):
+        logits, nxt = decoder.decode_greedy(*args)
+    else:
+        logits = decoder.decode(*args)
+        nxt = logits.argmax(dim=-1)
+    advance = kernels.advance_rows if runner.fused_kernels else runner_advance_rows
+    advance(nxt, runner.tokens, runner.positions, runner.counts, runner.budgets, runner.eos, runner.out)
+    return logits
+
+
+def replay_ms(graph, reset, runs: int = 50) -> float:
+    """Median GPU time of one replay of `graph`, reset() (outside the timing) before each."""
+    samples = []
+    for _ in range(runs + 3):
+        reset()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples[3:])
+
+
+def chain_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
+    """The decode step as session 6 ran it and chained, on one runner (one cache, one graph pool, PDL as $QASR_PDL
+    says): ms per graph replay at each bucket, the two steps' logits and outputs (out, tokens, positions, counts)
+    bit for bit, launches per step by kind at 1 and 64 rows (the profiler's), and as the host launched them at 1 row
+    (eagerly, recorded_launches)."""
+    S = max(buckets)
+    runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
+                         buckets=tuple(b for b in buckets if b < S))
+    layer_ops = {"session6": FusedLayerOps(model.decoder.rope_table(runner.cache.length), chain=False),
+                 "chained": runner.layer_ops}
+    assert runner.layer_ops.chain
+    gen = torch.Generator(device=device).manual_seed(6)
+    for layer in (*runner.cache.k, *runner.cache.v):
+        layer.normal_(generator=gen)
+    tokens = torch.randint(0, model.cfg.text.vocab_size, (S,), device=device, generator=gen)
+
+    def reset(B: int) -> None:  # rows live at `context` (the last row of a bucket above 1 idle: a padding row)
+        runner.tokens.copy_(tokens)
+        runner.positions.fill_(-1)
+        runner.positions[:B] = context
+        if B > 1:
+            runner.positions[B - 1] = -1
+        runner.counts.zero_()
+        runner.budgets.fill_(1 << 30)
+        runner.budgets[0] = 1  # row 0 finishes on its budget: its position goes idle
+
+    state = lambda: [t.clone() for t in (runner.out, runner.tokens, runner.positions, runner.counts)]  # noqa: E731
+    out = {"use_pdl": kernels.use_pdl(device), "step_ms": {}, "logits_identical": {}, "outputs_identical": {},
+           "kinds": {}, "recorded_b1": {}}
+    graphs = {}
+    t0 = time.perf_counter()
+    pool = None
+    with torch.inference_mode():
+        with capture_stream() as stream:
+            for B in reversed(buckets):
+                for name, ops in layer_ops.items():
+                    reset(B)
+                    graph, logits = capture_graph(lambda: greedy_step(runner, B, ops), stream, pool, warmups=2)
+                    pool = graph.pool() if pool is None else pool
+                    graphs[(name, B)] = (graph, logits)
+        out["capture_s"] = time.perf_counter() - t0
+        for B in buckets:
+            got = {}
+            for name in layer_ops:
+                graph, logits = graphs[(name, B)]
+                reset(B)
+                graph.replay()
+                torch.cuda.synchronize()
+                got[name] = (logits.clone(), state())
+            out["logits_identical"][B] = bool(torch.equal(got["session6"][0], got["chained"][0]))
+            out["outputs_identical"][B] = all(torch.equal(a, b) for a, b in zip(got["session6"][1], got["chained"][1]))
+            for name in layer_ops:
+                out["step_ms"].setdefault(name, {})[B] = replay_ms(graphs[(name, B)][0], lambda: reset(B))
+        for B in (1, 64):
+            if B in buckets:
+                for name in layer_ops:
+                    reset(B)
+                    out["kinds"].setdefault(name, {})[B] = kernel_kinds(graphs[(name, B)][0].replay)
+        for name, ops in layer_ops.items():
+            reset(1)
+            with recorded_launches() as launched:
+                greedy_step(runner, 1, ops)
+            torch.cuda.synchronize()
+            out["recorded_b1"][name] = launch_summary(launched)
+    runner.positions.fill_(-1)
+    del graphs, runner
+    torch.cuda.empty_cache()
+    return out
+
+
 def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     """The decode step with QASR_PDL=0 and =1 on one runner (one cache, one graph pool): ms per graph replay at each
     bucket, the logits of the two bit for bit (the same kernels and configs; a missing wait would show as a race),
@@ -330,6 +500,10 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         emit("decode_step_pdl", pdl_steps(model, device))
         emit("decode_step_pdl_s", time.perf_counter() - t)
+    if "chain" in sections:
+        t = time.perf_counter()
+        emit("decode_step_chain", chain_steps(model, device))
+        emit("decode_step_chain_s", time.perf_counter() - t)
     if "kernels" in sections:
         emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
     if "gemv" in sections:

@@ -68,10 +68,29 @@ if triton is not None:
     _await_inputs = kernels._await_inputs
 
     @triton.jit
-    def _gemv_kernel(X, W, OUT, M, N, K, stride_xm, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    def _block_argmax(v, rows, rmask, cols, cmask, MAX_V, MAX_I):
+        # v: [BLOCK_N, BLOCK_M] this program's rounded products as float32; per row, MAX_V/MAX_I [M, column blocks]
+        # at this column block take its largest value and that value's first column (NaN and the first NaN's column
+        # where there is one), for kernels.advance_rows to finish the argmax (kernels.BlockMaxima)
+        big: tl.constexpr = 2147483647
+        v = tl.where(cmask[:, None], v, float("-inf"))
+        is_nan = v != v
+        nan_col = tl.min(tl.where(is_nan, cols[:, None], big), axis=0)
+        v = tl.where(is_nan, float("-inf"), v)
+        top = tl.max(v, axis=0)
+        first = tl.min(tl.where(cmask[:, None] & (v == top[None, :]), cols[:, None], big), axis=0)
+        has_nan = nan_col < big
+        at = rows.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(MAX_V + at, tl.where(has_nan, float("nan"), top), mask=rmask)
+        tl.store(MAX_I + at, tl.where(has_nan, nan_col, first), mask=rmask)
+
+    @triton.jit
+    def _gemv_kernel(X, W, OUT, MAX_V, MAX_I, M, N, K, stride_xm, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ARGMAX: tl.constexpr,
+                     PDL: tl.constexpr):
         # program (row tile, column block, split): OUT[split, m, n] = sum over this split's k of X[m, k] W[n, k]
-        # (OUT float32 partials) or, with one split, the product rounded to OUT's dtype
+        # (OUT float32 partials) or, with one split, the product rounded to OUT's dtype; with ARGMAX (one split)
+        # also each row's largest product of the block and its column (_block_argmax)
         _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -87,7 +106,10 @@ if triton is not None:
             x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
         out = OUT + split.to(tl.int64) * M * N + rows[None, :] * N + cols[:, None]
-        tl.store(out, acc.to(OUT.dtype.element_ty), mask=cmask[:, None] & rmask[None, :])
+        rounded = acc.to(OUT.dtype.element_ty)
+        tl.store(out, rounded, mask=cmask[:, None] & rmask[None, :])
+        if ARGMAX:
+            _block_argmax(rounded.to(tl.float32), rows, rmask, cols, cmask, MAX_V, MAX_I)
 
     @triton.jit
     def _gate_up_silu_kernel(X, W, OUT, M, I, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -162,13 +184,34 @@ def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = No
     return out
 
 
-def _launch_products(x, weight, out, config: GemvConfig) -> None:
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor,
+                  config: GemvConfig | None = None) -> tuple[torch.Tensor, kernels.BlockMaxima]:
+    """linear(x, weight) and, from the same launch, each row's largest product per block of output columns with its
+    first column (kernels.BlockMaxima [M, column blocks]): the lm_head's logits and what kernels.advance_rows needs
+    to take their argmax, as torch.argmax would, without a launch of its own. The logits are linear's, bit for bit
+    (the same config: the argmax only adds to the kernel's end)."""
+    _check(x, weight)
+    M, K = x.shape
+    N = weight.shape[0]
+    config = config or config_for("linear", N, K, x)
+    if config.splits(K) != 1:
+        raise ValueError(f"linear_argmax takes an unsplit config, got {config}")
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    blocks = triton.cdiv(N, config.block_n)
+    maxima = kernels.BlockMaxima(torch.empty((M, blocks), dtype=torch.float32, device=x.device),
+                                 torch.empty((M, blocks), dtype=torch.int32, device=x.device))
+    _launch_products(x, weight, out, config, maxima)
+    return out, maxima
+
+
+def _launch_products(x, weight, out, config: GemvConfig, maxima: kernels.BlockMaxima | None = None) -> None:
     M, K = x.shape
     N = weight.shape[0]
     grid = (_row_tiles(M), triton.cdiv(N, config.block_n), config.splits(K))
-    _gemv_kernel[grid](x, weight, out, M, N, K, x.stride(0), K_SPLIT=config.k_per_split(K), BLOCK_M=BLOCK_M,
-                       BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=_precision(x),
-                       num_warps=config.num_warps, num_stages=config.num_stages,
+    max_v, max_i = (maxima.values, maxima.index) if maxima is not None else (out, out)
+    _gemv_kernel[grid](x, weight, out, max_v, max_i, M, N, K, x.stride(0), K_SPLIT=config.k_per_split(K),
+                       BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=_precision(x),
+                       ARGMAX=maxima is not None, num_warps=config.num_warps, num_stages=config.num_stages,
                        **kernels.pdl_options(x.device, M))
 
 

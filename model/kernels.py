@@ -30,6 +30,7 @@ import functools
 import logging
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -110,6 +111,14 @@ if triton is not None:
         return acc.to(OUT.dtype.element_ty).to(tl.float32)
 
     @triton.jit
+    def _norm_store(h, W, Y, row, cols, mask, D, eps):
+        # y[row] = norm(h) * w for one row h (float32 [BLOCK], zero past D), rounded where RMSNorm rounds
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (h * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
+        tl.store(Y + row * D + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _rms_norm_kernel(X, R, W, Y, D, eps, split_stride, SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
                          BLOCK: tl.constexpr, PDL: tl.constexpr):
         # one row: h = residual + x (stored back into the residual) or h = x; y = norm(h) * w
@@ -123,10 +132,25 @@ if triton is not None:
             h = (h + r).to(Y.dtype.element_ty)
             tl.store(R + row * D + cols, h, mask=mask)
             h = h.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (h * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
-        tl.store(Y + row * D + cols, y.to(Y.dtype.element_ty), mask=mask)
+        _norm_store(h, W, Y, row, cols, mask, D, eps)
+
+    @triton.jit
+    def _decode_begin_kernel(TOKENS, POSITIONS, EMBED, W, Y, R, ROPE_POS, SLOTS, WRITE_POS, D, V, scratch, eps,
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # the decode step's start for row b (see decode_begin): its position's three uses, its token's embedding
+        # into the residual stream, and the first layer's RMSNorm of it
+        _await_inputs(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        pos = tl.load(POSITIONS + row)
+        tl.store(ROPE_POS + row, tl.maximum(pos, 0))
+        tl.store(SLOTS + row, row)
+        tl.store(WRITE_POS + row, tl.where(pos >= 0, pos, scratch))
+        token = tl.minimum(tl.maximum(tl.load(TOKENS + row), 0), V - 1).to(tl.int64)  # never read past the table
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(EMBED + token * D + cols, mask=mask, other=0.0)
+        tl.store(R + row * D + cols, x, mask=mask)
+        _norm_store(x.to(tl.float32), W, Y, row, cols, mask, D, eps)
 
     @triton.jit
     def _qk_norm_rope_store_kernel(
@@ -275,25 +299,64 @@ if triton is not None:
 
 
     @triton.jit
-    def _advance_rows_kernel(NXT, TOKENS, POSITIONS, COUNTS, BUDGETS, EOS, OUT, B, stride_out,
-                             NUM_EOS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        # the decode step's bookkeeping for rows [0, B) in one launch (see advance_rows)
+    def _first_max(VALUES, INDEX, W, BLOCK: tl.constexpr):
+        # the greedy token of one row from W block maxima (gemv's lm_head: VALUES[j] the largest logit of column
+        # block j, INDEX[j] its first column, NaN for a block holding a NaN), as torch.argmax picks it: a NaN first,
+        # else the largest value, a tie to the lowest column (blocks are in column order; W >= 1)
+        big: tl.constexpr = 2147483647
+        best_v = tl.full([], float("-inf"), tl.float32)
+        best_i = tl.full([], big, tl.int32)
+        nan_i = tl.full([], big, tl.int32)
+        for start in range(0, W, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            m = offs < W
+            v = tl.load(VALUES + offs, mask=m, other=float("-inf"))
+            i = tl.load(INDEX + offs, mask=m, other=big)
+            is_nan = v != v
+            nan_i = tl.minimum(nan_i, tl.min(tl.where(is_nan, i, big), axis=0))
+            v = tl.where(is_nan, float("-inf"), v)
+            top = tl.max(v, axis=0)
+            first = tl.min(tl.where(m & (v == top), i, big), axis=0)
+            take = (top > best_v) | (best_i == big)  # an equal maximum in a later block loses: its columns are higher
+            best_i = tl.where(take, first, best_i)
+            best_v = tl.where(take, top, best_v)
+        return tl.where(nan_i < big, nan_i, best_i).to(tl.int64)
+
+    @triton.jit
+    def _advance_rows_kernel(NXT, VALUES, TOKENS, POSITIONS, COUNTS, BUDGETS, EOS, OUT, W, stride_out,
+                             MAXIMA: tl.constexpr, NUM_EOS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # the decode step's bookkeeping for row b (see advance_rows); its token NXT[b], or with MAXIMA the first
+        # argmax of its W block maxima (VALUES, NXT [B, W])
         _await_inputs(PDL)
-        b = tl.arange(0, BLOCK)
-        m = b < B
-        nxt = tl.load(NXT + b, mask=m, other=0)
-        pos = tl.load(POSITIONS + b, mask=m, other=-1)
+        b = tl.program_id(0).to(tl.int64)
+        if MAXIMA:
+            nxt = _first_max(VALUES + b * W, NXT + b * W, W, BLOCK)
+        else:
+            nxt = tl.load(NXT + b)
+        pos = tl.load(POSITIONS + b)
         live = pos >= 0
-        counts = tl.load(COUNTS + b, mask=m, other=0) + live.to(tl.int64)
-        stop = counts >= tl.load(BUDGETS + b, mask=m, other=0)
+        counts = tl.load(COUNTS + b) + live.to(tl.int64)
+        stop = counts >= tl.load(BUDGETS + b)
         for e in tl.static_range(NUM_EOS):
             stop = stop | (nxt == tl.load(EOS + e))
         finished = live & stop
-        tl.store(OUT + b, tl.where(live, nxt, -1), mask=m)
-        tl.store(OUT + stride_out + b, finished.to(tl.int64), mask=m)
-        tl.store(TOKENS + b, tl.where(live, nxt, tl.load(TOKENS + b, mask=m, other=0)), mask=m)
-        tl.store(POSITIONS + b, tl.where(live & ~finished, pos + 1, -1), mask=m)
-        tl.store(COUNTS + b, counts, mask=m)
+        tl.store(OUT + b, tl.where(live, nxt, -1))
+        tl.store(OUT + stride_out + b, finished.to(tl.int64))
+        tl.store(TOKENS + b, tl.where(live, nxt, tl.load(TOKENS + b)))
+        tl.store(POSITIONS + b, tl.where(live & ~finished, pos + 1, -1))
+        tl.store(COUNTS + b, counts)
+
+
+@dataclass(frozen=True)
+class BlockMaxima:
+    """Each row's greedy token, not yet reduced: gemv.linear_argmax's lm_head leaves, per row and block of output
+    columns, the block's largest logit (float32, exactly the rounded logit; NaN where the block holds one) and its
+    first column. advance_rows reduces them to the token torch.argmax would pick, in the same launch as the
+    bookkeeping. values: float32 [B, W]; index: int32 [B, W]."""
+
+    values: torch.Tensor
+    index: torch.Tensor
+
 
 def pdl_options(device: torch.device, rows: int) -> dict:
     """The launch arguments of a kernel here or in gemv.py over `rows` rows (tokens): its PDL constexpr and Triton's
@@ -409,18 +472,47 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def advance_rows(next_tokens: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, counts: torch.Tensor,
-                 budgets: torch.Tensor, eos: torch.Tensor, out: torch.Tensor) -> None:
+def decode_begin(tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, norm_weight: torch.Tensor,
+                 eps: float, scratch: int) -> tuple[torch.Tensor, ...]:
+    """The decode step's start in one launch (TextDecoder.decode's embedding lookup and position arithmetic, and
+    FusedLayerOps.begin's residual copy and first RMSNorm, which it must equal bit for bit).
+
+    tokens, positions: [B] long (position -1: a padding or idle row); embed: the token table [V, D]; norm_weight: the
+    first layer's input RMSNorm [D] -> (its output h [B, D], the residual stream [B, D] (the tokens' embeddings),
+    rope_pos [B] (the position, 0 for -1), slots [B] (= 0 .. B-1), write_pos [B] (the position, `scratch` for -1)).
+    """
+    B = tokens.shape[0]
+    V, D = embed.shape
+    assert tokens.dtype == positions.dtype == torch.long and tokens.is_contiguous() and positions.is_contiguous()
+    assert embed.is_contiguous()
+    h = torch.empty((B, D), dtype=embed.dtype, device=embed.device)
+    residual = torch.empty_like(h)
+    rope_pos, slots, write_pos = (torch.empty(B, dtype=torch.long, device=embed.device) for _ in range(3))
+    block = triton.next_power_of_2(D)
+    _decode_begin_kernel[(B,)](tokens, positions, embed, norm_weight, h, residual, rope_pos, slots, write_pos, D, V,
+                               scratch, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+                               **pdl_options(embed.device, B))
+    return h, residual, rope_pos, slots, write_pos
+
+
+def advance_rows(next_tokens: torch.Tensor | BlockMaxima, tokens: torch.Tensor, positions: torch.Tensor,
+                 counts: torch.Tensor, budgets: torch.Tensor, eos: torch.Tensor, out: torch.Tensor) -> None:
     """The decode step's per-row bookkeeping in one launch, in place (the ~18 small PyTorch ops of
     runner.advance_rows, which it must equal): for rows b < B = len(next_tokens), a live row (positions[b] >= 0)
     counts its token, finishes on an EOS id or its budget; out[0, b] = its token or -1, out[1, b] = finished;
     tokens[b] takes the token, positions[b] moves on by one or goes idle (-1).
 
-    next_tokens: [B] long; tokens, positions, counts, budgets: [S >= B] long; eos: [E] long; out: [2, S] long.
+    next_tokens: [B] long, or the lm_head's BlockMaxima [B, W] (the argmax is then taken here, as torch.argmax
+    would: no launch of its own); tokens, positions, counts, budgets: [S >= B] long; eos: [E] long; out: [2, S] long.
     """
-    B = next_tokens.shape[0]
-    for t in (next_tokens, tokens, positions, counts, budgets, eos, out):
+    maxima = isinstance(next_tokens, BlockMaxima)
+    nxt, values = (next_tokens.index, next_tokens.values) if maxima else (next_tokens, next_tokens)
+    B = nxt.shape[0]
+    W = nxt.shape[1] if maxima else 1
+    assert nxt.is_contiguous() and (not maxima or (values.dtype == torch.float32 and values.shape == nxt.shape
+                                                   and values.is_contiguous() and nxt.dtype == torch.int32))
+    for t in (*([] if maxima else [nxt]), tokens, positions, counts, budgets, eos, out):
         assert t.dtype == torch.long and t.is_contiguous()
-    _advance_rows_kernel[(1,)](next_tokens, tokens, positions, counts, budgets, eos, out, B, out.stride(0),
-                               NUM_EOS=eos.shape[0], BLOCK=max(16, triton.next_power_of_2(B)), num_warps=4,
-                               **pdl_options(out.device, B))
+    _advance_rows_kernel[(B,)](nxt, values, tokens, positions, counts, budgets, eos, out, W, out.stride(0),
+                               MAXIMA=maxima, NUM_EOS=eos.shape[0], BLOCK=min(1024, triton.next_power_of_2(W)),
+                               num_warps=4 if maxima else 1, **pdl_options(out.device, B))

@@ -325,14 +325,15 @@ class TextDecoder(nn.Module):
         cos, sin = self.rope(positions, self.embed_tokens.weight.dtype)
         return cos[0].contiguous(), sin[0].contiguous()
 
-    def run_layers(self, x: torch.Tensor, ops: "LayerOps", attention) -> torch.Tensor:
-        """The one layer loop: x (as `ops` shapes it) -> final-normed hidden of the same shape.
+    def run_layers(self, begun: tuple[torch.Tensor, torch.Tensor], ops: "LayerOps", attention) -> torch.Tensor:
+        """The one layer loop: begun = (the first layer's input norm of x, the residual stream x), as `ops` shapes
+        them (ops.begin's) -> final-normed hidden of the same shape.
 
         attention(layer index, DecoderAttention, h) writes the layer's K/V of the new tokens into the cache and
         returns their attention output before o_proj. Each residual add feeds the norm that follows it, the last one
         the final norm (so the fused ops can fuse them, and take a product's split-K partial sums).
         """
-        h, residual = ops.begin(x, self.layers[0].input_layernorm)
+        h, residual = begun
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h, residual = ops.add_norm(ops.project(attn.o_proj, attention(i, attn, h)), residual,
@@ -356,21 +357,34 @@ class TextDecoder(nn.Module):
         write_pos = torch.where(valid, positions, torch.full_like(positions, cache.scratch))
         x, attention = ops.prefill_attention(self, embeds, positions, slots, starts, lengths, write_pos, cache,
                                              num_keys)
-        return self.run_layers(x, ops, attention).view(B, T, -1)
+        return self.run_layers(ops.begin(x, self.layers[0].input_layernorm), ops, attention).view(B, T, -1)
 
     def decode(self, tokens, positions, cache: KVCache, ops: "LayerOps") -> torch.Tensor:
         """One new token for each of the first B slots (row b = slot b): fixed shapes, CUDA-graph friendly.
 
         tokens: [B] long; positions: [B] long, -1 for a padding row (writes only scratch, output ignored) -> logits [B, V].
         """
-        B = tokens.shape[0]
+        return ops.logits(self.lm_head, self._decode_hidden(tokens, positions, cache, ops))
+
+    def decode_greedy(self, tokens, positions, cache: KVCache, ops: "LayerOps") -> tuple[torch.Tensor, object]:
+        """decode, and each row's greedy next token -> (logits [B, V], the tokens [B] long or, where the lm_head's
+        kernel takes the argmax (FusedLayerOps.greedy), its kernels.BlockMaxima: kernels.advance_rows takes both)."""
+        return ops.greedy(self.lm_head, self._decode_hidden(tokens, positions, cache, ops))
+
+    def _decode_hidden(self, tokens, positions, cache: KVCache, ops: "LayerOps") -> torch.Tensor:
+        begun, attention = ops.decode_start(self, tokens, positions, cache)
+        return self.run_layers(begun, ops, attention).view(tokens.shape[0], -1)
+
+    def decode_inputs(self, tokens, positions, cache: KVCache):
+        """The decode step's inputs in PyTorch: tokens, positions [B] -> (their embeddings x [B, 1, D], the positions
+        to rotate by pos [B, 1] (0 for -1), slots [B] (row b = slot b), write_pos [B, 1] (scratch for -1)).
+        kernels.decode_begin computes the same in one launch."""
         x = self.embed_tokens(tokens)[:, None]
         live = positions >= 0
         pos = positions.clamp(min=0)[:, None]
         write_pos = torch.where(live[:, None], pos, torch.full_like(pos, cache.scratch))
-        slots = torch.arange(B, device=tokens.device)
-        x, attention = ops.decode_attention(self, x, positions, pos, slots, write_pos, cache)
-        return ops.logits(self.lm_head, self.run_layers(x, ops, attention).view(B, -1))
+        slots = torch.arange(tokens.shape[0], device=tokens.device)
+        return x, pos, slots, write_pos
 
 
 class PlainLayerOps:
@@ -397,6 +411,17 @@ class PlainLayerOps:
 
     def logits(self, lm_head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         return lm_head(h)
+
+    def greedy(self, lm_head: nn.Linear, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (logits, their argmax [B])."""
+        logits = self.logits(lm_head, h)
+        return logits, logits.argmax(dim=-1)
+
+    def decode_start(self, decoder: TextDecoder, tokens, positions, cache: KVCache):
+        """-> ((h, residual) for run_layers, attention) of a decode step (see decode_attention)."""
+        x, pos, slots, write_pos = decoder.decode_inputs(tokens, positions, cache)
+        x, attention = self.decode_attention(decoder, x, positions, pos, slots, write_pos, cache)
+        return self.begin(x, decoder.layers[0].input_layernorm), attention
 
     def prefill_attention(self, decoder: TextDecoder, x, positions, slots, starts, lengths, write_pos,
                           cache: KVCache, num_keys: int | None):
@@ -449,11 +474,19 @@ class FusedLayerOps:
     made. With gemv a layer is eight launches (add+RMSNorm, qkv, q/k-norm+RoPE+KV write, attention, o_proj,
     add+RMSNorm, gate_up+SiLU*mul, down; o_proj, qkv and down hand split-K partial sums to the kernel after them),
     with cuBLAS nine (SiLU*mul apart).
+
+    The decode step's ends are kernels too (`chain`, #16): its start is one launch (kernels.decode_begin: the
+    embedding lookup, the position arithmetic, the residual copy and the first RMSNorm) and, where the lm_head is a
+    GEMV, the argmax is taken by it and the bookkeeping kernel after it (`greedy`). With the GEMV products a step is
+    then one unbroken chain of Triton kernels (programmatic dependent launch overlaps each with the one before);
+    chain=False keeps session 6's PyTorch ops there (seven at the start, the argmax), to measure against.
     """
 
-    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None):
+    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None,
+                 chain: bool = True):
         self.cos, self.sin = rope_table
         self.gemv_rows = gemv.max_rows() if gemv_rows is None else gemv_rows
+        self.chain = chain
 
     def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.shape[0] <= self.gemv_rows and gemv.supports(x, weight)
@@ -473,6 +506,27 @@ class FusedLayerOps:
 
     def logits(self, lm_head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         return gemv.linear(h, lm_head.weight) if self._small(h, lm_head.weight) else lm_head(h)
+
+    def greedy(self, lm_head: nn.Linear, h: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """-> (logits, their argmax): [B] long, or the GEMV lm_head's kernels.BlockMaxima (kernels.advance_rows
+        finishes that argmax in its own launch, bit for bit torch.argmax's)."""
+        if self.chain and self._small(h, lm_head.weight):
+            return gemv.linear_argmax(h, lm_head.weight)
+        logits = self.logits(lm_head, h)
+        return logits, logits.argmax(dim=-1)
+
+    def decode_start(self, decoder: TextDecoder, tokens, positions, cache: KVCache):
+        """-> ((h, residual) [B, D] for run_layers, attention) of a decode step: one kernel (kernels.decode_begin),
+        or with chain=False PlainLayerOps' PyTorch inputs and `begin`."""
+        norm = decoder.layers[0].input_layernorm
+        if not self.chain:
+            x, pos, slots, write_pos = decoder.decode_inputs(tokens, positions, cache)
+            x, attention = self.decode_attention(decoder, x, positions, pos, slots, write_pos, cache)
+            return self.begin(x, norm), attention
+        h, residual, rope_pos, slots, write_pos = kernels.decode_begin(
+            tokens, positions, decoder.embed_tokens.weight, norm.weight, norm.eps, cache.scratch)
+        attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
+        return (h, residual), self._attention(rope_pos, slots, write_pos, attend, cache)
 
     def mlp(self, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
         """-> [N, D], or down's float32 split-K partial sums [S, N, D] (for add_norm)."""

@@ -228,6 +228,101 @@ def test_advance_rows_in_one_launch_equals_the_pytorch_bookkeeping(B):
     assert (got_out[1, :B] == 1).any() or B == 1
 
 
+# -- the decode step's ends as kernels (#16: decode_begin, the lm_head's argmax) ---------------------------------
+
+
+def advance_state(S: int, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"tokens": torch.randint(0, 50, (S,), generator=g),
+            "positions": torch.randint(-1, 30, (S,), generator=g),  # -1: idle rows
+            "counts": torch.randint(0, 10, (S,), generator=g),
+            "budgets": torch.randint(1, 12, (S,), generator=g)}  # some rows reach theirs
+
+
+def advanced(advance, nxt, state: dict, eos: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    st = {k: v.clone() for k, v in state.items()}
+    out = torch.full((2, st["tokens"].shape[0]), 7)
+    advance(nxt, st["tokens"], st["positions"], st["counts"], st["budgets"], eos, out)
+    return st, out
+
+
+@pytest.mark.parametrize("B", [1, 5, 12])
+def test_decode_begin_is_the_pytorch_start_of_the_step_bit_for_bit(B):
+    V, D, scratch = 50, 96, 63
+    embed, w = torch.randn(V, D), torch.randn(D)
+    g = torch.Generator().manual_seed(B)
+    tokens = torch.randint(0, V, (B,), generator=g)
+    positions = torch.randint(-1, 40, (B,), generator=g)
+    positions[-1] = -1  # a padding row of the bucket
+    positions[0] = 0
+    h, residual, rope_pos, slots, write_pos = kernels.decode_begin(tokens, positions, embed, w, 1e-6, scratch)
+    # what TextDecoder.decode_inputs and FusedLayerOps.begin compute with PyTorch ops and kernels.rms_norm
+    x = F.embedding(tokens, embed)
+    assert torch.equal(residual, x)
+    assert torch.equal(h, kernels.rms_norm(x.clone(), w, 1e-6))
+    assert torch.allclose(h, norm_module(w)(x), atol=TOL, rtol=TOL)
+    assert torch.equal(rope_pos, positions.clamp(min=0))
+    assert torch.equal(write_pos, torch.where(positions >= 0, positions, scratch))
+    assert torch.equal(slots, torch.arange(B))
+
+
+def tied_products(rows: int, seed: int):
+    """Small-integer operands: exact products with many equal maxima, within a column block and across blocks."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-2, 3, (rows, 24), generator=g).float()
+    w = torch.randint(-2, 3, (300, 24), generator=g).float()
+    w[[9, 40, 41, 200]] = 3.0  # equal rows: equal logits in one block and in later ones
+    return x, w
+
+
+@pytest.mark.parametrize("config", [gemv.GemvConfig(16, 16), gemv.GemvConfig(64, 32)], ids=str)
+@pytest.mark.parametrize("rows", [1, 6, 20])  # 20: two row tiles
+def test_linear_argmax_keeps_the_logits_and_its_maxima_give_torch_argmax_ties_included(config, rows):
+    x, w = tied_products(rows, seed=rows)
+    x[0] = 1.0  # row 0's maximum is the tie of columns 9, 40, 41 and 200
+    logits, maxima = gemv.linear_argmax(x, w, config)
+    assert torch.equal(logits, gemv.linear(x, w, config))
+    blocks = -(-300 // config.block_n)
+    assert maxima.values.shape == maxima.index.shape == (rows, blocks) and maxima.index.dtype == torch.int32
+    state, eos = advance_state(rows + 3, seed=rows), torch.tensor([10, 11])
+    state["positions"][:rows] = torch.arange(rows)  # every row live: each one's token shows in out[0]
+    expected = advanced(runner_module.advance_rows, logits.argmax(dim=-1), state, eos)
+    got = advanced(kernels.advance_rows, maxima, state, eos)
+    assert torch.equal(got[1], expected[1]) and all(torch.equal(got[0][k], expected[0][k]) for k in state)
+    assert int(got[1][0, 0]) == 9
+
+
+def test_the_fused_argmax_takes_nans_and_infinities_as_torch_argmax_does():
+    x, w = tied_products(4, seed=3)
+    w[[70, 150]] = 0.0
+    w[70, 0], w[150, 0] = float("inf"), float("-inf")
+    x[:, 0] = torch.tensor([1.0, 0.0, -1.0, 2.0])  # column 70: +inf, NaN (0 * inf), -inf, +inf; column 150: the opposite
+    logits, maxima = gemv.linear_argmax(x, w, gemv.GemvConfig(16, 16))
+    state = advance_state(4, seed=4)
+    state["positions"][:] = torch.arange(4)
+    state["budgets"][:] = 100
+    eos = torch.tensor([-1])
+    expected = advanced(runner_module.advance_rows, logits.argmax(dim=-1), state, eos)
+    got = advanced(kernels.advance_rows, maxima, state, eos)
+    assert torch.equal(got[1], expected[1])
+    assert got[1][0].tolist() == [70, 70, 150, 70]  # a NaN is the largest, and the first of two NaNs wins
+
+
+def test_block_maxima_reduce_across_many_blocks_to_the_first_maximum():
+    # more block maxima than advance_rows reduces at once (1024): the first maximum sits in a later pass too
+    rows, blocks = 3, 2500
+    values = torch.randn(rows, blocks)
+    values[0, [5, 1500, 2400]] = 10.0
+    values[1, [2000, 2300]] = 10.0
+    values[2, :] = float("-inf")
+    index = (torch.arange(blocks, dtype=torch.int32) * 16 + 3).repeat(rows, 1).contiguous()
+    state = advance_state(rows, seed=5)
+    state["positions"][:] = 1
+    state["budgets"][:] = 100
+    _, out = advanced(kernels.advance_rows, kernels.BlockMaxima(values, index), state, torch.tensor([-1]))
+    assert out[0].tolist() == [5 * 16 + 3, 2000 * 16 + 3, 3]
+
+
 # -- the engine on the kernels ---------------------------------------------------------------------------------------
 
 
@@ -354,6 +449,75 @@ def test_identical_inputs_give_identical_rows_on_kernels(engines):
     clip = speech(1.7, seed=9)
     out = fused.transcribe([DecodeRequest(audio=clip, max_new_tokens=10) for _ in range(4)])
     assert len({r.token_ids for r in out}) == 1 and len(out[0].token_ids) == 10
+
+
+@pytest.fixture()
+def step_runner(engines):
+    """A fused runner of the tiny model, its cache random, rows in every state: live, finishing on their budget,
+    idle (-1), and the bucket's padding row."""
+    model = engines[0].model
+    runner = runner_module.ModelRunner(model, num_slots=6, max_len=64, fused_kernels=True, cuda_graphs=False,
+                                       eos_ids=(5,))
+    for layer in (*runner.cache.k, *runner.cache.v):
+        layer.normal_()
+    runner.tokens.copy_(torch.randint(0, model.cfg.text.vocab_size, (6,)))
+    runner.positions.copy_(torch.tensor([0, 17, -1, 40, 3, -1]))
+    runner.counts.copy_(torch.tensor([1, 3, 0, 2, 9, 0]))
+    runner.budgets.copy_(torch.tensor([20, 20, 20, 20, 10, 20]))  # row 4 reaches its budget
+    return runner
+
+
+def run_step(runner, B: int, ops) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """kernel_check.greedy_step on a copy of the runner's state and cache -> (logits, the state after)."""
+    from qasr.bench.kernel_check import greedy_step
+
+    saved = [t.clone() for t in (runner.tokens, runner.positions, runner.counts, runner.budgets, runner.out,
+                                 *runner.cache.k, *runner.cache.v)]
+    logits = greedy_step(runner, B, ops)
+    after = [t.clone() for t in (runner.tokens, runner.positions, runner.counts, runner.out, *runner.cache.k,
+                                 *runner.cache.v)]
+    for t, s in zip((runner.tokens, runner.positions, runner.counts, runner.budgets, runner.out, *runner.cache.k,
+                     *runner.cache.v), saved):
+        t.copy_(s)
+    return logits, after
+
+
+@pytest.mark.parametrize("B", [1, 4, 6])
+def test_the_chained_step_is_session_6s_step_bit_for_bit(step_runner, B):
+    runner = step_runner
+    chained = runner.layer_ops
+    assert chained.chain
+    session6 = FusedLayerOps(runner.model.decoder.rope_table(runner.cache.length), chain=False)
+    logits, after = run_step(runner, B, chained)
+    ref_logits, ref_after = run_step(runner, B, session6)
+    assert torch.equal(logits, ref_logits)
+    assert all(torch.equal(a, b) for a, b in zip(after, ref_after))
+    # and both are the plain PyTorch step's (logits to float32 rounding, the same tokens and state)
+    plain_logits, plain_after = run_step(runner, B, PlainLayerOps())
+    assert torch.allclose(logits, plain_logits, atol=1e-4, rtol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(after[:4], plain_after[:4]))
+    live = runner.positions[:B] >= 0
+    assert torch.equal(after[3][0, :B][~live], torch.full_like(after[3][0, :B][~live], -1))  # idle rows: no token
+
+
+def test_the_chained_step_launches_no_pytorch_op_where_its_products_are_gemv(step_runner):
+    from qasr.bench.kernel_check import greedy_step, launch_summary, recorded_launches
+
+    runner = step_runner
+    layers = runner.model.cfg.text.num_hidden_layers
+    session6 = FusedLayerOps(runner.model.decoder.rope_table(runner.cache.length), chain=False)
+    counts = {}
+    for name, ops in (("chained", runner.layer_ops), ("session6", session6)):
+        with recorded_launches() as launched:
+            greedy_step(runner, 4, ops)
+        counts[name] = launch_summary(launched)
+        assert launched[-1] == "_advance_rows_kernel"
+    chained, before = counts["chained"], counts["session6"]
+    # per layer: add+RMSNorm, qkv, q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up+SiLU, down;
+    # then the step's start, the lm_head, the bookkeeping
+    assert chained == {"launches": 8 * layers + 3, "triton": 8 * layers + 3, "torch_ops": {}, "chain_breaks": 0}
+    assert before["triton"] == 8 * layers + 3 and sum(before["torch_ops"].values()) == 8, before
+    assert before["chain_breaks"] == 2 and "aten.argmax" in before["torch_ops"], before
 
 
 def test_partials_reusing_a_prefix_on_kernels_match_the_plain_engine(engines):

@@ -42,17 +42,22 @@ KERNELS = {
         "LENGTHS": "*i64", "T": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "scale": "fp32"},
         {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64}),
     "_silu_mul_kernel": (kernels, {"GU": "*bf16", "OUT": "*bf16", "I": "i32"}, {"BLOCK": 1024}),
-    "_advance_rows_kernel": (kernels, {
-        "NXT": "*i64", "TOKENS": "*i64", "POSITIONS": "*i64", "COUNTS": "*i64", "BUDGETS": "*i64", "EOS": "*i64",
-        "OUT": "*i64", "B": "i32", "stride_out": "i32"}, {"NUM_EOS": 2, "BLOCK": 16}),
-    "_gemv_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*fp32", "M": "i32", "N": "i32", "K": "i32",
-                            "stride_xm": "i32"},
-                     {"K_SPLIT": 256, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None}),
+    "_decode_begin_kernel": (kernels, {
+        "TOKENS": "*i64", "POSITIONS": "*i64", "EMBED": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16",
+        "ROPE_POS": "*i64", "SLOTS": "*i64", "WRITE_POS": "*i64", "D": "i32", "V": "i32", "scratch": "i32",
+        "eps": "fp32"}, {"BLOCK": 1024}),
+    "_advance_rows_kernel": (kernels, {  # the argmax of the lm_head's block maxima too
+        "NXT": "*i32", "VALUES": "*fp32", "TOKENS": "*i64", "POSITIONS": "*i64", "COUNTS": "*i64", "BUDGETS": "*i64",
+        "EOS": "*i64", "OUT": "*i64", "W": "i32", "stride_out": "i32"}, {"MAXIMA": True, "NUM_EOS": 2, "BLOCK": 1024}),
+    "_gemv_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "MAX_V": "*fp32", "MAX_I": "*i32", "M": "i32",
+                            "N": "i32", "K": "i32", "stride_xm": "i32"},  # the lm_head's, with its block maxima
+                     {"K_SPLIT": 1024, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None,
+                      "ARGMAX": True}),
     "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "M": "i32", "I": "i32", "K": "i32",
                                     "stride_xm": "i32"},
                              {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
 }
-DEVICE_FUNCTIONS = {"_await_inputs", "_load_input"}  # called from the kernels, not launched
+DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_first_max", "_block_argmax"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
 
