@@ -36,7 +36,7 @@ from .runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 from .stream_cache import StreamCache, StreamState
-from .streams import decode_stream, on_own_stream
+from .streams import admission_stream, decode_stream, on_own_stream
 
 __all__ = ["AsyncEngine", "Engine", "EngineOptions", "display_name"]
 
@@ -54,6 +54,19 @@ class _Prepared:
     clips: list | None  # AudioFrontEnd.prepare's answer
     busy: set[str]
     started: float  # perf_counter when the admission began (the end of the sequences' queue delay)
+
+
+@dataclass
+class _Admitted:
+    """An admission whose device work (encoder, prefill) is queued on the admission stream: its rows start decoding
+    once `done` (a CUDA event recorded after the prefill; None: done at once, off CUDA)."""
+
+    seqs: list[Sequence]  # in the prefill's order: that of `first`
+    first: torch.Tensor  # their first tokens, on the device
+    done: "torch.cuda.Event | None"
+
+    def ready(self) -> bool:
+        return self.done is None or self.done.query()
 
 
 class Engine:
@@ -81,8 +94,11 @@ class Engine:
                                       max_wait_ms=options.aligner_max_wait_ms, cuda_graphs=options.cuda_graphs)
                         if aligner is not None else None)
         self._last_alignment = -math.inf
-        # step() decodes and admits here, above the aligner's stream in priority (None: the thread's current stream)
+        # step() decodes here, above the admissions' and the aligner's streams in priority (None: the thread's
+        # current stream); an admission's device work goes to its own stream (None: the decode stream's)
         self.stream = decode_stream(self.runner.device) if options.stream_priorities else None
+        self.admission_stream = admission_stream(self.runner.device) if options.stream_priorities else None
+        self._admitted: list[_Admitted] = []  # admissions whose rows wait for their device work to start decoding
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
         self._lock = threading.Lock()  # guards the stream cache's release from other threads
         self._released: list[str] = []
@@ -166,10 +182,12 @@ class Engine:
         say. With nothing decoding, the admission runs whole and its rows decode in this step."""
         self._apply_releases()
         self._drop_cancelled()
-        admitting = self.scheduler.can_admit() and self._admission_due()
+        self._start_admitted(wait=not self._decoding())
+        admitting = self.scheduler.can_admit() and self._admission_due() and not self._admitted
         if admitting and not (self.overlap_admissions and self.scheduler.running):
             start = time.perf_counter()
             self._admit()
+            self._start_admitted(wait=True)  # nothing else decodes: its rows decode in this step
             self._last_admission = time.perf_counter()  # the interval counts from the end: decoding gets it whole
             self.seconds["admit"] += self._last_admission - start
             admitting = False
@@ -323,22 +341,51 @@ class Engine:
             return
         t1 = time.perf_counter()
         slots = [self.scheduler.place(seq) for seq in seqs]
-        for seq, slot, start in zip(seqs, slots, starts):
-            if start:  # copy the stream's retained prompt + audio KV instead of prefilling it again
-                self.runner.copy_prefix(self.streams.peek(seq.stream_id).retained_slot, slot, start)
-        first = self.runner.prefill([e[s:] for e, s in zip(embeds, starts)], slots, starts)
+        with torch.cuda.stream(self.admission_stream):  # a no-op context off CUDA
+            for seq, slot, start in zip(seqs, slots, starts):
+                if start:  # copy the stream's retained prompt + audio KV instead of prefilling it again
+                    self.runner.copy_prefix(self.streams.peek(seq.stream_id).retained_slot, slot, start)
+            first = self.runner.prefill([e[s:] for e, s in zip(embeds, starts)], slots, starts)
+            self._retain_prefixes(seqs, prepared.busy)
+            done = self._record_done()
         self.counters["prefill_tokens"] += sum(e.shape[0] - s for e, s in zip(embeds, starts))
         self.counters["reused_tokens"] += sum(starts)
-        self._retain_prefixes(seqs, prepared.busy)
         t2 = time.perf_counter()
         for seq in seqs:
             seq.timings.update(queue_ms=(t0 - seq.t_submit) * 1e3, encode_ms=(t1 - t0) * 1e3,
                                prefill_ms=(t2 - t1) * 1e3)
-            seq.t_decode = t2
         ordered = [seqs[i] for i in first.order]  # the prefill's order (by length): its tokens' order
-        self.runner.start_rows([seq.slot for seq in ordered], first.tokens, [seq.prompt.num_tokens for seq in ordered],
-                               [seq.budget for seq in ordered])
-        self._first_unread += ordered
+        self._admitted.append(_Admitted(ordered, first.tokens, done))
+
+    def _record_done(self) -> "torch.cuda.Event | None":
+        """An event on the admission stream after the work queued so far (None off CUDA, or without the stream)."""
+        if self.admission_stream is None:
+            return None
+        done = torch.cuda.Event()
+        done.record(self.admission_stream)
+        return done
+
+    def _decoding(self) -> bool:
+        """Are rows decoding, besides those whose admission's device work is not done?"""
+        waiting = {seq.slot for admitted in self._admitted for seq in admitted.seqs}
+        return any(slot not in waiting for slot in self.scheduler.running)
+
+    def _start_admitted(self, wait: bool) -> None:
+        """Put the rows of every admission whose device work is done into decode, on the decode stream (wait: for
+        all of them, blocking). A row cancelled meanwhile (its slot freed) is started and idled again at once."""
+        while self._admitted and (wait or self._admitted[0].ready()):
+            admitted = self._admitted.pop(0)
+            if admitted.done is not None:
+                admitted.done.synchronize()  # returns at once when ready()
+            seqs = admitted.seqs
+            self.runner.start_rows([seq.slot for seq in seqs], admitted.first, [seq.prompt.num_tokens for seq in seqs],
+                                   [seq.budget for seq in seqs])
+            live = [seq for seq in seqs if self.scheduler.running.get(seq.slot) is seq]
+            self.runner.stop_rows([seq.slot for seq in seqs if self.scheduler.running.get(seq.slot) is not seq])
+            now = time.perf_counter()
+            for seq in live:
+                seq.t_decode = now
+            self._first_unread += live
 
     def _encode(self, prepared: _Prepared) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
         """Mel + encoder for the prepared sequences (a stream's partial only what is new; see audio_frontend.py)
@@ -350,8 +397,12 @@ class Engine:
         fitting = prepared.seqs
         if not fitting:
             return [], [], []
-        embedded = self.frontend.run(prepared.clips)
-        embeds = self.runner.embed_prompts([seq.prompt for seq in fitting], [e.audio for e in embedded])
+        stream = self.admission_stream
+        if stream is not None:  # after what the decode stream queued (the rows it freed, the stop_rows before)
+            stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        with torch.cuda.stream(stream):  # a no-op context off CUDA
+            embedded = self.frontend.run(prepared.clips)
+            embeds = self.runner.embed_prompts([seq.prompt for seq in fitting], [e.audio for e in embedded])
         starts = [self._reusable_positions(seq, e.kept_windows) for seq, e in zip(fitting, embedded)]
         return fitting, embeds, starts
 
@@ -479,6 +530,7 @@ class Engine:
 
     def fail_all(self, error: BaseException) -> None:
         self._first_unread = []
+        self._admitted = []  # their sequences are running (placed): drained below
         scheduled, self._scheduled = self._scheduled, []
         for seq in scheduled:  # finished already if admitted (finish is once)
             seq.finish(error)

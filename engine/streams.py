@@ -6,8 +6,11 @@ A stream's priority decides whose waiting thread blocks the GPU schedules first 
 running are never preempted, so priority cuts the decode step's wait, not all of it.
 
 CUDA's default priority, 0, is also its lowest (PyTorch's range is 0 down to -3, lower is higher), so the aligner
-cannot go below decoding: decoding has to go above it. The engine thread decodes and admits on `decode_stream()`
-(the highest priority PyTorch gives); the aligner stays at `ALIGNER_PRIORITY`. A CUDA graph launched into a stream
+cannot go below decoding: decoding has to go above it. The engine thread decodes on `decode_stream()` (the highest
+priority PyTorch gives), queues each admission's device work (mel, convolutions, encoder, prefill) on
+`admission_stream()`, one step below, so that a decode step launched while an admission runs does not wait behind it
+(#15: at 1000 streams the steps queued behind admissions made finals wait ~18 ms per token), and the aligner stays at
+`ALIGNER_PRIORITY`. A CUDA graph launched into a stream
 runs at that stream's priority, whatever stream it was captured on: measured (bench/graph_priority.py) on the H200
 with PyTorch 2.11 / CUDA 13.0 (a graph of 100 small GEMMs and their GELUs beside a queue of 8192^3 GEMMs on a
 priority-0 stream: 88 ms launched into a priority-0 stream, 26.5 ms into a priority -3 one, 0.8 ms alone, the same
@@ -23,6 +26,7 @@ import functools
 import torch
 
 ALIGNER_PRIORITY = 0  # CUDA's lowest (and default) priority
+ADMISSION_PRIORITY = -1  # above the aligner, below decoding
 HIGHEST_PRIORITY = -(1 << 10)  # PyTorch clamps a priority to its range: this asks for its highest
 
 
@@ -37,6 +41,14 @@ def decode_stream(device: torch.device | str) -> "torch.cuda.Stream | None":
     stream = torch.cuda.Stream(device, priority=HIGHEST_PRIORITY)
     stream.wait_stream(torch.cuda.current_stream(device))
     return stream
+
+
+def admission_stream(device: torch.device | str) -> "torch.cuda.Stream | None":
+    """A stream between decoding and the aligner in priority, for admissions' device work (None off CUDA)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device, priority=ADMISSION_PRIORITY)
 
 
 def aligner_stream(device: torch.device | str) -> "torch.cuda.Stream | None":

@@ -1,0 +1,94 @@
+"""An admission's device work on a stream of its own (CUDA): its rows join decoding only once that work is done
+(`Engine._start_admitted`), while the rows already decoding go on stepping. The CPU has no second stream, so a
+stand-in for the admission's CUDA event that is not ready for a number of polls takes its place: the bookkeeping
+(when rows start, cancellation and failure meanwhile, the same tokens) is tested here; the GPU run of the stream
+bench exercises the streams themselves."""
+
+import asyncio
+
+import pytest
+
+from qasr.engine.request import DecodeRequest
+
+from test_admission_overlap import workload
+from test_engine import assert_idle, make_engine, speech
+
+
+class SlowEvent:
+    """A CUDA event's query/synchronize whose work is done after `polls` queries (or when waited for)."""
+
+    def __init__(self, polls: int):
+        self.polls = polls
+        self.waited = False  # was it waited for before its work was done?
+
+    def query(self) -> bool:
+        self.polls -= 1
+        return self.polls < 0 or self.waited
+
+    def synchronize(self) -> None:
+        self.waited = self.waited or self.polls >= 0  # a wait that blocked: the work was not done yet
+
+
+def slow_admissions(engine, polls: int) -> list[SlowEvent]:
+    """Every admission of `engine` from now on is done after `polls` polls -> the events, as they are made."""
+    events: list[SlowEvent] = []
+    engine._record_done = lambda: events.append(SlowEvent(polls)) or events[-1]
+    return events
+
+
+@pytest.fixture
+def engine(tiny_model_dir):
+    return make_engine(tiny_model_dir, admission_interval_ms=0)
+
+
+def decoding_and_one_admitted(engine, results: dict):
+    """Row "a" decoding, then "b" admitted while it does (its device work in flight) -> the two sequences."""
+    a = engine.add(DecodeRequest(audio=speech(1.3, seed=1), max_new_tokens=30), lambda r: results.__setitem__("a", r))
+    engine.step()  # nothing decoding: admitted whole (waited for), then decoded
+    b = engine.add(DecodeRequest(audio=speech(0.9, seed=2), max_new_tokens=6), lambda r: results.__setitem__("b", r))
+    engine.step()  # "a" decodes while "b"'s admission is prepared, then "b"'s device work is queued
+    assert engine._admitted and engine._admitted[0].seqs == [b]
+    return a, b
+
+
+def test_rows_start_decoding_only_once_their_admissions_device_work_is_done(engine):
+    events = slow_admissions(engine, polls=3)
+    results = {}
+    a, b = decoding_and_one_admitted(engine, results)
+    assert events[0].waited  # "a" was admitted with nothing else decoding: the engine waited for it
+    for _ in range(3):  # "b"'s work is not done: "a" keeps decoding, "b" does not
+        before = len(a.generated)
+        engine.step()
+        assert len(a.generated) == before + 1 and b.generated == []
+    engine.run_until_done()
+    assert not events[1].waited  # started when it was ready, never waited for
+    assert len(results["b"].token_ids) == 6 and len(results["a"].token_ids) == 30
+    assert_idle(engine)
+
+
+def test_slow_admissions_give_the_same_tokens(tiny_model_dir):
+    at_once = workload(make_engine(tiny_model_dir, admission_interval_ms=0))
+    engine = make_engine(tiny_model_dir, admission_interval_ms=0)
+    events = slow_admissions(engine, polls=2)
+    assert workload(engine) == at_once and len(events) >= 5
+
+
+def test_a_row_cancelled_before_its_admission_is_done_never_decodes(engine):
+    slow_admissions(engine, polls=3)
+    results = {}
+    a, b = decoding_and_one_admitted(engine, results)
+    b.cancelled = True
+    engine.step()  # dropped: its slot freed while its device work is still in flight
+    assert isinstance(results["b"], asyncio.CancelledError)
+    engine.run_until_done()  # "b"'s admission becomes ready: started, then idled at once
+    assert b.generated == [] and len(results["a"].token_ids) == 30
+    assert_idle(engine)
+
+
+def test_a_failing_engine_fails_the_rows_whose_admission_is_in_flight(engine):
+    slow_admissions(engine, polls=10)
+    results = {}
+    decoding_and_one_admitted(engine, results)
+    engine.fail_all(RuntimeError("device lost"))
+    assert isinstance(results["a"], RuntimeError) and isinstance(results["b"], RuntimeError)
+    assert not engine._admitted and not engine.has_work()
