@@ -174,8 +174,9 @@ class ModelRunner:
 
     def _step(self, B: int) -> None:
         """One decode step for rows [0, B): pure tensor ops on persistent buffers, so it can be graphed."""
-        logits = self.model.decoder.decode(self.tokens[:B], self.positions[:B], self.cache, self.layer_ops)
-        nxt = logits.argmax(dim=-1)
+        # nxt: the argmax [B], or where the lm_head is a GEMV kernel its block maxima (kernels.BlockMaxima), whose
+        # argmax kernels.advance_rows takes: no PyTorch op between the step's first kernel and its last
+        _, nxt = self.model.decoder.decode_greedy(self.tokens[:B], self.positions[:B], self.cache, self.layer_ops)
         # the bookkeeping after the argmax: one fused launch instead of ~18 small ones where the kernels run
         advance = kernels.advance_rows if self.fused_kernels else advance_rows
         advance(nxt, self.tokens, self.positions, self.counts, self.budgets, self.eos, self.out)
