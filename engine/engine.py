@@ -99,6 +99,10 @@ class Engine:
         self.stream = decode_stream(self.runner.device) if options.stream_priorities else None
         self.admission_stream = admission_stream(self.runner.device) if options.stream_priorities else None
         self._admitted: list[_Admitted] = []  # admissions whose rows wait for their device work to start decoding
+        # queue an admission's device work while the decode step runs, not after its read: on a stream of its own,
+        # its launches (and the wait for its mel's extremes, on that stream) overlap the step instead of leaving the
+        # GPU without a step meanwhile. Without one the mel's read would wait for the step: after the read, as before
+        self.admit_during_step = self.admission_stream is not None
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
         self._lock = threading.Lock()  # guards the stream cache's release from other threads
         self._released: list[str] = []
@@ -301,12 +305,12 @@ class Engine:
                                        [self._stream_state(seq) for seq in fitting]) if fitting else None)
         return _Prepared(fitting, clips, busy, started)
 
-    def _admit_apart(self, seqs: list[Sequence], prepared: _Prepared | None = None) -> None:
+    def _admit_apart(self, seqs: list[Sequence], prepared: _Prepared | None = None, after=None) -> None:
         """Admit `seqs` together; if that raises, each on its own, so that a request the encoder or the prefill cannot
         take (bad shapes, a fault of its own) fails alone and its batch mates run as if it had not been there.
-        prepared: their host work, done already (while a decode step ran)."""
+        prepared: their host work, done already (while a decode step ran). after: see _admit_scheduled."""
         try:
-            self._admit_together(seqs, prepared)
+            self._admit_together(seqs, prepared, after)
         except Exception as error:
             left = self._undo_admission(seqs)
             if len(seqs) > 1:
@@ -334,13 +338,14 @@ class Engine:
         self.runner.stop_rows(placed)
         return left
 
-    def _admit_together(self, seqs: list[Sequence], prepared: _Prepared | None = None) -> None:
+    def _admit_together(self, seqs: list[Sequence], prepared: _Prepared | None = None, after=None) -> None:
         """The admission's device work (and its host work first, unless `prepared`): encode, prefill, and the rows
-        started with their first tokens left on the device (read with the next decode step's output)."""
+        started with their first tokens left on the device (read with the next decode step's output).
+        after: see _admit_scheduled."""
         if prepared is None:
             prepared = self._prepare(seqs)
         t0 = prepared.started
-        seqs, embeds, starts = self._encode(prepared)
+        seqs, embeds, starts = self._encode(prepared, after)
         if not seqs:
             return
         t1 = time.perf_counter()
@@ -391,7 +396,7 @@ class Engine:
                 seq.t_decode = now
             self._first_unread += live
 
-    def _encode(self, prepared: _Prepared) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
+    def _encode(self, prepared: _Prepared, after=None) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
         """Mel + encoder for the prepared sequences (a stream's partial only what is new; see audio_frontend.py)
         -> prompt embeddings.
 
@@ -402,8 +407,12 @@ class Engine:
         if not fitting:
             return [], [], []
         stream = self.admission_stream
-        if stream is not None:  # after what the decode stream queued (the rows it freed, the stop_rows before)
-            stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+        if stream is not None:  # after what the decode stream queued (start_rows of the admission before, whose
+            # first tokens' memory this one may reuse), or up to `after` (a step launched since: not waited for)
+            if after is None:
+                stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+            else:
+                stream.wait_event(after)
         with torch.cuda.stream(stream):  # a no-op context off CUDA
             embedded = self.frontend.run(prepared.clips)
             embeds = self.runner.embed_prompts([seq.prompt for seq in fitting], [e.audio for e in embedded])
@@ -454,11 +463,15 @@ class Engine:
         running = self.scheduler.running
         self.recent_batch_sizes.append(len(running))
         self.counters["decode_rows"] += len(running)
+        during = admitting and self.admit_during_step
+        before_step = self._record_decode_point() if during else None
         t0 = time.perf_counter()
         self.runner.launch_decode(max(running) + 1, read_tokens=bool(self._first_unread))
         t1 = time.perf_counter()
         seqs, prepared = self._prepare_admission() if admitting else ([], None)
         self._scheduled = seqs  # neither waiting nor running until admitted: if the step fails, fail_all finishes them
+        if during:
+            self._admit_scheduled(seqs, prepared, after=before_step)
         t2 = time.perf_counter()
         out, fed = self.runner.read_decode()
         t3 = time.perf_counter()
@@ -469,12 +482,26 @@ class Engine:
         self._postprocess(out.numpy())
         t4 = time.perf_counter()
         self.seconds["decode_host"] += t4 - t3
-        if admitting:
-            if seqs:
-                self._admit_apart(seqs, prepared)
-            self._scheduled = []
-            self._last_admission = time.perf_counter()
+        if admitting and not during:
+            self._admit_scheduled(seqs, prepared)
             self.seconds["admit"] += self._last_admission - t4
+
+    def _admit_scheduled(self, seqs: list[Sequence], prepared: _Prepared | None, after=None) -> None:
+        """Admit what `_prepare_admission` scheduled. after: a decode-stream event the admission's device work
+        waits for (None: all the decode stream queued so far)."""
+        if seqs:
+            self._admit_apart(seqs, prepared, after)
+        self._scheduled = []
+        self._last_admission = time.perf_counter()
+
+    def _record_decode_point(self) -> "torch.cuda.Event | None":
+        """An event on the decode stream after what it has queued so far (the rows started and stopped); None
+        without an admission stream (nothing to order)."""
+        if self.admission_stream is None:
+            return None
+        point = torch.cuda.Event()
+        point.record(torch.cuda.current_stream(self.runner.device))
+        return point
 
     def _take_first_tokens(self, fed) -> None:
         """The first tokens of the rows started since the last step (fed to this step): record each, finish those
@@ -494,6 +521,8 @@ class Engine:
         """out: [2, rows] (token or -1 for an idle row, finished on the device) -> finish what stopped."""
         stopped = []
         for slot, seq in list(self.scheduler.running.items()):
+            if slot >= out.shape[1]:  # placed by an admission during the step: not in it
+                continue
             tok, finished = int(out[0, slot]), bool(out[1, slot])
             if tok < 0:
                 continue

@@ -66,9 +66,13 @@ def test_rows_start_decoding_only_once_their_admissions_device_work_is_done(engi
     assert_idle(engine)
 
 
-def test_slow_admissions_give_the_same_tokens(tiny_model_dir):
+@pytest.mark.parametrize("during_step", [False, True])
+def test_slow_admissions_give_the_same_tokens(tiny_model_dir, during_step):
+    """during_step: the admission's device work queued while the decode step runs (as on CUDA with the admission
+    stream), rows placed in slots the step in flight does not have."""
     at_once = workload(make_engine(tiny_model_dir, admission_interval_ms=0))
     engine = make_engine(tiny_model_dir, admission_interval_ms=0)
+    engine.admit_during_step = during_step
     events = slow_admissions(engine, polls=2)
     assert workload(engine) == at_once and len(events) >= 5
 
