@@ -120,6 +120,32 @@ def kernel_cases(cfg, device) -> dict:
         rows_ref.append(ref[0].transpose(0, 1).reshape(int(lengths[b]), -1))
         rows_got.append(got[b, : int(lengths[b])])
     out["prefill_attention"] = compare(torch.cat(rows_got), torch.cat(rows_ref))
+
+    # the decode step's ends (chain): its start against the PyTorch ops and kernels it replaces, the lm_head's
+    # argmax against torch.argmax of the same logits (equal maxima planted in row 0, in three column blocks)
+    V = cfg.vocab_size
+    embed = torch.randn(V, D, device=device, dtype=bf)
+    tokens = torch.randint(0, V, (N,), device=device)
+    positions = torch.randint(-1, 300, (N,), device=device)
+    h, res, rope_pos, slots_b, write_pos = kernels.decode_begin(tokens, positions, embed, w, eps, 335)
+    x_ref = F.embedding(tokens, embed)
+    out["decode_begin"] = compare(h, kernels.rms_norm(x_ref.clone(), w, eps)) | {
+        "residual_identical": bool(torch.equal(res, x_ref)),
+        "positions_identical": bool(torch.equal(rope_pos, positions.clamp(min=0)) and torch.equal(
+            write_pos, torch.where(positions >= 0, positions, 335)) and torch.equal(slots_b, torch.arange(N, device=device)))}
+    head = (torch.randn(V, D, device=device) / D ** 0.5).to(bf)
+    hx = torch.randn(32, D, device=device, dtype=bf)
+    head[[7, 70_000, V - 1]] = 1.0
+    hx[0] = 1.0
+    logits, maxima = gemv.linear_argmax(hx, head)
+    state = [torch.zeros(32, dtype=torch.long, device=device), torch.arange(32, device=device),
+             torch.zeros(32, dtype=torch.long, device=device), torch.full((32,), 1 << 30, device=device)]
+    res_out = torch.zeros(2, 32, dtype=torch.long, device=device)
+    kernels.advance_rows(maxima, *state, torch.tensor([-1], device=device), res_out)
+    expected = logits.argmax(dim=-1)
+    out["lm_head_argmax"] = {"logits_identical_to_linear": bool(torch.equal(logits, gemv.linear(hx, head))),
+                             "tokens_identical": float((res_out[0] == expected).float().mean()),
+                             "row0_tie_token": int(res_out[0, 0]), "row0_torch": int(expected[0])}
     return out
 
 

@@ -10,6 +10,9 @@ Split-K partial sums are not reduced here (that would be one more launch): `part
 [S, M, N] and the kernel that consumes the product (add+RMSNorm, q/k-norm+RoPE in kernels.py) sums them in a fixed
 order and rounds to the activation dtype, as nn.Linear's output would be rounded.
 
+The lm_head's product can also take each row's argmax (linear_argmax): every program leaves its column block's
+largest logit and that logit's first column, and kernels.advance_rows reduces those in the launch it makes anyway.
+
 Row independence: a row's result depends only on its own input and on the config, and the config is chosen per weight
 shape (N, K), never per batch, so every bucket up to `max_rows()` runs the same reduction order: a row gets the same
 bits whatever its batch mates and its bucket. More than 16 rows are more programs over the same 16-row tile.

@@ -8,6 +8,11 @@ nine (its attention reads the cache in place: no gathered copies, masks or SDPA)
 launches instead of ~1,500. In the decode step's small buckets the matmuls are gemv.py's instead of cuBLAS's; the
 add+RMSNorm and q/k-norm+RoPE kernels then take the matmul's split-K partial sums and add them up themselves.
 
+The decode step's ends are kernels too: its start (embedding lookup, the positions' clamp and scratch redirect, the
+residual copy, the first RMSNorm) is decode_begin's one launch, and advance_rows takes the argmax of the GEMV lm_head's
+block maxima (gemv.linear_argmax) itself, so at small batch no PyTorch op sits between a step's first kernel and its
+last (session 6: seven at the start and the argmax, each a break in the PDL chain below).
+
 Each kernel rounds to the activation dtype wherever the PyTorch reference does (modeling.py), so the two paths differ
 only in reduction order. Every row is computed by its own programs: a row's result never depends on its batch mates.
 The tests run them on the CPU through Triton's interpreter (TRITON_INTERPRET=1).

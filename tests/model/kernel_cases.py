@@ -356,15 +356,18 @@ def test_engine_on_kernels_gives_the_plain_engines_tokens(engines):
 def test_decode_streams_small_products_through_gemv_and_larger_ones_through_cublas(engines, monkeypatch):
     fused, plain = engines
     calls = []
-    for name in ("partial_products", "linear", "gate_up_silu"):
+    for name in ("partial_products", "linear", "linear_argmax", "gate_up_silu"):
         real = getattr(gemv, name)
         monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name: calls.append((name, x.shape[0])) or
                             real(x, *a))
     reqs = [DecodeRequest(audio=speech(s, seed=40 + i), max_new_tokens=5) for i, s in enumerate([0.6, 1.4, 2.0])]
     expected = [r.token_ids for r in plain.transcribe(reqs)]
     assert [r.token_ids for r in fused.transcribe(reqs)] == expected
-    assert {name for name, _ in calls} == {"partial_products", "linear", "gate_up_silu"}
-    assert 4 in {rows for name, rows in calls if name == "linear"}  # the lm_head of the 4-row decode bucket
+    names = {name for name, _ in calls}
+    assert {"partial_products", "gate_up_silu"} <= names and names & {"linear", "linear_argmax"}
+    # the lm_head of the 4-row decode bucket: linear_argmax where the runner's step takes the greedy tokens from it
+    # (decode_greedy), linear where it takes the logits' argmax
+    assert 4 in {rows for name, rows in calls if name in ("linear", "linear_argmax")}
     calls.clear()
     monkeypatch.setattr(fused.runner.layer_ops, "gemv_rows", 0)  # $QASR_DECODE_GEMV=0: cuBLAS for every product
     assert [r.token_ids for r in fused.transcribe(reqs)] == expected
