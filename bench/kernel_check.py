@@ -131,8 +131,9 @@ def kernel_cases(cfg, device) -> dict:
     x_ref = F.embedding(tokens, embed)
     out["decode_begin"] = compare(h, kernels.rms_norm(x_ref.clone(), w, eps)) | {
         "residual_identical": bool(torch.equal(res, x_ref)),
-        "positions_identical": bool(torch.equal(rope_pos, positions.clamp(min=0)) and torch.equal(
-            write_pos, torch.where(positions >= 0, positions, 335)) and torch.equal(slots_b, torch.arange(N, device=device)))}
+        "positions_identical": bool(torch.equal(rope_pos, positions.clamp(min=0))
+                                    and torch.equal(write_pos, torch.where(positions >= 0, positions, 335))
+                                    and torch.equal(slots_b, torch.arange(N, device=device)))}
     head = (torch.randn(V, D, device=device) / D ** 0.5).to(bf)
     hx = torch.randn(32, D, device=device, dtype=bf)
     head[[7, 70_000, V - 1]] = 1.0

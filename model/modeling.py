@@ -366,7 +366,8 @@ class TextDecoder(nn.Module):
         """
         return ops.logits(self.lm_head, self._decode_hidden(tokens, positions, cache, ops))
 
-    def decode_greedy(self, tokens, positions, cache: KVCache, ops: "LayerOps") -> tuple[torch.Tensor, object]:
+    def decode_greedy(self, tokens, positions, cache: KVCache,
+                      ops: "LayerOps") -> tuple[torch.Tensor, torch.Tensor | kernels.BlockMaxima]:
         """decode, and each row's greedy next token -> (logits [B, V], the tokens [B] long or, where the lm_head's
         kernel takes the argmax (FusedLayerOps.greedy), its kernels.BlockMaxima: kernels.advance_rows takes both)."""
         return ops.greedy(self.lm_head, self._decode_hidden(tokens, positions, cache, ops))
@@ -507,7 +508,8 @@ class FusedLayerOps:
     def logits(self, lm_head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         return gemv.linear(h, lm_head.weight) if self._small(h, lm_head.weight) else lm_head(h)
 
-    def greedy(self, lm_head: nn.Linear, h: torch.Tensor) -> tuple[torch.Tensor, object]:
+    def greedy(self, lm_head: nn.Linear,
+               h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | kernels.BlockMaxima]:
         """-> (logits, their argmax): [B] long, or the GEMV lm_head's kernels.BlockMaxima (kernels.advance_rows
         finishes that argmax in its own launch, bit for bit torch.argmax's)."""
         if self.chain and self._small(h, lm_head.weight):

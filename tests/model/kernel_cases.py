@@ -296,7 +296,7 @@ def test_the_fused_argmax_takes_nans_and_infinities_as_torch_argmax_does():
     x, w = tied_products(4, seed=3)
     w[[70, 150]] = 0.0
     w[70, 0], w[150, 0] = float("inf"), float("-inf")
-    x[:, 0] = torch.tensor([1.0, 0.0, -1.0, 2.0])  # column 70: +inf, NaN (0 * inf), -inf, +inf; column 150: the opposite
+    x[:, 0] = torch.tensor([1.0, 0.0, -1.0, 2.0])  # column 70: +inf, NaN (0 * inf), -inf, +inf; 150: the opposite
     logits, maxima = gemv.linear_argmax(x, w, gemv.GemvConfig(16, 16))
     state = advance_state(4, seed=4)
     state["positions"][:] = torch.arange(4)
