@@ -75,7 +75,7 @@ if triton is not None:
         # v: [BLOCK_N, BLOCK_M] this program's rounded products as float32; per row, MAX_V/MAX_I [M, column blocks]
         # at this column block take its largest value and that value's first column (NaN and the first NaN's column
         # where there is one), for kernels.advance_rows to finish the argmax (kernels.BlockMaxima)
-        big: tl.constexpr = 2147483647
+        big = 2147483647  # int32 max: "no column"
         v = tl.where(cmask[:, None], v, float("-inf"))
         is_nan = v != v
         nan_col = tl.min(tl.where(is_nan, cols[:, None], big), axis=0)

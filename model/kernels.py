@@ -308,7 +308,7 @@ if triton is not None:
         # the greedy token of one row from W block maxima (gemv's lm_head: VALUES[j] the largest logit of column
         # block j, INDEX[j] its first column, NaN for a block holding a NaN), as torch.argmax picks it: a NaN first,
         # else the largest value, a tie to the lowest column (blocks are in column order; W >= 1)
-        big: tl.constexpr = 2147483647
+        big = 2147483647  # int32 max: "no column"
         best_v = tl.full([], float("-inf"), tl.float32)
         best_i = tl.full([], big, tl.int32)
         nan_i = tl.full([], big, tl.int32)

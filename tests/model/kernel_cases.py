@@ -271,7 +271,7 @@ def tied_products(rows: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-2, 3, (rows, 24), generator=g).float()
     w = torch.randint(-2, 3, (300, 24), generator=g).float()
-    w[[9, 40, 41, 200]] = 3.0  # equal rows: equal logits in one block and in later ones
+    w[[9, 12, 40, 41, 200]] = 3.0  # equal rows: equal logits in one block and in later ones
     return x, w
 
 
@@ -279,7 +279,7 @@ def tied_products(rows: int, seed: int):
 @pytest.mark.parametrize("rows", [1, 6, 20])  # 20: two row tiles
 def test_linear_argmax_keeps_the_logits_and_its_maxima_give_torch_argmax_ties_included(config, rows):
     x, w = tied_products(rows, seed=rows)
-    x[0] = 1.0  # row 0's maximum is the tie of columns 9, 40, 41 and 200
+    x[0] = 1.0  # row 0's maximum is the tie of columns 9, 12 (one block), 40, 41 and 200
     logits, maxima = gemv.linear_argmax(x, w, config)
     assert torch.equal(logits, gemv.linear(x, w, config))
     blocks = -(-300 // config.block_n)
