@@ -272,20 +272,29 @@ NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_str
              "detach", "alias", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous"}
 
 
+def is_view(func) -> bool:
+    """Whether a PyTorch op returns a view of an input (its schema says its output aliases an input, unwritten)."""
+    return any(a.alias_info is not None and not a.alias_info.is_write for a in func._schema.arguments)
+
+
 @contextlib.contextmanager
 def recorded_launches():
     """The kernels launched inside, in order, as the host launches them (on the CPU too, where the Triton kernels
     run in the interpreter): kernels.py's and gemv.py's Triton kernels by name, and every PyTorch op that runs a
     kernel as "aten.<op>" (views and allocations launch none). Yields the list, filled as they launch."""
-    import triton
+    from triton.runtime.jit import JITFunction
 
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        InterpretedFunction = JITFunction
     launched: list[str] = []
     inside_triton = [False]  # the interpreter's own tensor work inside a Triton launch is not a launch
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
-            if not inside_triton[0] and not func.is_view and name not in NO_LAUNCH:
+            if not inside_triton[0] and not is_view(func) and name not in NO_LAUNCH:
                 launched.append(f"aten.{name}")
             return func(*args, **(kwargs or {}))
 
@@ -304,7 +313,7 @@ def recorded_launches():
 
             return launch
 
-    kinds = (triton.runtime.jit.JITFunction, triton.runtime.interpreter.InterpretedFunction)
+    kinds = (JITFunction, InterpretedFunction)
     swapped = [(module, name, value) for module in (kernels, gemv) for name, value in vars(module).items()
                if isinstance(value, kinds) and name.endswith("_kernel")]  # launched kernels, not device functions
     for module, name, value in swapped:
