@@ -50,8 +50,9 @@ log = logging.getLogger(__name__)
 PDL_ENV = "QASR_PDL"  # "1" (default): programmatic dependent launch where the GPU has it (use_pdl); "0": none
 # (on the H200 the decode step at B=1 went 1.175 -> 1.039 ms with logits bit-identical: docs/benchmarks.md)
 # Launches of up to this many rows (tokens) take PDL: in the decode step's buckets up to 32 the products are gemv.py's
-# and 227 of the step's 235 launches are one chain of Triton kernels; above, every product is a cuBLAS kernel, which
-# breaks the chain (114 breaks a step at 64 rows), and on the H200 PDL gained nothing at 64 rows and cost 4% at 256.
+# and all the step's 227 launches are one chain of Triton kernels (session 6: 227 of 235, see decode_begin); above,
+# every product is a cuBLAS kernel, which breaks the chain (114 breaks a step at 64 rows), and on the H200 PDL gained
+# nothing at 64 rows and cost 4% at 256.
 PDL_MAX_ROWS = 32
 
 
