@@ -115,12 +115,24 @@ for spec in $counts; do  # a count may repeat ("1000 1000 1000": consecutive run
   n=${spec%@*}; run=$((run + 1)); r="$n-r$run"
   [ "$spec" != "$n" ] && words=(--words-fraction "${spec#*@}" --language English)
   metrics > "$out/metrics-$r-before.txt"
+  # how busy the GPU(s) were: nvidia-smi's share of time a kernel ran, sampled every 250 ms through the run
+  nvidia-smi --query-gpu=index,utilization.gpu,power.draw --format=csv,noheader,nounits -lms 250 > "$out/gpu-$r.csv" 2>/dev/null &
+  gpu_sampler=$!
   [ -n "${PYSPY:-}" ] && { [ "$PYSPY" = all ] || [ "$PYSPY" = "$run" ]; } && { pyspy "$r" & }
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration ${DURATION:-40} \
     "${words[@]}" ${LABEL:+--label "$LABEL"} --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$r.json" \
     > "$out/stream-$r.log" 2>&1
   cat "$out/stream-$r.log"
   metrics > "$out/metrics-$r.txt"
+  kill "$gpu_sampler" 2>/dev/null; wait "$gpu_sampler" 2>/dev/null
+  python3 - "$out/gpu-$r.csv" <<'PY'
+import sys
+rows = [line.split(",") for line in open(sys.argv[1]) if line.count(",") == 2]
+for gpu in sorted({r[0].strip() for r in rows}):
+    busy = sorted(float(r[1]) for r in rows if r[0].strip() == gpu)
+    print(f"GPU {gpu} busy (nvidia-smi utilization, {len(busy)} samples): mean {sum(busy) / len(busy):.0f}%, "
+          f"median {busy[len(busy) // 2]:.0f}%, max {busy[-1]:.0f}%")
+PY
   run_split "$out/metrics-$r-before.txt" "$out/metrics-$r.txt"
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$out/metrics-$r.txt"
 done
