@@ -358,8 +358,10 @@ class ModelRunner:
         """The host half of log_spectrogram (it can run while the device decodes): the samples its frames read, all
         clips' in one host tensor, pinned on CUDA (so that their copy waits for nothing)."""
         tails = [clip[qaudio.stft_start_sample(first):] for clip, first in zip(clips, first_frames)]
-        flat = torch.from_numpy(np.concatenate(tails).astype(np.float32, copy=False))
-        return flat.pin_memory() if self.device.type == "cuda" else flat
+        # concatenated straight into (pinned) memory of the tensor's own: one copy of the samples, not two
+        flat = torch.empty(sum(tail.size for tail in tails), dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        np.concatenate(tails, out=flat.numpy(), casting="same_kind")  # float32 audio, or a cast to it
+        return flat
 
     @torch.inference_mode()
     def chunk_extremes(self, log_spec: torch.Tensor, counts: list[int]) -> np.ndarray:

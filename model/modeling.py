@@ -143,8 +143,12 @@ class AudioEncoder(nn.Module):
             if i in short:
                 out.append(short[i])
                 continue
-            out.append(torch.cat([embedded[row + j, :c] for j, c in enumerate(counts[k])]))
-            row += len(counts[k])
+            # chunk j's tokens are embedded[row + j, :counts[k][j]], and every chunk but the last is whole: the
+            # clip's tokens are its chunks' rows flattened, cut after the last chunk's (one copy, not a cat of
+            # slices; a copy, so a stream keeping some of them does not keep the whole batch's)
+            n = len(counts[k])
+            out.append(embedded[row : row + n].flatten(0, 1)[: sum(counts[k])].clone())
+            row += n
             k += 1
         return out
 
