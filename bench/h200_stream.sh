@@ -137,3 +137,5 @@ PY
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$out/metrics-$r.txt"
 done
 kill -TERM "$server"; wait "$server"
+# the engine process logs its garbage collection at exit, as a warning when one collection stopped it for 50 ms+
+grep -h "garbage collection" "$out/server.log" || echo "garbage collection: no pause of 50 ms or more in the engine process"

@@ -44,6 +44,7 @@ import typing
 import weakref
 
 from .engine_client import EngineHealth, RemoteEngine, receive, send, shut_down
+from .gc_pauses import LONG_PAUSE_S, GcPauses
 from .options import EngineOptions, display_name
 from .request import EngineClosed
 from .restart_budget import RestartBudget
@@ -276,7 +277,11 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_se
     acceptor = _Acceptor(*listen, core, engine, peers) if listen is not None else None
     stats = threading.Thread(target=_report_stats, args=(engine, peers), name="qasr-engine-stats", daemon=True)
     stats.start()
+    pauses = GcPauses.watch()
     engine.run()  # returns once "close" arrives (or the owner vanished), after failing what was left
+    pauses.stop()
+    (log.warning if pauses.longest_pause >= LONG_PAUSE_S else log.info)(
+        "garbage collection in the engine process while it served: %s", pauses.summary())
     if acceptor is not None:
         acceptor.stop()  # no new worker connections; removes the socket file
     peers.broadcast(("stats", _stats(engine)))
