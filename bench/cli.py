@@ -62,15 +62,6 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager-requests", type=int, default=40,
                    help="of those, how many are also decoded by the plain eager batch-1 path, the reference "
                         "(default: %(default)s)")
-    p.add_argument("--quantize", choices=["fp8", "fp8-lm-head"], default=None,
-                   help="opt-in FP8 products for the qasr engine (EngineOptions.quantize, qasr.model.fp8)")
-    p.add_argument("--compare-quantized", action="store_true",
-                   help="with --quantize: also build the bfloat16 engine first, in the same process, and report its "
-                        "step per bucket, its throughput and the share of tokens the quantized engine decodes "
-                        "identically on --agreement-requests forced requests")
-    p.add_argument("--agreement-requests", type=int, default=64,
-                   help="requests of mixed lengths (0.5-20 s, --tokens each) decoded by both engines with "
-                        "--compare-quantized (default: %(default)s)")
     p.add_argument("--official", action="store_true", help="time the official qwen-asr backend in the same run")
     p.add_argument("--official-batch", type=int, default=128,
                    help="the official backend's batch size (default: %(default)s)")

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest
-from qasr.model import fp8, gemv
+from qasr.model import gemv
 
 from .synthetic import speech_like
 
@@ -104,27 +104,13 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
     return [DecodeRequest(audio=c, max_new_tokens=tokens) for c in clips]
 
 
-def load_engine(model_dir: Path, args, device: torch.device, quantize: str | None) -> Engine:
-    opts = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
-                         repetition_window=0, max_prefill_tokens=args.prefill_tokens, quantize=quantize)
-    engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
-    swapped = fp8.quantized(engine.model)
-    if bool(swapped) != (quantize is not None):  # a silent bfloat16 run must not be reported as FP8
-        raise RuntimeError(f"asked for quantize={quantize}, the engine's decoder has {len(swapped)} FP8 products")
-    return engine
-
-
-def bench_qasr(model_dir: Path, args, device: torch.device, out: dict,
-               reference: list[list[int]] | None = None) -> None:
-    """reference: the bfloat16 engine's tokens on agreement_requests (--compare-quantized), compared here."""
+def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     clip = speech_like(args.clip_seconds, seed=1)
+    opts = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
+                         repetition_window=0, max_prefill_tokens=args.prefill_tokens)
     t0 = time.perf_counter()
-    engine = load_engine(model_dir, args, device, args.quantize)
+    engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
-    out["quantize"] = args.quantize
-    out["fp8_products"] = len(fp8.quantized(engine.model))
-    if args.quantize is not None:
-        out["fp8_check"] = fp8_check(engine)
 
     # batch-1 latency, features included: audio array in -> text out
     for _ in range(3):
@@ -176,84 +162,9 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict,
         out["copy_bandwidth_TBps"] = bw / 1e12
         out["decode_floor_ms"] = step_floors(engine, args, bw)
     out["correctness"] = correctness(engine, args)
-    if reference is not None:
-        out["quantized_vs_bf16"]["agreement"] = token_agreement(reference, agreement_tokens(engine, args))
-        if "decode_step_ms" in out:
-            ref_steps = out["quantized_vs_bf16"]["bf16_decode_step_ms"]
-            out["quantized_vs_bf16"]["step_ratio"] = {B: out["decode_step_ms"][B] / ref_steps[B] for B in ref_steps}
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def fp8_check(engine: Engine) -> dict:
-    """On the engine's device: the activation kernel against PyTorch's arithmetic (scales and e4m3 bytes, which must
-    be identical), and the first layer's FP8 gate_up against its bf16 product (relative error, ~0.03 expected)."""
-    layer = engine.model.decoder.layers[0].mlp.gate_up_proj
-    device = layer.weight.device
-    gen = torch.Generator(device=device).manual_seed(0)
-    x = torch.randn((300, layer.in_features), generator=gen, device=device)
-    x = (x * torch.logspace(-3, 3, 300, device=device)[:, None]).to(torch.bfloat16)
-    q, scale = fp8.quantize_rows(x)
-    ref_scale = (x.abs().amax(1, keepdim=True).float() / fp8.E4M3_MAX).clamp(min=fp8.MIN_SCALE)
-    ref_q = (x.float() / ref_scale).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3)
-    product = torch.nn.functional.linear(x.float(), layer.weight.float())
-    error = (layer(x).float() - product).norm() / product.norm()
-    return {"kernel_scales_identical": bool(torch.equal(scale, ref_scale)),
-            "kernel_bytes_identical_share": float((q.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean()),
-            "gate_up_relative_error": float(error)}
-
-
-def agreement_requests(args) -> list[DecodeRequest]:
-    """The forced requests both engines decode with --compare-quantized: mixed lengths, --tokens tokens each."""
-    rng = np.random.default_rng(11)
-    lengths = rng.uniform(0.5, 20.0, args.agreement_requests)
-    return [DecodeRequest(audio=speech_like(float(s), seed=5000 + i), max_new_tokens=args.tokens)
-            for i, s in enumerate(lengths)]
-
-
-def agreement_tokens(engine: Engine, args) -> list[list[int]]:
-    """The agreement requests queued at once (so they decode in the large buckets, where FP8 runs) -> tokens."""
-    return [r.token_ids for r in engine.transcribe(agreement_requests(args))]
-
-
-def token_agreement(reference: list[list[int]], other: list[list[int]]) -> dict:
-    """How far `other` decodes what `reference` does, request by request: requests identical throughout, the share
-    of the reference's tokens matched at the same position, and the share before each request's first difference
-    (after a first difference a request decodes from a different prefix, so later tokens differ by consequence)."""
-    if len(reference) != len(other):
-        raise ValueError(f"{len(reference)} reference requests against {len(other)}")
-    total = sum(len(r) for r in reference)
-    same = sum(sum(a == b for a, b in zip(r, o)) for r, o in zip(reference, other))
-    prefix = 0
-    for r, o in zip(reference, other):
-        n = next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), min(len(r), len(o)))
-        prefix += n
-    exact = sum(r == o for r, o in zip(reference, other))
-    return {"requests": len(reference), "exact_match": f"{exact}/{len(reference)}",
-            "token_agreement": same / max(1, total), "prefix_agreement": prefix / max(1, total), "tokens": total}
-
-
-def bench_reference(model_dir: Path, args, device: torch.device, out: dict) -> list[list[int]]:
-    """The bfloat16 engine before the quantized one (--compare-quantized): its step per bucket and throughput
-    under out["quantized_vs_bf16"], and its tokens on the agreement requests (returned)."""
-    engine = load_engine(model_dir, args, device, None)
-    ref: dict = {"mode": args.quantize}
-    clips = [speech_like(args.clip_seconds, seed=100 + i) for i in range(args.num_clips)]
-    engine.transcribe(requests(clips[: args.slots], args.tokens))  # warm the prefill/encoder shapes
-    _sync(device)
-    t = time.perf_counter()
-    engine.transcribe(requests(clips, args.tokens))
-    _sync(device)
-    ref["bf16_throughput_audio_s_per_s"] = args.num_clips * args.clip_seconds / (time.perf_counter() - t)
-    if device.type == "cuda":
-        ref["bf16_decode_step_ms"] = step_times(engine, args)
-    tokens = agreement_tokens(engine, args)
-    out["quantized_vs_bf16"] = ref
-    del engine
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return tokens
 
 
 def step_times(engine: Engine, args) -> dict[int, float]:
@@ -285,20 +196,15 @@ def step_times(engine: Engine, args) -> dict[int, float]:
 
 
 def step_floors(engine: Engine, args, bandwidth: float) -> dict[int, float]:
-    """(decoder weights + lm_head + live KV bytes) / measured bandwidth, per bucket, in ms. FP8 products count their
-    e4m3 weights and scales (what buckets above gemv_rows read; the smaller ones still read the bfloat16 weights)."""
+    """(decoder weights + lm_head + live KV bytes) / measured bandwidth, per bucket, in ms."""
     dec = engine.model.decoder
     elem = dec.lm_head.weight.element_size()
     weights = sum(p.numel() for n, p in dec.named_parameters() if not n.startswith("embed_tokens")) * elem
     if dec.lm_head.weight is dec.embed_tokens.weight:  # tied: named_parameters lists it once, as embed_tokens
         weights += dec.lm_head.weight.numel() * elem
-    fp8_weights = weights + sum(m.weight_fp8.numel() + m.weight_scale.numel() * 4 - m.weight.numel() * elem
-                                for m in dec.modules() if isinstance(m, fp8.Fp8Linear))
-    gemv_rows = getattr(engine.runner.layer_ops, "gemv_rows", 0)
     c = dec.cfg
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
-    return {B: ((weights if B <= gemv_rows else fp8_weights) + B * args.context * kv_per_token) / bandwidth * 1e3
-            for B in engine.runner.buckets}
+    return {B: (weights + B * args.context * kv_per_token) / bandwidth * 1e3 for B in engine.runner.buckets}
 
 
 def correctness(engine: Engine, args) -> dict:
@@ -407,12 +313,7 @@ def run(args) -> dict:
                 bench_official(model_dir, args, device, out)
             except Exception as e:  # still measure qasr; the report shows the baseline is missing and why
                 out["official_error"] = f"{type(e).__name__}: {e}"
-        reference = None
-        if args.compare_quantized:
-            if args.quantize is None:
-                raise SystemExit("--compare-quantized compares the --quantize engine with bfloat16: give --quantize")
-            reference = bench_reference(model_dir, args, device, out)
-        bench_qasr(model_dir, args, device, out, reference)
+        bench_qasr(model_dir, args, device, out)
     if "official_bs1_latency_ms" in out:
         out["speedup_bs1_latency"] = out["official_bs1_latency_ms"] / out["qasr_bs1_latency_ms"]
         out["speedup_throughput"] = out["qasr_throughput_audio_s_per_s"] / out["official_throughput_audio_s_per_s"]

@@ -129,10 +129,6 @@ class Engine:
     def from_pretrained(cls, model: str, *, device=None, dtype=None, options: EngineOptions = EngineOptions()):
         model_dir = resolve_model_dir(model)
         qwen = load_model(model_dir, device=device, dtype=dtype)
-        if options.quantize is not None:  # before the runner captures its graphs (qasr.model.fp8)
-            from qasr.model import fp8
-
-            fp8.quantize(qwen, options.quantize)
         aligner = None
         if options.aligner is not None:
             from qasr.model.aligner import ForcedAligner

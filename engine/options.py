@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-QUANTIZE_MODES = ("fp8", "fp8-lm-head")  # EngineOptions.quantize's values (qasr.model.fp8.MODES, without torch)
-
 
 @dataclass(frozen=True)
 class EngineOptions:
@@ -48,18 +46,12 @@ class EngineOptions:
     stream_priorities: bool = True  # decode steps and admissions on a high-priority CUDA stream, the aligner's forward
     # on the lowest (qasr.engine.streams), so that finals without words keep their pace; False: decoding on the
     # thread's default stream, as before (benchmarks compare)
-    quantize: str | None = None  # "fp8": the decoder's linear layers multiply in FP8 where they ran on cuBLAS (prefill,
-    # decode buckets above gemv_rows), weights e4m3 per output channel, activations per token (qasr.model.fp8);
-    # "fp8-lm-head": the output layer too. Needs FP8 tensor cores (compute capability 8.9+) and a bfloat16 model.
-    # None: bfloat16 throughout
 
     def __post_init__(self):
         if (self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1
                 or self.admission_interval_ms < 0 or self.rollback_tokens < 0
                 or self.aligner_max_batch < 1 or self.aligner_min_batch < 1 or self.aligner_max_wait_ms < 0):
             raise ValueError(f"invalid engine options: {self}")
-        if self.quantize not in (None, *QUANTIZE_MODES):
-            raise ValueError(f"unknown quantize {self.quantize!r}: use one of {', '.join(QUANTIZE_MODES)} (or None)")
 
 
 def display_name(model: str) -> str:

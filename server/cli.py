@@ -28,7 +28,7 @@ from qasr.server import logs, security, telephony
 from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits
 from qasr.streaming.settings import StreamLimits, StreamSettings, VadSettings
-from qasr.engine.options import QUANTIZE_MODES, EngineOptions
+from qasr.engine.options import EngineOptions
 from qasr.engine.restart_budget import RestartBudget
 from qasr.engine.pool import LoadPolicy
 from qasr.server import engine_load
@@ -101,12 +101,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollback-tokens", type=int, default=engine.rollback_tokens,
                         help="a partial continues its segment's previous partial minus this many last tokens, "
                              "which it decodes again (0: every partial decodes from the audio alone)")
-    parser.add_argument("--quantize", default=None, choices=QUANTIZE_MODES,
-                        help="opt-in FP8: the decoder's linear layers multiply in FP8 (e4m3 weights per output "
-                             "channel, activations per token) where they ran on cuBLAS: prefill and decode batches "
-                             "above the GEMV kernels' rows; fp8-lm-head: the output layer too. Needs a GPU with FP8 "
-                             "tensor cores (compute capability 8.9+, e.g. H100/H200) and --dtype bfloat16 or auto. "
-                             "Default: bfloat16 throughout")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--workers", type=int, default=1,
@@ -165,7 +159,6 @@ def build_config(args: argparse.Namespace, *, check_device: bool = True) -> Serv
         from qasr.model.checkpoint import resolve_device  # imports torch: only once the arguments are parsed
 
         resolve_device(args.device)  # an unusable --device is a usage error, before anything starts
-        check_quantize(args)
         devices = engine_load.engine_devices(args.device, args.devices)  # and so is an unusable --devices
         if args.admission_target_ms is None:
             args.admission_target_ms = default_admission_target_ms(devices, resolve_device(args.device))
@@ -191,20 +184,6 @@ def build_config(args: argparse.Namespace, *, check_device: bool = True) -> Serv
                         admission=AdmissionSettings(enabled=args.admission_target_ms > 0))
 
 
-def check_quantize(args: argparse.Namespace) -> None:
-    """--quantize needs a bfloat16 model: ValueError for a --dtype that is not (auto is float32 on the CPU). Whether
-    the GPU has FP8 tensor cores is checked where the model is loaded (qasr.model.fp8.check_supported)."""
-    if args.quantize is None:
-        return
-    from qasr.model.checkpoint import parse_dtype, resolve_device  # imports torch
-    import torch
-
-    dtype = parse_dtype(args.dtype, resolve_device(args.device))
-    if dtype != torch.bfloat16:
-        raise ValueError(f"--quantize {args.quantize} needs a bfloat16 model: --dtype bfloat16 (--dtype "
-                         f"{args.dtype} is {str(dtype).removeprefix('torch.')} here)")
-
-
 def default_admission_target_ms(devices: list, device) -> float:
     """Admission control is for GPU engines; on the CPU (development, the tests) it is off unless asked for.
     devices: engine_load.engine_devices' answer ([None]: one engine on `device`, the resolved --device)."""
@@ -221,8 +200,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          base_tokens=args.base_tokens,
                          tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
                          admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
-                         max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner,
-                         quantize=args.quantize)
+                         max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner)
 
 
 async def serve(args: argparse.Namespace, config: ServerConfig, *, build=None, replica=None) -> int:
