@@ -20,3 +20,17 @@ def test_every_collection_is_counted_by_generation_and_timed():
     before = list(pauses.count)
     gc.collect(2)  # stopped: not counted
     assert pauses.count == before and pauses._callback not in gc.callbacks
+
+
+def test_the_loaded_heap_is_frozen_out_of_the_collectors_walk_and_thawed():
+    from qasr.engine.gc_pauses import freeze_loaded_heap, thaw
+
+    kept = [[i] for i in range(50_000)]  # long-lived objects, as a loaded engine's
+    try:
+        frozen = freeze_loaded_heap()
+        assert frozen >= len(kept) and gc.get_freeze_count() == frozen
+        assert len(gc.get_objects()) < len(kept)  # a full collection no longer walks them
+        assert GcPauses().summary().startswith(f"{frozen} objects frozen; ")
+    finally:
+        thaw()
+    assert gc.get_freeze_count() == 0 and len(gc.get_objects()) >= len(kept)
