@@ -180,10 +180,11 @@ class Engine:
     def step(self) -> None:
         """Admit (when due) and decode one step. While rows decode, an admission overlaps the step: the step is
         launched first (a graph's replay returns at once), the admission's host work (scheduling, prompts, the audio
-        front end's bookkeeping and staging) runs while the device decodes, then the step's tokens are read and the
-        admission's device work is queued; its rows decode from the next step on. Each row's tokens depend only on
-        its own inputs (identical inputs give identical rows), so the order changes when rows run, not what they
-        say. With nothing decoding, the admission runs whole and its rows decode in this step."""
+        front end's bookkeeping and staging) runs while the device decodes, and its device work is queued (on CUDA
+        during the step, on the admission stream; elsewhere after the step's read). Its rows decode from the first
+        step after that work is done (`_start_admitted`). Each row's tokens depend only on its own inputs (identical
+        inputs give identical rows), so the order changes when rows run, not what they say. With nothing decoding,
+        the admission runs whole and its rows decode in this step."""
         self._apply_releases()
         self._drop_cancelled()
         self._start_admitted(wait=not self._decoding())
