@@ -4,7 +4,9 @@
 #     QASR_PDL=0 and =1 on one runner (graph replay ms at B=1,8,32,64,256, the two steps' logits bit for bit, kernels
 #     per step by kind: Triton launches PDL can chain vs cuBLAS/PyTorch), then the step's ends as kernels (chain:
 #     session 6's step, with PyTorch ops at its start and the argmax, against the chained step on one runner: graph
-#     replay ms per bucket, logits and outputs bit for bit, launches per step), then every kernel against its
+#     replay ms per bucket, logits and outputs bit for bit, launches per step), then q/k-norm+RoPE+KV write and
+#     attention as one launch (fuse, QASR_FUSE_ATTENTION off vs on, on one runner: graph replay ms at B=1,8,32,
+#     logits/outputs/KV cache bit for bit after 4 steps, launches per step), then every kernel against its
 #     PyTorch reference and the GEMV kernels against cuBLAS with PDL on, then the step on three paths;
 #  2. `qasr-bench offline` (0.6B, no official baseline) with QASR_PDL=0, then =1: latency, throughput, energy, the
 #     step table and the row correctness checks, before and after (OFFLINE=pdl: only the run with PDL on; none: neither).
@@ -87,6 +89,26 @@ if chain:
                   f"copies {kinds['copy']:.0f}, triton chain breaks {kinds['chain_breaks']:.0f}")
             print("  other:", json.dumps(kinds["other_names"]))
     for name, rec in chain["recorded_b1"].items():
+        print(f"{name} launches at B=1 as the host launched them: {json.dumps(rec)}")
+fuse = res.get("decode_step_fuse")
+if fuse:
+    buckets = list(fuse["step_ms"]["fused"])
+    print(f"decode step, q/k-norm+RoPE+KV write and attention as two launches a layer vs one (QASR_FUSE_ATTENTION), "
+          f"graph replay at context 200, PDL on: {fuse['use_pdl']} (capture {fuse['capture_s']:.0f} s)")
+    print("bucket             " + " ".join(f"{b:>7}" for b in buckets))
+    for name in ("two", "fused"):
+        print(f"step ms {name:<10} " + " ".join(f"{fuse['step_ms'][name][b]:7.3f}" for b in buckets))
+    print("fused/two          " + " ".join(f"{fuse['step_ms']['fused'][b] / fuse['step_ms']['two'][b]:7.3f}"
+                                          for b in buckets))
+    print(f"after {fuse['steps_compared']} steps in a row:")
+    print("logits identical   " + " ".join(f"{fuse['logits_identical'][b]:7.4f}" for b in buckets))
+    print("logits max |diff|  " + " ".join(f"{fuse['logits_max_abs'][b]:7.4f}" for b in buckets))
+    print("outputs identical  " + " ".join(f"{str(fuse['outputs_identical'][b]):>7}" for b in buckets))
+    print("KV cache identical " + " ".join(f"{str(fuse['cache_identical'][b]):>7}" for b in buckets))
+    for name, kinds in fuse["kinds"].items():
+        print(f"{name} kernels per step at B=1: triton {kinds['triton']:.0f}, other {kinds['other']:.0f}, "
+              f"copies {kinds['copy']:.0f}, triton chain breaks {kinds['chain_breaks']:.0f}")
+    for name, rec in fuse["recorded_b1"].items():
         print(f"{name} launches at B=1 as the host launched them: {json.dumps(rec)}")
 for key in ["kernels_bf16_vs_pytorch", "gemv_bf16_vs_cublas"] + [k for k in res if k.startswith(("decode_step_ms",
                                                                                                   "kernels_per_step"))]:

@@ -13,7 +13,11 @@ the argmax after the lm_head) and chained (kernels.decode_begin, the argmax in t
 on one runner: graph replay ms per bucket, logits and the step's outputs bit for bit, launches per step by kind (the
 profiler's) and in order as the host launched them (`recorded_launches`, which also runs on the CPU).
 
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,chain,kernels,gemv,steps]` on a CUDA machine; prints
+Then q/k-norm+RoPE+KV write and attention in one launch (section "fuse", $QASR_FUSE_ATTENTION): the chained step with
+the two kernels a layer and with kernels.decode_qkv_attention, on one runner: graph replay ms at 1, 8 and 32 rows,
+logits (bit for bit, max |diff|), outputs and the KV cache cells the step wrote, launches per step.
+
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,chain,fuse,kernels,gemv,steps]` on a CUDA machine; prints
 one JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
 """
 
@@ -43,8 +47,9 @@ from qasr.engine.runner import advance_rows as runner_advance_rows
 
 from .offline import kernels_per_step
 
-SECTIONS = ("pdl", "chain", "kernels", "gemv", "steps")
+SECTIONS = ("pdl", "chain", "fuse", "kernels", "gemv", "steps")
 PDL_BUCKETS = (1, 8, 32, 64, 256)
+FUSE_BUCKETS = (1, 8, 32)  # where the products are GEMVs and the step one chain of Triton kernels
 
 
 def compare(got: torch.Tensor, expected: torch.Tensor) -> dict:
@@ -438,6 +443,82 @@ def chain_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     return out
 
 
+def fuse_steps(model, device, buckets=FUSE_BUCKETS, context: int = 200, steps: int = 4) -> dict:
+    """The chained decode step with q/k-norm+RoPE+KV write and attention as two launches a layer and as one
+    (FusedLayerOps(fuse_attention=...), $QASR_FUSE_ATTENTION), on one runner (one cache, one graph pool, PDL as
+    $QASR_PDL says): ms per graph replay at each bucket; after `steps` replays in a row from the same state (each step
+    reads the keys its predecessors wrote), the logits of the last one bit for bit and their max |diff|, the step's
+    outputs (out, tokens, positions, counts) and the whole KV cache bit for bit; launches per step at 1 row by kind
+    (the profiler's) and as the host launched them (recorded_launches)."""
+    S = max(buckets)
+    runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
+                         buckets=tuple(b for b in buckets if b < S))
+    table = model.decoder.rope_table(runner.cache.length)
+    layer_ops = {"two": FusedLayerOps(table, fuse_attention=False), "fused": FusedLayerOps(table, fuse_attention=True)}
+    gen = torch.Generator(device=device).manual_seed(7)
+    for layer in (*runner.cache.k, *runner.cache.v):
+        layer.normal_(generator=gen)
+    cache0 = [t.clone() for t in (*runner.cache.k, *runner.cache.v)]
+    tokens = torch.randint(0, model.cfg.text.vocab_size, (S,), device=device, generator=gen)
+
+    def reset(B: int, cache: bool = False) -> None:  # rows live at `context`, the last of a bucket above 1 idle
+        runner.tokens.copy_(tokens)
+        runner.positions.fill_(-1)
+        runner.positions[:B] = context
+        if B > 1:
+            runner.positions[B - 1] = -1
+        runner.counts.zero_()
+        runner.budgets.fill_(1 << 30)
+        if cache:
+            for t, c in zip((*runner.cache.k, *runner.cache.v), cache0):
+                t.copy_(c)
+
+    state = lambda: [t.clone() for t in (runner.out, runner.tokens, runner.positions, runner.counts)]  # noqa: E731
+    out = {"use_pdl": kernels.use_pdl(device), "steps_compared": steps, "step_ms": {}, "logits_identical": {},
+           "logits_max_abs": {}, "outputs_identical": {}, "cache_identical": {}, "kinds": {}, "recorded_b1": {}}
+    graphs = {}
+    t0 = time.perf_counter()
+    pool = None
+    with torch.inference_mode():
+        with capture_stream() as stream:
+            for B in reversed(buckets):
+                for name, ops in layer_ops.items():
+                    reset(B)
+                    graph, logits = capture_graph(lambda: greedy_step(runner, B, ops), stream, pool, warmups=2)
+                    pool = graph.pool() if pool is None else pool
+                    graphs[(name, B)] = (graph, logits)
+        out["capture_s"] = time.perf_counter() - t0
+        for B in buckets:
+            got = {}
+            for name in layer_ops:
+                graph, logits = graphs[(name, B)]
+                reset(B, cache=True)
+                for _ in range(steps):
+                    graph.replay()
+                torch.cuda.synchronize()
+                got[name] = (logits.float().clone(), state(), [t.clone() for t in (*runner.cache.k, *runner.cache.v)])
+            (a, sa, ca), (b, sb, cb) = got["two"], got["fused"]
+            out["logits_identical"][B] = float((a == b).float().mean())
+            out["logits_max_abs"][B] = float((a - b).abs().max())
+            out["outputs_identical"][B] = all(torch.equal(x, y) for x, y in zip(sa, sb))
+            out["cache_identical"][B] = all(torch.equal(x, y) for x, y in zip(ca, cb))
+            del got
+            for name in layer_ops:
+                out["step_ms"].setdefault(name, {})[B] = replay_ms(graphs[(name, B)][0], lambda: reset(B))
+        for name in layer_ops:
+            reset(1)
+            out["kinds"][name] = kernel_kinds(graphs[(name, 1)][0].replay)
+            reset(1)
+            with recorded_launches() as launched:
+                greedy_step(runner, 1, layer_ops[name])
+            torch.cuda.synchronize()
+            out["recorded_b1"][name] = launch_summary(launched)
+    runner.positions.fill_(-1)
+    del graphs, runner, cache0
+    torch.cuda.empty_cache()
+    return out
+
+
 def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     """The decode step with QASR_PDL=0 and =1 on one runner (one cache, one graph pool): ms per graph replay at each
     bucket, the logits of the two bit for bit (the same kernels and configs; a missing wait would show as a race),
@@ -540,6 +621,10 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         emit("decode_step_chain", chain_steps(model, device))
         emit("decode_step_chain_s", time.perf_counter() - t)
+    if "fuse" in sections:
+        t = time.perf_counter()
+        emit("decode_step_fuse", fuse_steps(model, device))
+        emit("decode_step_fuse_s", time.perf_counter() - t)
     if "kernels" in sections:
         emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
     if "gemv" in sections:
