@@ -270,6 +270,14 @@ if triton is not None:
         _await_inputs(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
+        _attend(Q, K, V, OUT, POS, b, kvh, stride_cs, stride_ch, stride_cl, scale, H, G, G_BLOCK, HD, BLOCK_N)
+
+    @triton.jit
+    def _attend(Q, K, V, OUT, POS, b, kvh, stride_cs, stride_ch, stride_cl, scale,
+                H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
+        # decode attention of row b's G query heads sharing KV head kvh (one program of _decode_attention_kernel or
+        # of _decode_qkv_attention_kernel) over positions 0 .. POS[b] of slot b (POS[b] < 0: position 0 only). POS[b]
+        # is read here, after the queries, where the kernel always read it: the standalone kernel compiles as before
         g = tl.arange(0, G_BLOCK)
         d = tl.arange(0, HD)
         gmask = g < G
@@ -334,34 +342,7 @@ if triton is not None:
         v_new = _load_input(QKV, b * stride_qkv + (H + KVH + kvh) * HD + full, full < HD, split_stride, SPLITS, Q)
         tl.store(V + at + full, v_new.to(Q.dtype.element_ty))
         tl.debug_barrier()
-        # from here on, _decode_attention_kernel's body
-        g = tl.arange(0, G_BLOCK)
-        d = tl.arange(0, HD)
-        gmask = g < G
-        heads = kvh * G + g
-        q = tl.load(Q + (b * H + heads[:, None]) * HD + d[None, :], mask=gmask[:, None], other=0.0)
-        qk_scale = scale * 1.4426950408889634  # exp2 domain
-        n_keys = tl.maximum(pos, 0) + 1
-        base = b * stride_cs + kvh * stride_ch
-        m = tl.full([G_BLOCK], float("-inf"), tl.float32)
-        l = tl.zeros([G_BLOCK], tl.float32)
-        acc = tl.zeros([G_BLOCK, HD], tl.float32)
-        for start in range(0, n_keys, BLOCK_N):
-            keys = start + tl.arange(0, BLOCK_N)
-            kmask = keys < n_keys
-            offs = base + keys[:, None] * stride_cl + d[None, :]
-            k = tl.load(K + offs, mask=kmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale  # [G_BLOCK, BLOCK_N]
-            s = tl.where(kmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            v = tl.load(V + offs, mask=kmask[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            l = l * alpha + tl.sum(p, axis=1)
-            m = m_new
-        out = acc / l[:, None]
-        tl.store(OUT + (b * H + heads[:, None]) * HD + d[None, :], out.to(OUT.dtype.element_ty), mask=gmask[:, None])
+        _attend(Q, K, V, OUT, POS, b, kvh, stride_cs, stride_ch, stride_cl, scale, H, G, G_BLOCK, HD, BLOCK_N)
 
     @triton.jit
     def _prefill_attention_kernel(

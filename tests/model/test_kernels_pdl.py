@@ -62,7 +62,7 @@ KERNELS = {
                                     "stride_xm": "i32"},
                              {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
 }
-DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope_head", "_first_max",
+DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope_head", "_first_max", "_attend",
                     "_block_argmax"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
