@@ -71,45 +71,36 @@ if step:
         print(f"kernels per step at B={b}: triton {kinds['triton']:.0f}, other {kinds['other']:.0f}, "
               f"copies {kinds['copy']:.0f}, triton chain breaks {kinds['chain_breaks']:.0f}")
         print("  other:", json.dumps(kinds["other_names"]))
-chain = res.get("decode_step_chain")
-if chain:
-    buckets = list(chain["step_ms"]["chained"])
-    print(f"decode step, session 6 vs chained (start and argmax as kernels), graph replay at context 200, PDL on: "
-          f"{chain['use_pdl']} (capture {chain['capture_s']:.0f} s)")
+def compared(section: dict, title: str) -> None:
+    """A kernel_check.compare_steps section: the two variants' step per bucket and how far apart they came out."""
+    reference, other = section["step_ms"]
+    buckets = list(section["step_ms"][other])
+    print(f"decode step, {title}, graph replay at context 200, PDL on: {section['use_pdl']} "
+          f"(capture {section['capture_s']:.0f} s)")
     print("bucket             " + " ".join(f"{b:>7}" for b in buckets))
-    for name in ("session6", "chained"):
-        print(f"step ms {name:<10} " + " ".join(f"{chain['step_ms'][name][b]:7.3f}" for b in buckets))
-    print("chained/session6   " + " ".join(f"{chain['step_ms']['chained'][b] / chain['step_ms']['session6'][b]:7.3f}"
-                                          for b in buckets))
-    print("logits identical   " + " ".join(f"{str(chain['logits_identical'][b]):>7}" for b in buckets))
-    print("outputs identical  " + " ".join(f"{str(chain['outputs_identical'][b]):>7}" for b in buckets))
-    for name, by_bucket in chain["kinds"].items():
+    for name in (reference, other):
+        print(f"step ms {name:<10} " + " ".join(f"{section['step_ms'][name][b]:7.3f}" for b in buckets))
+    print(f"{other + '/' + reference:<19}" + " ".join(
+        f"{section['step_ms'][other][b] / section['step_ms'][reference][b]:7.3f}" for b in buckets))
+    print(f"after {section['steps_compared']} step(s) in a row:")
+    print("logits identical   " + " ".join(f"{section['logits_identical'][b]:7.4f}" for b in buckets))
+    print("logits max |diff|  " + " ".join(f"{section['logits_max_abs'][b]:7.4f}" for b in buckets))
+    print("outputs identical  " + " ".join(f"{str(section['outputs_identical'][b]):>7}" for b in buckets))
+    print("KV cache identical " + " ".join(f"{str(section['cache_identical'][b]):>7}" for b in buckets))
+    for name, by_bucket in section["kinds"].items():
         for b, kinds in by_bucket.items():
             print(f"{name} kernels per step at B={b}: triton {kinds['triton']:.0f}, other {kinds['other']:.0f}, "
                   f"copies {kinds['copy']:.0f}, triton chain breaks {kinds['chain_breaks']:.0f}")
             print("  other:", json.dumps(kinds["other_names"]))
-    for name, rec in chain["recorded_b1"].items():
+    for name, rec in section["recorded_b1"].items():
         print(f"{name} launches at B=1 as the host launched them: {json.dumps(rec)}")
-fuse = res.get("decode_step_fuse")
-if fuse:
-    buckets = list(fuse["step_ms"]["fused"])
-    print(f"decode step, q/k-norm+RoPE+KV write and attention as two launches a layer vs one (QASR_FUSE_ATTENTION), "
-          f"graph replay at context 200, PDL on: {fuse['use_pdl']} (capture {fuse['capture_s']:.0f} s)")
-    print("bucket             " + " ".join(f"{b:>7}" for b in buckets))
-    for name in ("two", "fused"):
-        print(f"step ms {name:<10} " + " ".join(f"{fuse['step_ms'][name][b]:7.3f}" for b in buckets))
-    print("fused/two          " + " ".join(f"{fuse['step_ms']['fused'][b] / fuse['step_ms']['two'][b]:7.3f}"
-                                          for b in buckets))
-    print(f"after {fuse['steps_compared']} steps in a row:")
-    print("logits identical   " + " ".join(f"{fuse['logits_identical'][b]:7.4f}" for b in buckets))
-    print("logits max |diff|  " + " ".join(f"{fuse['logits_max_abs'][b]:7.4f}" for b in buckets))
-    print("outputs identical  " + " ".join(f"{str(fuse['outputs_identical'][b]):>7}" for b in buckets))
-    print("KV cache identical " + " ".join(f"{str(fuse['cache_identical'][b]):>7}" for b in buckets))
-    for name, kinds in fuse["kinds"].items():
-        print(f"{name} kernels per step at B=1: triton {kinds['triton']:.0f}, other {kinds['other']:.0f}, "
-              f"copies {kinds['copy']:.0f}, triton chain breaks {kinds['chain_breaks']:.0f}")
-    for name, rec in fuse["recorded_b1"].items():
-        print(f"{name} launches at B=1 as the host launched them: {json.dumps(rec)}")
+
+
+if res.get("decode_step_chain"):
+    compared(res["decode_step_chain"], "session 6 vs chained (start and argmax as kernels)")
+if res.get("decode_step_fuse"):
+    compared(res["decode_step_fuse"], "q/k-norm+RoPE+KV write and attention as two launches a layer vs one "
+                                      "(QASR_FUSE_ATTENTION)")
 for key in ["kernels_bf16_vs_pytorch", "gemv_bf16_vs_cublas"] + [k for k in res if k.startswith(("decode_step_ms",
                                                                                                   "kernels_per_step"))]:
     print(key, json.dumps(res.get(key), indent=1))

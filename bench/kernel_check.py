@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -373,95 +372,27 @@ def replay_ms(graph, reset, runs: int = 50) -> float:
     return statistics.median(samples[3:])
 
 
-def chain_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
-    """The decode step as session 6 ran it and chained, on one runner (one cache, one graph pool, PDL as $QASR_PDL
-    says): ms per graph replay at each bucket, the two steps' logits and outputs (out, tokens, positions, counts)
-    bit for bit, launches per step by kind at 1 and 64 rows (the profiler's), and as the host launched them at 1 row
-    (eagerly, recorded_launches)."""
+def compare_steps(model, device, variants, buckets, context: int = 200, steps: int = 1, seed: int = 7,
+                  finish_row0: bool = False, kinds_at: tuple[int, ...] = (1,)) -> dict:
+    """The decode step with two layer-op variants on one runner (one cache, one graph pool, PDL as $QASR_PDL says).
+    variants(runner) -> {name: FusedLayerOps}, the reference first. Per bucket: ms per graph replay; after `steps`
+    replays in a row from the same state (each reads the keys its predecessors wrote), the last logits' share of
+    identical values and their max |diff|, the step's outputs (out, tokens, positions, counts) and the whole KV cache
+    bit for bit. Launches per step by kind at the `kinds_at` buckets (the profiler's) and as the host launched them at
+    1 row (recorded_launches). Rows live at `context`, the last of a bucket above 1 idle (a padding row);
+    finish_row0: row 0 finishes on its budget (its position goes idle)."""
     S = max(buckets)
     runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
                          buckets=tuple(b for b in buckets if b < S))
-    layer_ops = {"session6": FusedLayerOps(model.decoder.rope_table(runner.cache.length), chain=False),
-                 "chained": runner.layer_ops}
-    assert runner.layer_ops.chain
-    gen = torch.Generator(device=device).manual_seed(6)
-    for layer in (*runner.cache.k, *runner.cache.v):
-        layer.normal_(generator=gen)
-    tokens = torch.randint(0, model.cfg.text.vocab_size, (S,), device=device, generator=gen)
-
-    def reset(B: int) -> None:  # rows live at `context` (the last row of a bucket above 1 idle: a padding row)
-        runner.tokens.copy_(tokens)
-        runner.positions.fill_(-1)
-        runner.positions[:B] = context
-        if B > 1:
-            runner.positions[B - 1] = -1
-        runner.counts.zero_()
-        runner.budgets.fill_(1 << 30)
-        runner.budgets[0] = 1  # row 0 finishes on its budget: its position goes idle
-
-    state = lambda: [t.clone() for t in (runner.out, runner.tokens, runner.positions, runner.counts)]  # noqa: E731
-    out = {"use_pdl": kernels.use_pdl(device), "step_ms": {}, "logits_identical": {}, "outputs_identical": {},
-           "kinds": {}, "recorded_b1": {}}
-    graphs = {}
-    t0 = time.perf_counter()
-    pool = None
-    with torch.inference_mode():
-        with capture_stream() as stream:
-            for B in reversed(buckets):
-                for name, ops in layer_ops.items():
-                    reset(B)
-                    graph, logits = capture_graph(lambda: greedy_step(runner, B, ops), stream, pool, warmups=2)
-                    pool = graph.pool() if pool is None else pool
-                    graphs[(name, B)] = (graph, logits)
-        out["capture_s"] = time.perf_counter() - t0
-        for B in buckets:
-            got = {}
-            for name in layer_ops:
-                graph, logits = graphs[(name, B)]
-                reset(B)
-                graph.replay()
-                torch.cuda.synchronize()
-                got[name] = (logits.clone(), state())
-            out["logits_identical"][B] = bool(torch.equal(got["session6"][0], got["chained"][0]))
-            out["outputs_identical"][B] = all(torch.equal(a, b) for a, b in zip(got["session6"][1], got["chained"][1]))
-            for name in layer_ops:
-                out["step_ms"].setdefault(name, {})[B] = replay_ms(graphs[(name, B)][0], lambda: reset(B))
-        for B in (1, 64):
-            if B in buckets:
-                for name in layer_ops:
-                    reset(B)
-                    out["kinds"].setdefault(name, {})[B] = kernel_kinds(graphs[(name, B)][0].replay)
-        for name, ops in layer_ops.items():
-            reset(1)
-            with recorded_launches() as launched:
-                greedy_step(runner, 1, ops)
-            torch.cuda.synchronize()
-            out["recorded_b1"][name] = launch_summary(launched)
-    runner.positions.fill_(-1)
-    del graphs, runner
-    torch.cuda.empty_cache()
-    return out
-
-
-def fuse_steps(model, device, buckets=FUSE_BUCKETS, context: int = 200, steps: int = 4) -> dict:
-    """The chained decode step with q/k-norm+RoPE+KV write and attention as two launches a layer and as one
-    (FusedLayerOps(fuse_attention=...), $QASR_FUSE_ATTENTION), on one runner (one cache, one graph pool, PDL as
-    $QASR_PDL says): ms per graph replay at each bucket; after `steps` replays in a row from the same state (each step
-    reads the keys its predecessors wrote), the logits of the last one bit for bit and their max |diff|, the step's
-    outputs (out, tokens, positions, counts) and the whole KV cache bit for bit; launches per step at 1 row by kind
-    (the profiler's) and as the host launched them (recorded_launches)."""
-    S = max(buckets)
-    runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
-                         buckets=tuple(b for b in buckets if b < S))
-    table = model.decoder.rope_table(runner.cache.length)
-    layer_ops = {"two": FusedLayerOps(table, fuse_attention=False), "fused": FusedLayerOps(table, fuse_attention=True)}
-    gen = torch.Generator(device=device).manual_seed(7)
+    layer_ops = variants(runner)
+    reference, other = layer_ops
+    gen = torch.Generator(device=device).manual_seed(seed)
     for layer in (*runner.cache.k, *runner.cache.v):
         layer.normal_(generator=gen)
     cache0 = [t.clone() for t in (*runner.cache.k, *runner.cache.v)]
     tokens = torch.randint(0, model.cfg.text.vocab_size, (S,), device=device, generator=gen)
 
-    def reset(B: int, cache: bool = False) -> None:  # rows live at `context`, the last of a bucket above 1 idle
+    def reset(B: int, cache: bool = False) -> None:
         runner.tokens.copy_(tokens)
         runner.positions.fill_(-1)
         runner.positions[:B] = context
@@ -469,6 +400,8 @@ def fuse_steps(model, device, buckets=FUSE_BUCKETS, context: int = 200, steps: i
             runner.positions[B - 1] = -1
         runner.counts.zero_()
         runner.budgets.fill_(1 << 30)
+        if finish_row0:
+            runner.budgets[0] = 1
         if cache:
             for t, c in zip((*runner.cache.k, *runner.cache.v), cache0):
                 t.copy_(c)
@@ -497,7 +430,7 @@ def fuse_steps(model, device, buckets=FUSE_BUCKETS, context: int = 200, steps: i
                     graph.replay()
                 torch.cuda.synchronize()
                 got[name] = (logits.float().clone(), state(), [t.clone() for t in (*runner.cache.k, *runner.cache.v)])
-            (a, sa, ca), (b, sb, cb) = got["two"], got["fused"]
+            (a, sa, ca), (b, sb, cb) = got[reference], got[other]
             out["logits_identical"][B] = float((a == b).float().mean())
             out["logits_max_abs"][B] = float((a - b).abs().max())
             out["outputs_identical"][B] = all(torch.equal(x, y) for x, y in zip(sa, sb))
@@ -505,18 +438,41 @@ def fuse_steps(model, device, buckets=FUSE_BUCKETS, context: int = 200, steps: i
             del got
             for name in layer_ops:
                 out["step_ms"].setdefault(name, {})[B] = replay_ms(graphs[(name, B)][0], lambda: reset(B))
-        for name in layer_ops:
-            reset(1)
-            out["kinds"][name] = kernel_kinds(graphs[(name, 1)][0].replay)
+        for B in kinds_at:
+            if B in buckets:
+                for name in layer_ops:
+                    reset(B)
+                    out["kinds"].setdefault(name, {})[B] = kernel_kinds(graphs[(name, B)][0].replay)
+        for name, ops in layer_ops.items():
             reset(1)
             with recorded_launches() as launched:
-                greedy_step(runner, 1, layer_ops[name])
+                greedy_step(runner, 1, ops)
             torch.cuda.synchronize()
             out["recorded_b1"][name] = launch_summary(launched)
     runner.positions.fill_(-1)
     del graphs, runner, cache0
     torch.cuda.empty_cache()
     return out
+
+
+def chain_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
+    """The decode step as session 6 ran it (its start and argmax PyTorch ops) and chained (all Triton kernels)."""
+    def variants(runner):
+        assert runner.layer_ops.chain
+        return {"session6": FusedLayerOps(model.decoder.rope_table(runner.cache.length), chain=False),
+                "chained": runner.layer_ops}
+
+    return compare_steps(model, device, variants, buckets, context, seed=6, finish_row0=True, kinds_at=(1, 64))
+
+
+def fuse_steps(model, device, buckets=FUSE_BUCKETS, context: int = 200, steps: int = 4) -> dict:
+    """The chained decode step with q/k-norm+RoPE+KV write and attention as two launches a layer and as one
+    (FusedLayerOps(fuse_attention=...), $QASR_FUSE_ATTENTION)."""
+    def variants(runner):
+        table = model.decoder.rope_table(runner.cache.length)
+        return {"two": FusedLayerOps(table, fuse_attention=False), "fused": FusedLayerOps(table, fuse_attention=True)}
+
+    return compare_steps(model, device, variants, buckets, context, steps=steps)
 
 
 def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
@@ -569,17 +525,8 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
             out["logits_identical"][B] = float((got["0"] == got["1"]).float().mean())
             out["logits_max_abs"][B] = float((got["0"] - got["1"]).abs().max())
             for value in ("0", "1"):
-                graph = graphs[("step", value, B)][0]
-                samples = []
-                for _ in range(53):
-                    reset(B)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    samples.append(start.elapsed_time(end))
-                out["step_ms"].setdefault(f"pdl{value}", {})[B] = statistics.median(samples[3:])
+                out["step_ms"].setdefault(f"pdl{value}", {})[B] = replay_ms(graphs[("step", value, B)][0],
+                                                                          lambda: reset(B))
         for B in (1, 64):
             if B in buckets:  # rows stay live for the few replays profiled (each moves them on by one position)
                 reset(B)

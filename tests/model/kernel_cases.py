@@ -661,9 +661,10 @@ def test_the_fuse_attention_switch_reads_the_environment(monkeypatch):
         kernels.fuse_attention_requested()
 
 
-def test_kernel_checks_fuse_section_compares_the_two_steps(engines, monkeypatch):
-    """kernel_check.fuse_steps' bookkeeping on the CPU: graphs stood in for by calls of the step, no timing or
-    profiler; the two steps must come out identical and the launches per step 7 vs 8 a layer."""
+def test_kernel_checks_fuse_and_chain_sections_compare_the_two_steps(engines, monkeypatch):
+    """kernel_check.fuse_steps' and chain_steps' bookkeeping (compare_steps) on the CPU: graphs stood in for by calls
+    of the step, no timing or profiler; the two steps must come out identical, the fused one 7 launches a layer, the
+    chained 8, session 6's more (its PyTorch ops)."""
     from qasr.bench import kernel_check
 
     class Replayed:  # a "graph" whose replay runs the step again into the tensor its capture returned
@@ -693,6 +694,12 @@ def test_kernel_checks_fuse_section_compares_the_two_steps(engines, monkeypatch)
     assert out["outputs_identical"] == out["cache_identical"] == {1: True, 3: True}
     assert out["recorded_b1"]["fused"]["launches"] == 7 * layers + 3
     assert out["recorded_b1"]["two"]["launches"] == 8 * layers + 3
+    assert list(out["step_ms"]) == ["two", "fused"] and set(out["kinds"]["fused"]) == {1}
+    # the chain section, on the same comparison: session 6's step (8 PyTorch ops besides the kernels) vs chained
+    out = kernel_check.chain_steps(model, torch.device("cpu"), buckets=(1, 3), context=20)
+    assert out["logits_identical"] == {1: 1.0, 3: 1.0} and out["outputs_identical"] == {1: True, 3: True}
+    assert out["recorded_b1"]["chained"]["launches"] == 8 * layers + 3
+    assert out["recorded_b1"]["session6"]["launches"] > out["recorded_b1"]["chained"]["launches"]
 
 
 def test_partials_reusing_a_prefix_on_kernels_match_the_plain_engine(engines):
