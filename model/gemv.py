@@ -176,13 +176,7 @@ def partial_products(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig |
 
 def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T -> [M, N] in x's dtype (no split: for products nothing fuses the sums into)."""
-    _check(x, weight)
-    M, K = x.shape
-    N = weight.shape[0]
-    config = config or config_for("linear", N, K, x)
-    if config.splits(K) != 1:
-        raise ValueError(f"linear takes an unsplit config, got {config}")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    config, out = _unsplit(x, weight, config, "linear")
     _launch_products(x, weight, out, config)
     return out
 
@@ -193,18 +187,25 @@ def linear_argmax(x: torch.Tensor, weight: torch.Tensor,
     first column (kernels.BlockMaxima [M, column blocks]): the lm_head's logits and what kernels.advance_rows needs
     to take their argmax, as torch.argmax would, without a launch of its own. The logits are linear's, bit for bit
     (the same config: the argmax only adds to the kernel's end)."""
-    _check(x, weight)
-    M, K = x.shape
-    N = weight.shape[0]
-    config = config or config_for("linear", N, K, x)
-    if config.splits(K) != 1:
-        raise ValueError(f"linear_argmax takes an unsplit config, got {config}")
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    config, out = _unsplit(x, weight, config, "linear_argmax")
+    M, N = out.shape
     blocks = triton.cdiv(N, config.block_n)
     maxima = kernels.BlockMaxima(torch.empty((M, blocks), dtype=torch.float32, device=x.device),
                                  torch.empty((M, blocks), dtype=torch.int32, device=x.device))
     _launch_products(x, weight, out, config, maxima)
     return out, maxima
+
+
+def _unsplit(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None,
+             caller: str) -> tuple[GemvConfig, torch.Tensor]:
+    """linear's and linear_argmax's config (unsplit) and output [M, N] in x's dtype."""
+    _check(x, weight)
+    M, K = x.shape
+    N = weight.shape[0]
+    config = config or config_for("linear", N, K, x)
+    if config.splits(K) != 1:
+        raise ValueError(f"{caller} takes an unsplit config, got {config}")
+    return config, torch.empty((M, N), dtype=x.dtype, device=x.device)
 
 
 def _launch_products(x, weight, out, config: GemvConfig, maxima: kernels.BlockMaxima | None = None) -> None:
