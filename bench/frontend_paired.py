@@ -87,8 +87,11 @@ def run_round(entries: list[Entry], servers: list, round_index: int, args, outdi
 def cpu_per_audio_second(run: dict) -> float:
     cpu = run.get("server_cpu") or {}
     value = cpu.get("cpu_ms_per_audio_second")
-    if not value:
+    if value is None:
         raise ValueError("a run without the server's CPU per second of audio (was --server-pid given?)")
+    if value <= 0:  # /proc counts CPU in 10 ms ticks: a light, short run can show none, and a ratio needs some
+        raise ValueError("a run in which the server used less CPU than /proc measures (10 ms ticks): "
+                         "run more streams or longer")
     return value
 
 

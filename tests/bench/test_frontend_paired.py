@@ -42,16 +42,21 @@ def test_ratios_are_taken_within_each_round_then_their_median_and_range():
 def test_a_run_without_the_servers_cpu_is_refused():
     with pytest.raises(ValueError, match="server-pid"):
         frontend_paired.table([Entry("native")], [{"native": {"server_cpu": None, "totals": {}}}])
+    with pytest.raises(ValueError, match="10 ms ticks"):  # measured, but none: no ratio can be taken against it
+        frontend_paired.table([Entry("native")], [{"native": {"server_cpu": {"cpu_ms_per_audio_second": 0.0},
+                                                              "totals": {}}}])
 
 
 def test_a_short_paired_run_rotates_every_protocol_over_every_server(tmp_path):
+    # 4 streams for 2 s in real time: enough CPU for /proc's 10 ms ticks to count on a busy machine (1 stream at 2x
+    # speed for 1 s measured none once in CI)
     done = subprocess.run(
         [sys.executable, "-m", "qasr.bench.frontend_paired", str(tmp_path), "native:24000", "deepgram",
-         "--streams", "1", "--duration", "2", "--stagger-s", "0", "--bench-arg=--speed", "--bench-arg=2",
+         "--streams", "4", "--duration", "2", "--stagger-s", "0",
          "--bench-arg=--drain-timeout-s", "--bench-arg=20"], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
     assert sorted(path.name for path in tmp_path.glob("*.json")) == [
-        "deepgram-1-r1.json", "deepgram-1-r2.json", "native-24000-1-r1.json", "native-24000-1-r2.json"]
+        "deepgram-4-r1.json", "deepgram-4-r2.json", "native-24000-4-r1.json", "native-24000-4-r2.json"]
     lines = done.stdout.splitlines()
     assert lines[2].startswith("| native:24000 | ") and "| 1.000x (1.000-1.000) | 0 | 0 |" in lines[2]
     assert lines[3].startswith("| deepgram | ") and lines[3].endswith("| 0 | 0 |")
