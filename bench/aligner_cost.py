@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import tempfile
@@ -51,6 +50,7 @@ from qasr.engine.streams import decode_stream
 from qasr.model.aligner import ForcedAligner
 from qasr.model.testmodel import make_test_aligner, make_test_model
 
+from .report import print_report
 from .synthetic import speech_like
 
 SR = 16000
@@ -313,10 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         if not args.skip_engine:
             report["engine"] = engine_with_and_without_words(engine, batches, args)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_report(report, args.out)
     return 0
 
 

@@ -15,14 +15,14 @@ nothing. Prints one JSON object (and writes it to --out).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from .report import print_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,10 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     background()
     torch.cuda.synchronize()
     report["ms"]["the GEMM queue alone"] = round((time.perf_counter() - start) * 1e3, 1)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    print_report(report, args.out)
     return 0
 
 
