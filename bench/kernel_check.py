@@ -208,31 +208,18 @@ def gemv_cases(cfg, device) -> dict:
 
 
 @contextlib.contextmanager
-def gemv_rows(rows: int):
-    """$QASR_DECODE_GEMV for the runners made inside (their layer ops read it once)."""
-    before = os.environ.get(gemv.MAX_ROWS_ENV)
-    os.environ[gemv.MAX_ROWS_ENV] = str(rows)
+def environment(name: str, value: str):
+    """$name set to `value` inside (the switches the layer ops and kernels read: $QASR_DECODE_GEMV when a runner is
+    made, $QASR_PDL when kernels launch, so when graphs are captured), restored after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            del os.environ[gemv.MAX_ROWS_ENV]
+            del os.environ[name]
         else:
-            os.environ[gemv.MAX_ROWS_ENV] = before
-
-
-@contextlib.contextmanager
-def pdl_env(value: str):
-    """$QASR_PDL for the kernels launched (and so the graphs captured) inside."""
-    before = os.environ.get(kernels.PDL_ENV)
-    os.environ[kernels.PDL_ENV] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[kernels.PDL_ENV]
-        else:
-            os.environ[kernels.PDL_ENV] = before
+            os.environ[name] = before
 
 
 def triton_kernel_names() -> set[str]:
@@ -505,7 +492,7 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     pool = None
     with torch.inference_mode():
         for value in ("0", "1"):
-            with pdl_env(value), capture_stream() as stream:
+            with environment(kernels.PDL_ENV, value), capture_stream() as stream:
                 if value == "1":
                     out["use_pdl_when_on"] = kernels.use_pdl(device)
                 for B in reversed(buckets):
@@ -582,7 +569,7 @@ def main(argv=None) -> None:
     if "steps" not in sections:
         return
     for name, fused, rows in (("fused_gemv", True, gemv.max_rows()), ("fused_cublas", True, 0), ("pytorch", False, 0)):
-        with gemv_rows(rows):
+        with environment(gemv.MAX_ROWS_ENV, str(rows)):
             runner = ModelRunner(model, num_slots=64, max_len=320, fused_kernels=fused)
         emit(f"decode_step_ms_context_200_{name}", {B: step_ms(runner, B, 200) for B in (1, 8, 16, 32, 64)})
         emit(f"kernels_per_step_{name}", {B: kernels_per_step(runner, B, 200) for B in (1, 64)})
