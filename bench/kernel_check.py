@@ -33,7 +33,6 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.profiler import ProfilerActivity, profile
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -44,7 +43,7 @@ from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
 from qasr.engine.runner import advance_rows as runner_advance_rows
 
-from .offline import kernels_per_step
+from .offline import kernels_per_step, profiled
 
 SECTIONS = ("pdl", "chain", "fuse", "kernels", "gemv", "steps")
 PDL_BUCKETS = (1, 8, 32, 64, 256)
@@ -248,12 +247,7 @@ def launch_kinds(names: list[str], triton_names: set[str], replays: int = 1) -> 
 
 def kernel_kinds(replay, replays: int = 3) -> dict:
     """launch_kinds of `replays` calls of replay() (a graph's), from the profiler's GPU events in start order."""
-    replay()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            replay()
-        torch.cuda.synchronize()
+    prof = profiled(replay, replays)
     events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     return launch_kinds([e.name for e in events], triton_kernel_names(), replays)
 

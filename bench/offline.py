@@ -90,14 +90,20 @@ def kernels_per_step(runner, B: int, context: int, replays: int = 3) -> float:
     runner.budgets[:B] = 1 << 30
     runner.positions[:B] = context  # rows stay live (a step only moves them on by one)
     step = runner.graphs[B].replay if B in runner.graphs else lambda: runner._step(B)
+    prof = profiled(step, replays)
+    runner.positions.fill_(-1)
+    return count_kernels(prof.key_averages(), replays)
+
+
+def profiled(step, replays: int):
+    """The CUDA profiler over `replays` calls of step() (after one outside it: first-use costs) -> the profile."""
     step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(replays):
             step()
         torch.cuda.synchronize()
-    runner.positions.fill_(-1)
-    return count_kernels(prof.key_averages(), replays)
+    return prof
 
 
 def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
