@@ -365,11 +365,16 @@ class Engine:
 
     def _record_done(self) -> "torch.cuda.Event | None":
         """An event on the admission stream after the work queued so far (None off CUDA, or without the stream)."""
+        return self._record_event(self.admission_stream)
+
+    def _record_event(self, stream) -> "torch.cuda.Event | None":
+        """An event on `stream` after the work queued there so far; None without an admission stream (nothing to
+        order against)."""
         if self.admission_stream is None:
             return None
-        done = torch.cuda.Event()
-        done.record(self.admission_stream)
-        return done
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
 
     def _decoding(self) -> bool:
         """Are rows decoding, besides those whose admission's device work is not done?"""
@@ -461,7 +466,8 @@ class Engine:
         self.recent_batch_sizes.append(len(running))
         self.counters["decode_rows"] += len(running)
         during = admitting and self.admit_during_step
-        before_step = self._record_decode_point() if during else None
+        # what the decode stream queued so far (rows started and stopped): the admission waits for that, not the step
+        before_step = self._record_event(self.stream) if during else None
         t0 = time.perf_counter()
         self.runner.launch_decode(max(running) + 1, read_tokens=bool(self._first_unread))
         t1 = time.perf_counter()
@@ -490,15 +496,6 @@ class Engine:
             self._admit_apart(seqs, prepared, after)
         self._scheduled = []
         self._last_admission = time.perf_counter()
-
-    def _record_decode_point(self) -> "torch.cuda.Event | None":
-        """An event on the decode stream after what it has queued so far (the rows started and stopped); None
-        without an admission stream (nothing to order)."""
-        if self.admission_stream is None:
-            return None
-        point = torch.cuda.Event()
-        point.record(torch.cuda.current_stream(self.runner.device))
-        return point
 
     def _take_first_tokens(self, fed) -> None:
         """The first tokens of the rows started since the last step (fed to this step): record each, finish those
