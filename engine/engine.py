@@ -114,8 +114,7 @@ class Engine:
         self._released: list[str] = []
         self.recent_batch_sizes: collections.deque[int] = collections.deque(maxlen=64)  # for metrics
         self.steps = 0
-        self._last_admission = -math.inf  # when the last admission ended
-        self._last_partials_admission = -math.inf  # ... the last one that took partials too (see _admission_due)
+        self._last_admission = -math.inf
         self._first_unread: list[Sequence] = []  # admitted, their first token on the device: read with the next step
         self._scheduled: list[Sequence] = []  # taken from the queue by an admission not done yet (fail_all's too)
         self._before_step: "torch.cuda.Event | None" = None  # see _launch_step
@@ -199,14 +198,14 @@ class Engine:
         self._apply_releases()
         self._drop_cancelled()
         self._start_admitted(wait=not self._decoding())
-        admitting = self._admission_due() if self.scheduler.can_admit() and not self._admitted else ()
+        admitting = self.scheduler.can_admit() and self._admission_due() and not self._admitted
         if admitting and not (self.overlap_admissions and self.scheduler.running):
             start = time.perf_counter()
-            self._admit(admitting)
+            self._admit()
             self._start_admitted(wait=True)  # nothing else decodes: its rows decode in this step
-            self._admission_ended(admitting)  # the interval counts from the end: decoding gets it whole
+            self._last_admission = time.perf_counter()  # the interval counts from the end: decoding gets it whole
             self.seconds["admit"] += self._last_admission - start
-            admitting = ()
+            admitting = False
         if self.scheduler.running:
             try:
                 self._decode(admitting)
@@ -228,25 +227,10 @@ class Engine:
             self.aligner.poll()  # on the CPU the forward ran in launch(): its finals go out in this step
         self.seconds["align"] += time.perf_counter() - start
 
-    def _admission_due(self) -> tuple[Priority, ...]:
-        """The priorities an admission now takes (none: not due). Everything at once when nothing decodes; otherwise
-        arrivals are batched into one admission per interval of decoding, and finals waiting meanwhile get an
-        admission of their own after the (shorter) final admission interval: a final's queue delay is latency a
-        caller waits for, a partial's only delays a hypothesis, and an admission of a few finals is quicker than one
-        of every waiting partial (at 1,000 streams a final waited ~30-50 ms in the queue and ~25-35 in the
-        admission's front end)."""
-        now = time.perf_counter()
-        if not self.scheduler.running or now - self._last_partials_admission >= self.options.admission_interval_ms / 1e3:
-            return tuple(Priority)
-        if (now - self._last_admission >= self.options.final_admission_interval_ms / 1e3
-                and self.scheduler.has_waiting(Priority.FINAL)):
-            return (Priority.FINAL,)
-        return ()
-
-    def _admission_ended(self, priorities: tuple[Priority, ...]) -> None:
-        self._last_admission = time.perf_counter()
-        if Priority.PARTIAL in priorities:
-            self._last_partials_admission = self._last_admission
+    def _admission_due(self) -> bool:
+        """Admit at once when nothing decodes; otherwise batch arrivals into one admission per interval of decoding."""
+        interval = self.options.admission_interval_ms / 1e3
+        return not self.scheduler.running or time.perf_counter() - self._last_admission >= interval
 
     def _alignment_due(self) -> bool:
         """As admissions: at once when nothing decodes; otherwise the finals that stopped during one interval of
@@ -290,20 +274,19 @@ class Engine:
 
     # -- admit: schedule, encode, prefill, postprocess the first tokens ---------------------------------------------
 
-    def _admit(self, priorities: tuple[Priority, ...]) -> None:
-        seqs = self._schedule(priorities)
+    def _admit(self) -> None:
+        seqs = self._schedule()
         if seqs:
             self._admit_apart(seqs)
 
-    def _schedule(self, priorities: tuple[Priority, ...]) -> list[Sequence]:
-        return self.scheduler.schedule(self.options.max_prefill_tokens, lambda s: prompting.prefill_cost(s.request),
-                                       priorities)
+    def _schedule(self) -> list[Sequence]:
+        return self.scheduler.schedule(self.options.max_prefill_tokens, lambda s: prompting.prefill_cost(s.request))
 
-    def _prepare_admission(self, priorities: tuple[Priority, ...]) -> tuple[list[Sequence], _Prepared | None]:
+    def _prepare_admission(self) -> tuple[list[Sequence], _Prepared | None]:
         """The host half of an admission (while a decode step runs) -> the sequences scheduled and their
         preparation (None if it raised: the admission then does it again, and a request that cannot be prepared
         fails alone there)."""
-        seqs = self._schedule(priorities)
+        seqs = self._schedule()
         self._scheduled = seqs  # neither waiting nor running until admitted: if a step fails, fail_all finishes them
         if not seqs:
             return seqs, None
@@ -500,19 +483,18 @@ class Engine:
 
     # -- decode and postprocess ------------------------------------------------------------------------------------
 
-    def _decode(self, admitting: tuple[Priority, ...] = ()) -> None:
-        """One decode step; admitting: the priorities of an admission that is due (none: no admission), its host
-        work done while the step runs (see step). On
+    def _decode(self, admitting: bool = False) -> None:
+        """One decode step; admitting: an admission is due, its host work done while the step runs (see step). On
         CUDA, a step that finishes before the admission's host work does is read and the next one launched between
         that work's pieces (`_decode_meanwhile`): the GPU does not idle until the admission is done."""
-        during = bool(admitting) and self.admit_during_step
+        during = admitting and self.admit_during_step
         self._launch_step(before_event=during)
         t1 = time.perf_counter()
         self._meanwhile, meanwhile_before = during, self._meanwhile_seconds
         try:
-            seqs, prepared = self._prepare_admission(admitting) if admitting else ([], None)
+            seqs, prepared = self._prepare_admission() if admitting else ([], None)
             if during:
-                self._admit_scheduled(seqs, prepared, admitting)
+                self._admit_scheduled(seqs, prepared)
         finally:
             self._meanwhile = False
         self.seconds["admit"] += time.perf_counter() - t1 - (self._meanwhile_seconds - meanwhile_before)
@@ -520,7 +502,7 @@ class Engine:
             self._finish_step()
         if admitting and not during:
             t4 = time.perf_counter()
-            self._admit_scheduled(seqs, prepared, admitting)
+            self._admit_scheduled(seqs, prepared)
             self.seconds["admit"] += self._last_admission - t4
 
     def _launch_step(self, before_event: bool) -> None:
@@ -564,13 +546,12 @@ class Engine:
         self.counters["steps_during_admission"] += 1
         self._meanwhile_seconds += time.perf_counter() - start
 
-    def _admit_scheduled(self, seqs: list[Sequence], prepared: _Prepared | None,
-                         priorities: tuple[Priority, ...]) -> None:
-        """Admit what `_prepare_admission` scheduled (from the queues of `priorities`)."""
+    def _admit_scheduled(self, seqs: list[Sequence], prepared: _Prepared | None) -> None:
+        """Admit what `_prepare_admission` scheduled."""
         if seqs:
             self._admit_apart(seqs, prepared)
         self._scheduled = []
-        self._admission_ended(priorities)
+        self._last_admission = time.perf_counter()
 
     def _take_first_tokens(self, fed) -> None:
         """The first tokens of the rows started since the last step (fed to this step): record each, finish those

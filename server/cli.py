@@ -98,9 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--admission-interval-ms", type=float, default=engine.admission_interval_ms,
                         help="while sequences decode, decode this long between two admissions of new requests "
                              "(batches arrivals into one encode + prefill; 0: admit between every decode step)")
-    parser.add_argument("--final-admission-interval-ms", type=float, default=engine.final_admission_interval_ms,
-                        help="finals that wait while sequences decode are admitted on their own this long after "
-                             "the last admission, without waiting for the admission interval")
     parser.add_argument("--rollback-tokens", type=int, default=engine.rollback_tokens,
                         help="a partial continues its segment's previous partial minus this many last tokens, "
                              "which it decodes again (0: every partial decodes from the audio alone)")
@@ -202,8 +199,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(num_slots=slots, max_len=args.max_len, num_retained=retained,
                          base_tokens=args.base_tokens,
                          tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
-                         admission_interval_ms=args.admission_interval_ms,
-                         final_admission_interval_ms=args.final_admission_interval_ms, rollback_tokens=args.rollback_tokens,
+                         admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
                          max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner)
 
 

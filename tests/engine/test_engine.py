@@ -80,8 +80,7 @@ def test_stats_say_where_the_engine_threads_time_went(tiny_model_dir, alone):
 
 def test_arrivals_while_decoding_wait_for_the_admission_interval(tiny_model_dir, alone):
     clips, budgets, out = alone
-    engine = make_engine(tiny_model_dir, admission_interval_ms=1e6,  # never again while something decodes
-                         final_admission_interval_ms=1e6)
+    engine = make_engine(tiny_model_dir, admission_interval_ms=1e6)  # never again while something decodes
     results = {}
     engine.add(DecodeRequest(audio=clips[3], max_new_tokens=budgets[3]), lambda r: results.__setitem__(3, r))
     engine.step()  # nothing was decoding: admitted at once
@@ -95,27 +94,9 @@ def test_arrivals_while_decoding_wait_for_the_admission_interval(tiny_model_dir,
     assert_idle(engine)
 
 
-def test_finals_arriving_while_decoding_are_admitted_on_their_own_before_the_admission_interval(tiny_model_dir, alone):
-    clips, budgets, out = alone
-    engine = make_engine(tiny_model_dir, admission_interval_ms=1e6, final_admission_interval_ms=0)
-    results = {}
-    engine.add(DecodeRequest(audio=clips[3], max_new_tokens=budgets[3]), lambda r: results.__setitem__(3, r))
-    engine.step()  # nothing was decoding: admitted at once
-    partial = engine.add(DecodeRequest(audio=clips[4], priority=Priority.PARTIAL, stream_id="s", max_new_tokens=4),
-                         lambda r: results.__setitem__("partial", r))
-    final = engine.add(DecodeRequest(audio=clips[0], max_new_tokens=budgets[0]), lambda r: results.__setitem__(0, r))
-    engine.step()
-    assert final.slot >= 0 and partial.slot < 0 and len(engine.scheduler) == 1  # the partial waits for the interval
-    engine.run_until_done()  # the partial once nothing else decodes
-    assert {i: results[i].token_ids for i in (0, 3)} == {i: out[i].token_ids for i in (0, 3)}
-    assert len(results["partial"].token_ids) == 4
-    assert_idle(engine)
-
-
 def test_decoding_gets_the_whole_interval_between_admissions_that_take_longer_than_it(tiny_model_dir, alone):
     clips = alone[0]
-    engine = make_engine(tiny_model_dir, num_slots=8, admission_interval_ms=30, final_admission_interval_ms=30,
-                         ignore_eos=True)  # both intervals count from the end of the admission before
+    engine = make_engine(tiny_model_dir, num_slots=8, admission_interval_ms=30, ignore_eos=True)
     admissions = []  # (start, end, sequences running at the start)
     admit = engine._admit_apart  # an admission's device work, overlapped with a decode step or not
 
