@@ -57,8 +57,6 @@ def read(path):
     raw = open(path).read()
     text = merged(raw)
     out = {k: float(v) for k, v in re.findall(r'^qasr_engine_seconds\{kind="(\w+)"\} (\S+)$', text, re.M)}
-    m = re.search(r'^qasr_engine_counters\{kind="steps_during_admission"\} (\S+)$', text, re.M)
-    out["steps_during_admission"] = float(m.group(1)) if m else 0.0
     for name in ("qasr_engine_steps", "qasr_engine_thread_cpu_seconds", "process_cpu_seconds_total",
                  "qasr_engine_process_cpu_seconds", "qasr_worker_cpu_seconds",
                  "qasr_event_loop_lag_seconds_sum", "qasr_event_loop_lag_seconds_count"):
@@ -85,7 +83,7 @@ wall = sum(d[k] for k in kinds) or 1.0
 engines = int(b["engines"])  # DEVICES: the engine rows are summed over the engines: per second, per engine
 run_s = wall / engines
 print(f"engine thread over {wall:.1f} s:", ", ".join(f"{k} {d[k] / wall:.0%}" for k in kinds),
-      f"| steps/s {d['qasr_engine_steps'] / wall:.0f} ({d['steps_during_admission'] / max(d['qasr_engine_steps'], 1):.0%} read during admissions) | CPU/s: engine thread {d['qasr_engine_thread_cpu_seconds'] / wall:.2f},"
+      f"| steps/s {d['qasr_engine_steps'] / wall:.0f} | CPU/s: engine thread {d['qasr_engine_thread_cpu_seconds'] / wall:.2f},"
       f" engine process {d['qasr_engine_process_cpu_seconds'] / wall:.2f}, server process {d['process_cpu_seconds_total'] / run_s:.2f}"
       + (f" | {engines} engines, per engine" if engines > 1 else ""))
 for prio in ("final", "partial"):

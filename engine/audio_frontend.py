@@ -76,11 +76,9 @@ class AudioFrontEnd:
             work[0].staged = self.runner.stage_samples(clips, [clip.first_frame for clip in work])
         return work
 
-    def run(self, work: list[_Clip], meanwhile=lambda: None) -> list[AudioEmbedding]:
-        """The device's part: prepare's clips -> their audio embeddings (states updated). meanwhile() is called
-        between its pieces of host work (the engine reads and launches decode steps there)."""
+    def run(self, work: list[_Clip]) -> list[AudioEmbedding]:
+        """The device's part: prepare's clips -> their audio embeddings (states updated)."""
         self._log_spectrogram(work, work[0].staged if work else None)
-        meanwhile()
         redo = [clip for clip in work if self._floor_moved_into_kept_chunks(clip)]
         self.counters["floor_moves"] += len(redo)
         if redo:  # the clip's maximum rose and dropped kept chunks, whose frames are needed again
@@ -89,9 +87,7 @@ class AudioFrontEnd:
             self._log_spectrogram(redo)
         features = self._floored(work)
         tokens = self._conv_tokens(work, features)
-        meanwhile()
         windows = self._encode(work, tokens)
-        meanwhile()
         out = []
         for clip, clip_tokens, clip_windows in zip(work, tokens, windows):
             kept = clip.state.windows[:] if clip.state else []

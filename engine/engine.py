@@ -69,12 +69,6 @@ class _Admitted:
         return self.done is None or self.done.query()
 
 
-class _StepFailed(BaseException):
-    """A decode step read between an admission's pieces of host work failed (its cause): the engine's failure, not the
-    admission's, so it must pass the admission's `except Exception` (which would fail only the admitted requests and
-    go on). Engine.step raises the cause."""
-
-
 class Engine:
     """Synchronous core. `add()` and `release_stream()` are thread-safe; `step()` must be called from one thread."""
 
@@ -117,21 +111,17 @@ class Engine:
         self._last_admission = -math.inf
         self._first_unread: list[Sequence] = []  # admitted, their first token on the device: read with the next step
         self._scheduled: list[Sequence] = []  # taken from the queue by an admission not done yet (fail_all's too)
-        self._before_step: "torch.cuda.Event | None" = None  # see _launch_step
-        self._meanwhile = False  # is an admission's host work running beside a step (see _decode_meanwhile)?
         # cumulative work, to measure what partials reuse: prompt positions prefilled vs copied from a retained
         # prefix, encoder windows computed vs kept from a stream's earlier partial
         # decode_rows / steps is the mean decode batch
         self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0,
-                         "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0,
-                         "steps_during_admission": 0}
+                         "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0}
         self.frontend = AudioFrontEnd(self.runner, self.counters)  # mel + encoder, a partial's only for what is new
         # where the engine thread's time goes (wall seconds): admissions (encode + prefill), decode steps (launch and
         # wait for the GPU), the host's per-row work after each step, and (AsyncEngine) waiting for work. Their
         # rates under load say whether the GPU, the engine's Python or something outside it (the event loop) bounds
         # a server.
         self.seconds = {"admit": 0.0, "decode_gpu": 0.0, "decode_host": 0.0, "align": 0.0, "idle": 0.0}
-        self._meanwhile_seconds = 0.0  # the part of decode_gpu and decode_host spent in steps read during admissions
         self.thread_cpu_seconds = 0.0  # CPU the engine thread used (AsyncEngine): near its busy wall time means the
         # thread runs Python, not waits on the GPU
 
@@ -207,10 +197,7 @@ class Engine:
             self.seconds["admit"] += self._last_admission - start
             admitting = False
         if self.scheduler.running:
-            try:
-                self._decode(admitting)
-            except _StepFailed as failed:
-                raise failed.__cause__ from None
+            self._decode(admitting)
         if self.aligner is not None:
             self._align()
 
@@ -287,7 +274,6 @@ class Engine:
         preparation (None if it raised: the admission then does it again, and a request that cannot be prepared
         fails alone there)."""
         seqs = self._schedule()
-        self._scheduled = seqs  # neither waiting nor running until admitted: if a step fails, fail_all finishes them
         if not seqs:
             return seqs, None
         try:
@@ -312,17 +298,16 @@ class Engine:
                 seq.finish(e)
                 continue
             fitting.append(seq)
-        self._decode_meanwhile()
         clips = (self.frontend.prepare([seq.request.audio for seq in fitting],
                                        [self._stream_state(seq) for seq in fitting]) if fitting else None)
         return _Prepared(fitting, clips, busy, started)
 
-    def _admit_apart(self, seqs: list[Sequence], prepared: _Prepared | None = None) -> None:
+    def _admit_apart(self, seqs: list[Sequence], prepared: _Prepared | None = None, after=None) -> None:
         """Admit `seqs` together; if that raises, each on its own, so that a request the encoder or the prefill cannot
         take (bad shapes, a fault of its own) fails alone and its batch mates run as if it had not been there.
-        prepared: their host work, done already (while a decode step ran)."""
+        prepared: their host work, done already (while a decode step ran). after: see _admit_scheduled."""
         try:
-            self._admit_together(seqs, prepared)
+            self._admit_together(seqs, prepared, after)
         except Exception as error:
             left = self._undo_admission(seqs)
             if len(seqs) > 1:
@@ -350,18 +335,18 @@ class Engine:
         self.runner.stop_rows(placed)
         return left
 
-    def _admit_together(self, seqs: list[Sequence], prepared: _Prepared | None = None) -> None:
+    def _admit_together(self, seqs: list[Sequence], prepared: _Prepared | None = None, after=None) -> None:
         """The admission's device work (and its host work first, unless `prepared`): encode, prefill, and the rows
-        started with their first tokens left on the device (read with the next decode step's output)."""
+        started with their first tokens left on the device (read with the next decode step's output).
+        after: see _admit_scheduled."""
         if prepared is None:
             prepared = self._prepare(seqs)
         t0 = prepared.started
-        seqs, embeds, starts = self._encode(prepared)
+        seqs, embeds, starts = self._encode(prepared, after)
         if not seqs:
             return
         t1 = time.perf_counter()
-        slots = [self.scheduler.place(seq) for seq in seqs]  # no step is read from here on until the rows are placed
-        self._follow_decode_stream()  # again: slots freed by steps read meanwhile were idled on the decode stream
+        slots = [self.scheduler.place(seq) for seq in seqs]
         with torch.cuda.stream(self.admission_stream):  # a no-op context off CUDA
             for seq, slot, start in zip(seqs, slots, starts):
                 if start:  # copy the stream's retained prompt + audio KV instead of prefilling it again
@@ -413,7 +398,7 @@ class Engine:
                 seq.t_decode = now
             self._first_unread += live
 
-    def _encode(self, prepared: _Prepared) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
+    def _encode(self, prepared: _Prepared, after=None) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
         """Mel + encoder for the prepared sequences (a stream's partial only what is new; see audio_frontend.py)
         -> prompt embeddings.
 
@@ -423,26 +408,18 @@ class Engine:
         fitting = prepared.seqs
         if not fitting:
             return [], [], []
-        self._follow_decode_stream()
-        with torch.cuda.stream(self.admission_stream):  # a no-op context off CUDA
-            embedded = self.frontend.run(prepared.clips, meanwhile=self._decode_meanwhile)
+        stream = self.admission_stream
+        if stream is not None:  # after what the decode stream queued (start_rows of the admission before, whose
+            # first tokens' memory this one may reuse), or up to `after` (a step launched since: not waited for)
+            if after is None:
+                stream.wait_stream(torch.cuda.current_stream(self.runner.device))
+            else:
+                stream.wait_event(after)
+        with torch.cuda.stream(stream):  # a no-op context off CUDA
+            embedded = self.frontend.run(prepared.clips)
             embeds = self.runner.embed_prompts([seq.prompt for seq in fitting], [e.audio for e in embedded])
-        self._decode_meanwhile()
         starts = [self._reusable_positions(seq, e.kept_windows) for seq, e in zip(fitting, embedded)]
         return fitting, embeds, starts
-
-    def _follow_decode_stream(self) -> None:
-        """Order the admission stream after what the decode stream queued: all of it between steps, or, with a step
-        in flight, what was queued before that step (rows started and stopped: an admission's slots may have been
-        idled there, and the start_rows of the admission before holds first tokens whose memory this one may reuse),
-        not the step itself."""
-        stream = self.admission_stream
-        if stream is None:
-            return
-        if self._before_step is None:
-            stream.wait_stream(self.stream)
-        else:
-            stream.wait_event(self._before_step)
 
     # -- what a stream keeps between its partials ------------------------------------------------------------------
 
@@ -484,72 +461,39 @@ class Engine:
     # -- decode and postprocess ------------------------------------------------------------------------------------
 
     def _decode(self, admitting: bool = False) -> None:
-        """One decode step; admitting: an admission is due, its host work done while the step runs (see step). On
-        CUDA, a step that finishes before the admission's host work does is read and the next one launched between
-        that work's pieces (`_decode_meanwhile`): the GPU does not idle until the admission is done."""
-        during = admitting and self.admit_during_step
-        self._launch_step(before_event=during)
-        t1 = time.perf_counter()
-        self._meanwhile, meanwhile_before = during, self._meanwhile_seconds
-        try:
-            seqs, prepared = self._prepare_admission() if admitting else ([], None)
-            if during:
-                self._admit_scheduled(seqs, prepared)
-        finally:
-            self._meanwhile = False
-        self.seconds["admit"] += time.perf_counter() - t1 - (self._meanwhile_seconds - meanwhile_before)
-        if self.runner.step_launched:  # not if the rows all finished in a step read meanwhile
-            self._finish_step()
-        if admitting and not during:
-            t4 = time.perf_counter()
-            self._admit_scheduled(seqs, prepared)
-            self.seconds["admit"] += self._last_admission - t4
-
-    def _launch_step(self, before_event: bool) -> None:
-        """Launch a decode step over the running rows. before_event: record what the decode stream queued before it
-        (rows started and stopped), which an admission's device work waits for instead of the step."""
+        """One decode step; admitting: an admission is due, its host work done while the step runs (see step)."""
         running = self.scheduler.running
         self.recent_batch_sizes.append(len(running))
         self.counters["decode_rows"] += len(running)
-        self._before_step = self._record_event(self.stream) if before_event else None
+        during = admitting and self.admit_during_step
+        # what the decode stream queued so far (rows started and stopped): the admission waits for that, not the step
+        before_step = self._record_event(self.stream) if during else None
         t0 = time.perf_counter()
         self.runner.launch_decode(max(running) + 1, read_tokens=bool(self._first_unread))
-        self.seconds["decode_gpu"] += time.perf_counter() - t0
-
-    def _finish_step(self) -> None:
-        """Read the step launched (waiting for it if need be) and finish the rows it stopped."""
-        t0 = time.perf_counter()
-        out, fed = self.runner.read_decode()
         t1 = time.perf_counter()
-        self.seconds["decode_gpu"] += t1 - t0
-        self._before_step = None  # nothing in flight: an admission now waits for all the decode stream queued
+        seqs, prepared = self._prepare_admission() if admitting else ([], None)
+        self._scheduled = seqs  # neither waiting nor running until admitted: if the step fails, fail_all finishes them
+        if during:
+            self._admit_scheduled(seqs, prepared, after=before_step)
+        t2 = time.perf_counter()
+        out, fed = self.runner.read_decode()
+        t3 = time.perf_counter()
+        self.seconds["decode_gpu"] += (t1 - t0) + (t3 - t2)
+        self.seconds["admit"] += t2 - t1
         self.steps += 1
         self._take_first_tokens(fed)
         self._postprocess(out.numpy())
-        self.seconds["decode_host"] += time.perf_counter() - t1
+        t4 = time.perf_counter()
+        self.seconds["decode_host"] += t4 - t3
+        if admitting and not during:
+            self._admit_scheduled(seqs, prepared)
+            self.seconds["admit"] += self._last_admission - t4
 
-    def _decode_meanwhile(self) -> None:
-        """Between pieces of an admission's host work (while a step runs, before the admission places its rows): if
-        the step is done, read it and launch the next, so that decoding goes on at the GPU's pace however long the
-        admission's host work takes (at 1,000 streams ~14 ms, where a step takes ~2-3). A failure here is the
-        decode step's, not the admission's: it escapes the admission's error handling (see _StepFailed)."""
-        if not self._meanwhile or not self.runner.step_done():
-            return
-        start = time.perf_counter()
-        try:
-            with torch.cuda.stream(self.stream):  # the admission may be inside its own stream's context
-                self._finish_step()
-                if self._decoding():
-                    self._launch_step(before_event=True)
-        except Exception as error:
-            raise _StepFailed() from error
-        self.counters["steps_during_admission"] += 1
-        self._meanwhile_seconds += time.perf_counter() - start
-
-    def _admit_scheduled(self, seqs: list[Sequence], prepared: _Prepared | None) -> None:
-        """Admit what `_prepare_admission` scheduled."""
+    def _admit_scheduled(self, seqs: list[Sequence], prepared: _Prepared | None, after=None) -> None:
+        """Admit what `_prepare_admission` scheduled. after: a decode-stream event the admission's device work
+        waits for (None: all the decode stream queued so far)."""
         if seqs:
-            self._admit_apart(seqs, prepared)
+            self._admit_apart(seqs, prepared, after)
         self._scheduled = []
         self._last_admission = time.perf_counter()
 

@@ -150,9 +150,6 @@ class ModelRunner:
         self.tokens_host = torch.zeros(S, dtype=torch.long, pin_memory=self.device.type == "cuda")  # the tokens fed
         # to a step, read with its output when asked (the first tokens of rows admitted since the last read)
         self._launched: tuple[int, bool] | None = None  # (rows, tokens asked) of the decode step launched, not read
-        # recorded after the launched step's output copy: read_decode waits for it, step_done asks it (an event, not
-        # the current stream: the engine may look at the step from inside an admission's stream context)
-        self._step_done = torch.cuda.Event() if self.device.type == "cuda" else None
         self.host_reads = 0  # times the host waited for the device to hand it a result (decode steps, the mel's
         # extremes, first tokens read apart): what overlapping host and device work is about, counted
         self.buckets = tuple(b for b in buckets if b < S) + (S,)
@@ -219,17 +216,7 @@ class ModelRunner:
         else:
             self._step(B)
         self.out_host[:, :B].copy_(self.out[:, :B], non_blocking=True)
-        if self._step_done is not None:
-            self._step_done.record()
         self._launched = (rows, read_tokens)
-
-    @property
-    def step_launched(self) -> bool:
-        return self._launched is not None
-
-    def step_done(self) -> bool:
-        """Has the step launched finished (read_decode would not wait)? Off CUDA it ran in launch_decode."""
-        return self._launched is not None and (self._step_done is None or self._step_done.query())
 
     def read_decode(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Wait for the step launched -> host [2, rows] (token|-1, finished) and, if asked at the launch, the tokens
@@ -237,8 +224,8 @@ class ModelRunner:
         if self._launched is None:
             raise RuntimeError("no decode step launched")
         (rows, read_tokens), self._launched = self._launched, None
-        if self._step_done is not None:
-            self._step_done.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
         self.host_reads += 1
         return self.out_host[:, :rows], self.tokens_host[:rows] if read_tokens else None
 

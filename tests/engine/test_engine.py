@@ -100,10 +100,10 @@ def test_decoding_gets_the_whole_interval_between_admissions_that_take_longer_th
     admissions = []  # (start, end, sequences running at the start)
     admit = engine._admit_apart  # an admission's device work, overlapped with a decode step or not
 
-    def slow_admission(seqs, prepared=None):  # as under load on a GPU: longer than the interval
+    def slow_admission(seqs, prepared=None, after=None):  # as under load on a GPU: longer than the interval
         start = time.perf_counter()
         time.sleep(0.06)
-        admit(seqs, prepared)
+        admit(seqs, prepared, after)
         admissions.append((start, time.perf_counter(), len(engine.scheduler.running)))
 
     engine._admit_apart = slow_admission
