@@ -16,7 +16,8 @@
 # WORKERS=N (front-end worker processes: qasr-server --workers N; /metrics then sums the workers, and the server CPU
 # below is all workers' together), DEVICES=0,1 (qasr-server --devices: an engine per GPU; default every visible GPU;
 # the engine rows below are then summed over the engines), ADMISSION_MS=N (qasr-server --admission-target-ms: 0 turns
-# admission control off to see raw capacity; each run prints the streams it refused and the partials it thinned).
+# admission control off to see raw capacity; each run prints the streams it refused and the partials it thinned),
+# INTERVAL_MS=N (qasr-server --admission-interval-ms: decoding between two admissions).
 # After each run it prints where the engine's time went and how late the event loop ran (from /metrics).
 set -uo pipefail
 out=${1:?OUTDIR}; mkdir -p "$out"; counts=${2:-"100 400 1000"}
@@ -30,7 +31,7 @@ if [ -n "${ALIGNER:-}" ]; then
   aligner=(--aligner /tmp/a06) words=(--words-fraction "${WORDS_FRACTION:-1}" --language English)  # a forced language: random weights detect none the aligner takes
 fi
 python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --workers "${WORKERS:-1}" --device cuda ${DEVICES:+--devices "$DEVICES"} \
-  ${ADMISSION_MS:+--admission-target-ms "$ADMISSION_MS"} --port 8765 --slots 256 --retained-slots 1024 \
+  ${ADMISSION_MS:+--admission-target-ms "$ADMISSION_MS"} ${INTERVAL_MS:+--admission-interval-ms "$INTERVAL_MS"} --port 8765 --slots 256 --retained-slots 1024 \
   --max-len 640 --max-sessions 2048 --max-pending-per-address 4096 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
   > "$out/server.log" 2>&1 &
 server=$!
