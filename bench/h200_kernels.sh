@@ -4,9 +4,7 @@
 #     QASR_PDL=0 and =1 on one runner (graph replay ms at B=1,8,32,64,256, the two steps' logits bit for bit, kernels
 #     per step by kind: Triton launches PDL can chain vs cuBLAS/PyTorch), then the step's ends as kernels (chain:
 #     session 6's step, with PyTorch ops at its start and the argmax, against the chained step on one runner: graph
-#     replay ms per bucket, logits and outputs bit for bit, launches per step), then q/k-norm+RoPE+KV write and
-#     attention as one launch (fuse, QASR_FUSE_ATTENTION off vs on, on one runner: graph replay ms at B=1,8,32,
-#     logits/outputs/KV cache bit for bit after 4 steps, launches per step), then every kernel against its
+#     replay ms per bucket, logits and outputs bit for bit, launches per step), then every kernel against its
 #     PyTorch reference and the GEMV kernels against cuBLAS with PDL on, then the step on three paths;
 #  2. `qasr-bench offline` (0.6B, no official baseline) with QASR_PDL=0, then =1: latency, throughput, energy, the
 #     step table and the row correctness checks, before and after (OFFLINE=pdl: only the run with PDL on; none: neither).
@@ -98,9 +96,6 @@ def compared(section: dict, title: str) -> None:
 
 if res.get("decode_step_chain"):
     compared(res["decode_step_chain"], "session 6 vs chained (start and argmax as kernels)")
-if res.get("decode_step_fuse"):
-    compared(res["decode_step_fuse"], "q/k-norm+RoPE+KV write and attention as two launches a layer vs one "
-                                      "(QASR_FUSE_ATTENTION)")
 for key in ["kernels_bf16_vs_pytorch", "gemv_bf16_vs_cublas"] + [k for k in res if k.startswith(("decode_step_ms",
                                                                                                   "kernels_per_step"))]:
     print(key, json.dumps(res.get(key), indent=1))

@@ -13,11 +13,7 @@ the argmax after the lm_head) and chained (kernels.decode_begin, the argmax in t
 on one runner: graph replay ms per bucket, logits and the step's outputs bit for bit, launches per step by kind (the
 profiler's) and in order as the host launched them (`recorded_launches`, which also runs on the CPU).
 
-Then q/k-norm+RoPE+KV write and attention in one launch (section "fuse", $QASR_FUSE_ATTENTION): the chained step with
-the two kernels a layer and with kernels.decode_qkv_attention, on one runner: graph replay ms at 1, 8 and 32 rows,
-logits (bit for bit, max |diff|), outputs and the KV cache cells the step wrote, launches per step.
-
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,chain,fuse,kernels,gemv,steps]` on a CUDA machine; prints
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,chain,kernels,gemv,steps]` on a CUDA machine; prints
 one JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
 """
 
@@ -45,9 +41,8 @@ from qasr.engine.runner import advance_rows as runner_advance_rows
 
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "chain", "fuse", "kernels", "gemv", "steps")
+SECTIONS = ("pdl", "chain", "kernels", "gemv", "steps")
 PDL_BUCKETS = (1, 8, 32, 64, 256)
-FUSE_BUCKETS = (1, 8, 32)  # where the products are GEMVs and the step one chain of Triton kernels
 
 
 def compare(got: torch.Tensor, expected: torch.Tensor) -> dict:
@@ -446,16 +441,6 @@ def chain_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     return compare_steps(model, device, variants, buckets, context, seed=6, finish_row0=True, kinds_at=(1, 64))
 
 
-def fuse_steps(model, device, buckets=FUSE_BUCKETS, context: int = 200, steps: int = 4) -> dict:
-    """The chained decode step with q/k-norm+RoPE+KV write and attention as two launches a layer and as one
-    (FusedLayerOps(fuse_attention=...), $QASR_FUSE_ATTENTION)."""
-    def variants(runner):
-        table = model.decoder.rope_table(runner.cache.length)
-        return {"two": FusedLayerOps(table, fuse_attention=False), "fused": FusedLayerOps(table, fuse_attention=True)}
-
-    return compare_steps(model, device, variants, buckets, context, steps=steps)
-
-
 def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     """The decode step with QASR_PDL=0 and =1 on one runner (one cache, one graph pool): ms per graph replay at each
     bucket, the logits of the two bit for bit (the same kernels and configs; a missing wait would show as a race),
@@ -549,10 +534,6 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         emit("decode_step_chain", chain_steps(model, device))
         emit("decode_step_chain_s", time.perf_counter() - t)
-    if "fuse" in sections:
-        t = time.perf_counter()
-        emit("decode_step_fuse", fuse_steps(model, device))
-        emit("decode_step_fuse_s", time.perf_counter() - t)
     if "kernels" in sections:
         emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
     if "gemv" in sections:

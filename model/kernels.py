@@ -13,10 +13,6 @@ residual copy, the first RMSNorm) is decode_begin's one launch, and advance_rows
 block maxima (gemv.linear_argmax) itself, so at small batch no PyTorch op sits between a step's first kernel and its
 last (session 6: seven at the start and the argmax, each a break in the PDL chain below).
 
-With $QASR_FUSE_ATTENTION=1 (off by default) the decode step's q/k-norm+RoPE+KV write and its attention are one
-launch, decode_qkv_attention: a layer is seven launches instead of eight. Its programs do both kernels' work with
-their arithmetic, a barrier between (the new key is written to the cache and read back from it, as today).
-
 Each kernel rounds to the activation dtype wherever the PyTorch reference does (modeling.py), so the two paths differ
 only in reduction order. Every row is computed by its own programs: a row's result never depends on its batch mates.
 The tests run them on the CPU through Triton's interpreter (TRITON_INTERPRET=1).
@@ -58,18 +54,6 @@ PDL_ENV = "QASR_PDL"  # "1" (default): programmatic dependent launch where the G
 # every product is a cuBLAS kernel, which breaks the chain (114 breaks a step at 64 rows), and on the H200 PDL gained
 # nothing at 64 rows and cost 4% at 256.
 PDL_MAX_ROWS = 32
-
-FUSE_ATTENTION_ENV = "QASR_FUSE_ATTENTION"  # "1": decode_qkv_attention in the decode step; "0" (default): two kernels
-
-
-def fuse_attention_requested() -> bool:
-    """Whether $QASR_FUSE_ATTENTION asks for the decode step's q/k-norm+RoPE+KV write and attention as one launch
-    (decode_qkv_attention; "1") or as two (qk_norm_rope_store, decode_attention; "0" or unset, the default until an
-    H200 run shows it pays)."""
-    value = os.environ.get(FUSE_ATTENTION_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSE_ATTENTION_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 def available(device: torch.device) -> bool:
@@ -175,44 +159,6 @@ if triton is not None:
         _norm_store(x.to(tl.float32), W, Y, row, cols, mask, D, eps)
 
     @triton.jit
-    def _norm_rope_head(QKV, base, split_stride, SPLITS: tl.constexpr, NW, COS, SIN, p, eps, HD: tl.constexpr, Q,
-                        WARP_SUM: tl.constexpr):
-        # one head of one token: its HD projections at QKV + base (or the sum of SPLITS partial sums), RMSNormed with
-        # NW and rotated by position p -> the two halves (Q's dtype), rounded wherever the PyTorch reference rounds,
-        # as _qk_norm_rope_store_kernel computes them
-        half = tl.arange(0, HD // 2)
-        every = half < HD // 2
-        x1 = _load_input(QKV, base + half, every, split_stride, SPLITS, Q)
-        x2 = _load_input(QKV, base + HD // 2 + half, every, split_stride, SPLITS, Q)
-        dt = Q.dtype.element_ty
-        if WARP_SUM:
-            # On the GPU (HD 128), the sum of squares in _qk_norm_rope_store_kernel's order: that kernel runs one
-            # warp, whose lane t holds elements t and t + HD/4 of each half, adds them as
-            # fma(x[t], x[t], x[t + HD/4]^2) and then sums the lanes (shuffles). A kernel of more warps spreads a
-            # half over more lanes and adds in another order, so here each half is loaded again as two quarters,
-            # one lane per element pair.
-            quarter = tl.arange(0, HD // 4)
-            some = quarter < HD // 4
-            a1 = _load_input(QKV, base + quarter, some, split_stride, SPLITS, Q)
-            b1 = _load_input(QKV, base + HD // 4 + quarter, some, split_stride, SPLITS, Q)
-            a2 = _load_input(QKV, base + HD // 2 + quarter, some, split_stride, SPLITS, Q)
-            b2 = _load_input(QKV, base + 3 * HD // 4 + quarter, some, split_stride, SPLITS, Q)
-            squares = tl.sum(tl.fma(a1, a1, b1 * b1), axis=0) + tl.sum(tl.fma(a2, a2, b2 * b2), axis=0)
-        else:  # the interpreter: that kernel's own expression (numpy's sums)
-            squares = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
-        rstd = 1.0 / tl.sqrt(squares / HD + eps)
-        w1 = tl.load(NW + half).to(tl.float32)
-        w2 = tl.load(NW + HD // 2 + half).to(tl.float32)
-        x1 = ((x1 * rstd).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
-        x2 = ((x2 * rstd).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-        # RoPE: cos/sin rows are [c, c] and [s, s] (the two halves repeat), rotate_half(x) = [-x2, x1]
-        c = tl.load(COS + p * HD + half).to(tl.float32)
-        s = tl.load(SIN + p * HD + half).to(tl.float32)
-        o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
-        o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
-        return o1, o2
-
-    @triton.jit
     def _qk_norm_rope_store_kernel(
         QKV, Q, K_CACHE, V_CACHE, QW, KW, COS, SIN, ROPE_POS, SLOT, WRITE_POS,
         stride_qkv, stride_cs, stride_ch, stride_cl, eps, split_stride,
@@ -270,14 +216,6 @@ if triton is not None:
         _await_inputs(PDL)
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
-        _attend(Q, K, V, OUT, POS, b, kvh, stride_cs, stride_ch, stride_cl, scale, H, G, G_BLOCK, HD, BLOCK_N)
-
-    @triton.jit
-    def _attend(Q, K, V, OUT, POS, b, kvh, stride_cs, stride_ch, stride_cl, scale,
-                H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr):
-        # decode attention of row b's G query heads sharing KV head kvh (one program of _decode_attention_kernel or
-        # of _decode_qkv_attention_kernel) over positions 0 .. POS[b] of slot b (POS[b] < 0: position 0 only). POS[b]
-        # is read here, after the queries, where the kernel always read it: the standalone kernel compiles as before
         g = tl.arange(0, G_BLOCK)
         d = tl.arange(0, HD)
         gmask = g < G
@@ -305,44 +243,6 @@ if triton is not None:
             m = m_new
         out = acc / l[:, None]
         tl.store(OUT + (b * H + heads[:, None]) * HD + d[None, :], out.to(OUT.dtype.element_ty), mask=gmask[:, None])
-
-    @triton.jit
-    def _decode_qkv_attention_kernel(
-        QKV, Q, K, V, OUT, QW, KW, COS, SIN, POS, stride_qkv, stride_cs, stride_ch, stride_cl, scratch, eps,
-        split_stride, scale,
-        H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WARP_SUM: tl.constexpr, PDL: tl.constexpr,
-    ):
-        # _qk_norm_rope_store_kernel and _decode_attention_kernel of a decode row in one launch ($QASR_FUSE_ATTENTION):
-        # program (row b = slot b, kv head) first does what the first kernel's programs (b, query heads of this KV
-        # head) and (b, H + kv head) do, with the same arithmetic: its G queries normed and rotated into Q, its key
-        # and value into the cache at its write position (the scratch one for position -1). Every thread of the
-        # program then waits at a barrier (their global writes visible to each other), and the program attends as
-        # the second kernel's program (b, kv head) does, reading Q and the cache, its new key and value included.
-        # No other program reads or writes this slot's KV head or these query heads.
-        _await_inputs(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(1)
-        pos = tl.load(POS + b)
-        half = tl.arange(0, HD // 2)
-        rope_p = tl.maximum(pos, 0)
-        for gi in tl.static_range(G):
-            j = kvh * G + gi
-            o1, o2 = _norm_rope_head(QKV, b * stride_qkv + j * HD, split_stride, SPLITS, QW, COS, SIN, rope_p, eps,
-                                     HD, Q, WARP_SUM)
-            to = Q + (b * H + j) * HD
-            tl.store(to + half, o1)
-            tl.store(to + HD // 2 + half, o2)
-        at = b * stride_cs + kvh * stride_ch + tl.where(pos >= 0, pos, scratch) * stride_cl
-        o1, o2 = _norm_rope_head(QKV, b * stride_qkv + (H + kvh) * HD, split_stride, SPLITS, KW, COS, SIN, rope_p,
-                                 eps, HD, Q, WARP_SUM)
-        tl.store(K + at + half, o1)
-        tl.store(K + at + HD // 2 + half, o2)
-        full = tl.arange(0, HD)
-        v_new = _load_input(QKV, b * stride_qkv + (H + KVH + kvh) * HD + full, full < HD, split_stride, SPLITS, Q)
-        tl.store(V + at + full, v_new.to(Q.dtype.element_ty))
-        tl.debug_barrier()
-        _attend(Q, K, V, OUT, POS, b, kvh, stride_cs, stride_ch, stride_cl, scale, H, G, G_BLOCK, HD, BLOCK_N)
 
     @triton.jit
     def _prefill_attention_kernel(
@@ -539,37 +439,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q, k_cache, v_cache, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
         H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, num_warps=4,
         **pdl_options(q.device, B))
-    return out
-
-
-def decode_qkv_attention(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-                         sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         scratch: int, num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
-    """qk_norm_rope_store then decode_attention for a decode step's rows, in one launch ($QASR_FUSE_ATTENTION=1).
-
-    qkv: [B, (H + 2 KVH) hd] projections (or their float32 split-K partial sums [S, B, ...]); positions: [B] long,
-    -1 for a padding or idle row; row b is slot b. Writes row b's key and value into k_cache/v_cache at
-    [b, :, positions[b]] (`scratch` for -1, rotated by position 0) as qk_norm_rope_store does, and returns the
-    attention output [B, H * hd] of decode_attention over positions 0 .. positions[b] (position 0 only for -1).
-    """
-    splits = _splits(qkv, k_cache.dtype)
-    B = qkv.shape[-2]
-    hd = k_cache.shape[-1]
-    positions = positions.contiguous()
-    assert positions.shape == (B,) and positions.dtype == torch.long and B <= k_cache.shape[0]
-    assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
-    assert not splits or qkv.is_contiguous()
-    assert qkv.shape[-1] == (num_heads + 2 * num_kv_heads) * hd and num_heads % num_kv_heads == 0
-    group = num_heads // num_kv_heads
-    q = torch.empty((B, num_heads, hd), dtype=k_cache.dtype, device=qkv.device)  # the queries, between the phases
-    out = torch.empty((B, num_heads * hd), dtype=k_cache.dtype, device=qkv.device)
-    sc, sh, sl, _ = k_cache.stride()
-    _decode_qkv_attention_kernel[(B, num_kv_heads)](
-        qkv, q, k_cache, v_cache, out, q_weight, k_weight, cos, sin, positions, qkv.stride(-2), sc, sh, sl, scratch,
-        eps, B * qkv.shape[-1], 1.0 / math.sqrt(hd), H=num_heads, KVH=num_kv_heads, G=group,
-        G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, SPLITS=splits,
-        WARP_SUM=qkv.device.type == "cuda" and hd == 128, num_warps=4,  # 128: two elements a lane there
-        **pdl_options(qkv.device, B))
     return out
 
 

@@ -485,17 +485,13 @@ class FusedLayerOps:
     GEMV, the argmax is taken by it and the bookkeeping kernel after it (`greedy`). With the GEMV products a step is
     then one unbroken chain of Triton kernels (programmatic dependent launch overlaps each with the one before);
     chain=False keeps session 6's PyTorch ops there (seven at the start, the argmax), to measure against.
-
-    fuse_attention (default $QASR_FUSE_ATTENTION, off): the decode step's q/k-norm+RoPE+KV write and attention as one
-    launch (kernels.decode_qkv_attention), seven launches a layer; prefill keeps the two.
     """
 
     def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None,
-                 chain: bool = True, fuse_attention: bool | None = None):
+                 chain: bool = True):
         self.cos, self.sin = rope_table
         self.gemv_rows = gemv.max_rows() if gemv_rows is None else gemv_rows
         self.chain = chain
-        self.fuse_attention = kernels.fuse_attention_requested() if fuse_attention is None else fuse_attention
 
     def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.shape[0] <= self.gemv_rows and gemv.supports(x, weight)
@@ -535,8 +531,6 @@ class FusedLayerOps:
             return self.begin(x, norm), attention
         h, residual, rope_pos, slots, write_pos = kernels.decode_begin(
             tokens, positions, decoder.embed_tokens.weight, norm.weight, norm.eps, cache.scratch)
-        if self.fuse_attention:
-            return (h, residual), self._fused_decode_attention(positions, cache)
         attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
         return (h, residual), self._attention(rope_pos, slots, write_pos, attend, cache)
 
@@ -557,20 +551,8 @@ class FusedLayerOps:
 
     def decode_attention(self, decoder: TextDecoder, x, positions, pos, slots, write_pos, cache: KVCache):
         # the kernel reads each row's positions itself: no mask to build
-        if self.fuse_attention:
-            return x[:, 0], self._fused_decode_attention(positions, cache)
         attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
         return x[:, 0], self._attention(pos[:, 0], slots, write_pos[:, 0], attend, cache)
-
-    def _fused_decode_attention(self, positions, cache: KVCache):
-        # a decode step's attention (row b = slot b) in one launch a layer: kernels.decode_qkv_attention computes
-        # the positions' clamp and scratch redirect itself
-        def attention(i: int, attn: DecoderAttention, h: torch.Tensor) -> torch.Tensor:
-            return kernels.decode_qkv_attention(self.project(attn.qkv_proj, h), attn.q_norm.weight, attn.k_norm.weight,
-                                                self.cos, self.sin, positions, cache.k[i], cache.v[i], cache.scratch,
-                                                attn.num_heads, attn.num_kv_heads, attn.q_norm.eps)
-
-        return attention
 
     def _attention(self, rope_pos, slots, write_pos, attend, cache: KVCache):
         # rope_pos, slots, write_pos: [N]; attend(layer, q [N, H, hd]) -> [N, H * hd]

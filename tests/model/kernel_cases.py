@@ -206,65 +206,6 @@ def test_qk_norm_rope_store_sums_split_partial_products():
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
 
 
-# -- q/k-norm+RoPE+KV write and attention in one launch ($QASR_FUSE_ATTENTION, kernels.decode_qkv_attention) -------
-
-
-@pytest.mark.parametrize("split", [0, 3], ids=["plain", "split3"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 2)])
-@pytest.mark.parametrize("B", [1, 6])
-def test_decode_qkv_attention_is_the_two_kernels_bit_for_bit(B, heads, kv_heads, split):
-    hd, S, L, K = 16, 7, 80, 48
-    scratch = L - 1
-    positions = torch.tensor([70, 0, -1, 64, 63, -1])[:B]  # around the 64-key blocks; -1: idle or padding rows
-    x, w = torch.randn(B, K), torch.randn((heads + 2 * kv_heads) * hd, K)
-    qkv = gemv.partial_products(x, w, gemv.GemvConfig(32, 16, split=split)) if split else F.linear(x, w)
-    assert qkv.dim() == (3 if split else 2)
-    qw, kw = torch.randn(hd), torch.randn(hd)
-    cos, sin = rope_tables(L, hd)
-    k0, v0 = torch.randn(S, kv_heads, L, hd), torch.randn(S, kv_heads, L, hd)
-    # today's two launches (FusedLayerOps' decode step: row b = slot b)
-    k_ref, v_ref = k0.clone(), v0.clone()
-    write_pos = torch.where(positions >= 0, positions, scratch)
-    q = kernels.qk_norm_rope_store(qkv, qw, kw, cos, sin, positions.clamp(min=0), torch.arange(B), write_pos, k_ref,
-                                   v_ref, heads, kv_heads, 1e-6)
-    expected = kernels.decode_attention(q, k_ref, v_ref, positions)
-    k_got, v_got = k0.clone(), v0.clone()
-    got = kernels.decode_qkv_attention(qkv, qw, kw, cos, sin, positions, k_got, v_got, scratch, heads, kv_heads, 1e-6)
-    assert torch.equal(got, expected)
-    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)  # the same cells written, the same bits
-    changed = (k_got != k0).any(-1) | (v_got != v0).any(-1)  # [S, KVH, L]
-    assert changed[:B, :, write_pos].any() and not changed[B:].any()  # slots past the bucket untouched
-    # each live row attended over its new key: its output moves when that key does
-    live = int((positions >= 0).nonzero()[0])
-    k_moved = k0.clone()
-    k_moved[live, :, int(positions[live])] += 100.0  # overwritten by the kernel: no effect
-    again = kernels.decode_qkv_attention(qkv, qw, kw, cos, sin, positions, k_moved, v0.clone(), scratch, heads,
-                                         kv_heads, 1e-6)
-    assert torch.equal(again, got)
-    qkv_moved = qkv.clone()
-    qkv_moved[..., live, heads * hd : (heads + kv_heads) * hd] += 1.0  # its new keys
-    moved = kernels.decode_qkv_attention(qkv_moved, qw, kw, cos, sin, positions, k0.clone(), v0.clone(), scratch,
-                                         heads, kv_heads, 1e-6)
-    assert not torch.equal(moved[live], got[live])
-    others = [b for b in range(B) if b != live]
-    assert torch.equal(moved[others], got[others])  # rows are independent
-
-
-def test_decode_qkv_attention_rows_do_not_depend_on_their_batch():
-    heads, kv_heads, hd, S, L = 4, 2, 16, 6, 48
-    positions = torch.tensor([5, -1, 30, 12, 0, -1])
-    qkv = torch.randn(6, (heads + 2 * kv_heads) * hd)
-    qw, kw = torch.randn(hd), torch.randn(hd)
-    cos, sin = rope_tables(L, hd)
-    k0, v0 = torch.randn(S, kv_heads, L, hd), torch.randn(S, kv_heads, L, hd)
-    full = kernels.decode_qkv_attention(qkv, qw, kw, cos, sin, positions, k0.clone(), v0.clone(), L - 1, heads,
-                                        kv_heads, 1e-6)
-    for B in (1, 3):
-        part = kernels.decode_qkv_attention(qkv[:B], qw, kw, cos, sin, positions[:B], k0.clone(), v0.clone(), L - 1,
-                                            heads, kv_heads, 1e-6)
-        assert torch.equal(part, full[:B])
-
-
 @pytest.mark.parametrize("B", [1, 7, 40])
 def test_advance_rows_in_one_launch_equals_the_pytorch_bookkeeping(B):
     S = 48
@@ -582,89 +523,10 @@ def test_the_chained_step_launches_no_pytorch_op_where_its_products_are_gemv(ste
     assert before["chain_breaks"] == 2 and "aten.argmax" in before["torch_ops"], before
 
 
-def run_steps(runner, B: int, ops, steps: int) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """`steps` decode steps of rows [0, B) in a row (kernel_check.greedy_step), from the runner's state and cache,
-    restored after -> each step's (logits, state and cache after it)."""
-    from qasr.bench.kernel_check import greedy_step
-
-    kept = (runner.tokens, runner.positions, runner.counts, runner.budgets, runner.out, *runner.cache.k,
-            *runner.cache.v)
-    saved = [t.clone() for t in kept]
-    got = []
-    for _ in range(steps):
-        logits = greedy_step(runner, B, ops).clone()
-        got.append((logits, [t.clone() for t in kept]))
-    for t, s in zip(kept, saved):
-        t.copy_(s)
-    return got
-
-
-@pytest.mark.parametrize("chain", [True, False], ids=["chained", "session6"])
-@pytest.mark.parametrize("B", [1, 4, 6])
-def test_the_step_with_fused_attention_is_the_step_without_bit_for_bit(step_runner, B, chain):
-    # rows live, finishing on their budget, idle (-1) and the bucket's padding row, over three steps (each reads the
-    # keys and values the steps before it wrote)
-    runner = step_runner
-    table = runner.model.decoder.rope_table(runner.cache.length)
-    fused = run_steps(runner, B, FusedLayerOps(table, chain=chain, fuse_attention=True), steps=3)
-    two = run_steps(runner, B, FusedLayerOps(table, chain=chain, fuse_attention=False), steps=3)
-    plain = run_steps(runner, B, PlainLayerOps(), steps=3)
-    for (logits, after), (ref_logits, ref_after), (plain_logits, plain_after) in zip(fused, two, plain):
-        assert torch.equal(logits, ref_logits)
-        assert all(torch.equal(a, b) for a, b in zip(after, ref_after))  # the caches included
-        assert torch.allclose(logits, plain_logits, atol=1e-4, rtol=1e-4)
-        assert all(torch.equal(a, b) for a, b in zip(after[:5], plain_after[:5]))  # the same tokens and state
-    assert (fused[-1][1][1][:B] >= 0).any()  # some row still decoding at the end
-
-
-def test_fused_attention_makes_a_layer_seven_launches(step_runner):
-    from qasr.bench.kernel_check import greedy_step, launch_summary, recorded_launches
-
-    runner = step_runner
-    layers = runner.model.cfg.text.num_hidden_layers
-    ops = FusedLayerOps(runner.model.decoder.rope_table(runner.cache.length), fuse_attention=True)
-    saved = [t.clone() for t in (*runner.cache.k, *runner.cache.v, runner.tokens, runner.positions, runner.counts)]
-    with recorded_launches() as launched:
-        greedy_step(runner, 4, ops)
-    for t, s in zip((*runner.cache.k, *runner.cache.v, runner.tokens, runner.positions, runner.counts), saved):
-        t.copy_(s)
-    # per layer: add+RMSNorm, qkv, q/k-norm+RoPE+KV write+attention, o_proj, add+RMSNorm, gate_up+SiLU, down
-    assert launch_summary(launched) == {"launches": 7 * layers + 3, "triton": 7 * layers + 3, "torch_ops": {},
-                                        "chain_breaks": 0}
-    assert launched.count("_decode_qkv_attention_kernel") == layers
-    assert "_qk_norm_rope_store_kernel" not in launched and "_decode_attention_kernel" not in launched
-
-
-def test_engine_with_fused_attention_gives_the_plain_engines_tokens(engines, monkeypatch):
-    fused, plain = engines
-    monkeypatch.setattr(fused.runner.layer_ops, "fuse_attention", True)  # as $QASR_FUSE_ATTENTION=1 would set it
-    calls, prefills = [], []
-    real, real_prefill = kernels.decode_qkv_attention, kernels.prefill_attention
-    monkeypatch.setattr(kernels, "decode_qkv_attention", lambda *a: calls.append(a[0].shape[-2]) or real(*a))
-    monkeypatch.setattr(kernels, "prefill_attention", lambda *a: prefills.append(1) or real_prefill(*a))
-    clips = [speech(s, seed=50 + i) for i, s in enumerate([0.5, 2.4, 1.2, 3.0, 0.8])]
-    reqs = [DecodeRequest(audio=c, max_new_tokens=b) for c, b in zip(clips, [7, 10, 5, 9, 6])]  # 5 requests, 4 slots
-    assert [r.token_ids for r in fused.transcribe(reqs)] == [r.token_ids for r in plain.transcribe(reqs)]
-    assert calls and set(calls) <= set(fused.runner.buckets)  # the decode step's buckets
-    assert prefills  # prefill keeps its two kernels
-
-
-def test_the_fuse_attention_switch_reads_the_environment(monkeypatch):
-    table = (torch.zeros(4, 16), torch.zeros(4, 16))
-    monkeypatch.delenv(kernels.FUSE_ATTENTION_ENV, raising=False)
-    assert not kernels.fuse_attention_requested() and not FusedLayerOps(table).fuse_attention  # off by default
-    monkeypatch.setenv(kernels.FUSE_ATTENTION_ENV, "1")
-    assert kernels.fuse_attention_requested() and FusedLayerOps(table).fuse_attention
-    assert not FusedLayerOps(table, fuse_attention=False).fuse_attention
-    monkeypatch.setenv(kernels.FUSE_ATTENTION_ENV, "yes")
-    with pytest.raises(ValueError, match="QASR_FUSE_ATTENTION"):
-        kernels.fuse_attention_requested()
-
-
-def test_kernel_checks_fuse_and_chain_sections_compare_the_two_steps(engines, monkeypatch):
-    """kernel_check.fuse_steps' and chain_steps' bookkeeping (compare_steps) on the CPU: graphs stood in for by calls
-    of the step, no timing or profiler; the two steps must come out identical, the fused one 7 launches a layer, the
-    chained 8, session 6's more (its PyTorch ops)."""
+def test_kernel_checks_chain_section_compares_the_two_steps(engines, monkeypatch):
+    """kernel_check.chain_steps' bookkeeping (compare_steps) on the CPU: graphs stood in for by calls of the step, no
+    timing or profiler; the two steps must come out identical, the chained one 8 launches a layer, session 6's more
+    (its PyTorch ops)."""
     from qasr.bench import kernel_check
 
     class Replayed:  # a "graph" whose replay runs the step again into the tensor its capture returned
@@ -689,15 +551,9 @@ def test_kernel_checks_fuse_and_chain_sections_compare_the_two_steps(engines, mo
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     model = engines[0].model
     layers = model.cfg.text.num_hidden_layers
-    out = kernel_check.fuse_steps(model, torch.device("cpu"), buckets=(1, 3), context=20, steps=2)
+    out = kernel_check.chain_steps(model, torch.device("cpu"), buckets=(1, 3), context=20)
     assert out["logits_identical"] == {1: 1.0, 3: 1.0} and out["logits_max_abs"] == {1: 0.0, 3: 0.0}
     assert out["outputs_identical"] == out["cache_identical"] == {1: True, 3: True}
-    assert out["recorded_b1"]["fused"]["launches"] == 7 * layers + 3
-    assert out["recorded_b1"]["two"]["launches"] == 8 * layers + 3
-    assert list(out["step_ms"]) == ["two", "fused"] and set(out["kinds"]["fused"]) == {1}
-    # the chain section, on the same comparison: session 6's step (8 PyTorch ops besides the kernels) vs chained
-    out = kernel_check.chain_steps(model, torch.device("cpu"), buckets=(1, 3), context=20)
-    assert out["logits_identical"] == {1: 1.0, 3: 1.0} and out["outputs_identical"] == {1: True, 3: True}
     assert out["recorded_b1"]["chained"]["launches"] == 8 * layers + 3
     assert out["recorded_b1"]["session6"]["launches"] > out["recorded_b1"]["chained"]["launches"]
 

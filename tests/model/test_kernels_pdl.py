@@ -37,11 +37,6 @@ KERNELS = {
     "_decode_attention_kernel": (kernels, {
         "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "POS": "*i64", "stride_cs": "i32", "stride_ch": "i32",
         "stride_cl": "i32", "scale": "fp32"}, {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64}),
-    "_decode_qkv_attention_kernel": (kernels, {  # $QASR_FUSE_ATTENTION's: q/k-norm+RoPE+KV write and attention
-        "QKV": "*fp32", "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "QW": "*bf16", "KW": "*bf16",
-        "COS": "*bf16", "SIN": "*bf16", "POS": "*i64", "stride_qkv": "i32", "stride_cs": "i32", "stride_ch": "i32",
-        "stride_cl": "i32", "scratch": "i32", "eps": "fp32", "split_stride": "i32", "scale": "fp32"},
-        {"H": 16, "KVH": 8, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64, "SPLITS": 2, "WARP_SUM": True}),
     "_prefill_attention_kernel": (kernels, {
         "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "SLOTS": "*i64", "STARTS": "*i64",
         "LENGTHS": "*i64", "T": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "scale": "fp32"},
@@ -62,8 +57,7 @@ KERNELS = {
                                     "stride_xm": "i32"},
                              {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
 }
-DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope_head", "_first_max", "_attend",
-                    "_block_argmax"}  # called from the kernels, not launched
+DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_first_max", "_block_argmax"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
 
@@ -169,29 +163,3 @@ def test_kernel_check_counts_the_launches_pdl_can_chain():
     assert (kinds["triton"], kinds["other"], kinds["copy"]) == (5, 3, 1)
     assert kinds["chain_breaks"] == 3  # after the copy, after the cuBLAS product, after the argmax
     assert kinds["other_names"] == {"index_select_kernel": 1, "nvjet_gemm": 1, "argmax_kernel": 1}
-
-
-def head_sum_of_squares(name: str, num_warps: int) -> list[str]:
-    """The first head's sum of squares in `name`'s PTX for sm_90: its instructions from the first square up to the
-    sum of its two halves' sums (the arithmetic ops and lane shuffles, registers renamed away)."""
-    module, signature, constexprs = KERNELS[name]
-    src = ASTSource(fn=getattr(module, name), signature=signature | {c: "constexpr" for c in constexprs | {"PDL": 0}},
-                    constexprs=constexprs | {"PDL": False})
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps}).asm["ptx"]
-    ops = re.findall(r"^\s*(mul\.f32|fma\.rn\.f32|add\.f32|shfl\.sync\.bfly\.b32\s+%r\d+, %r\d+, \d+|bar\.sync|"
-                     r"st\.shared|ld\.shared)", ptx, re.M)
-    ops = [re.sub(r"\s+", " ", re.sub(r"%r\d+, %r\d+, ", "", op)) for op in ops]
-    start = ops.index("mul.f32")
-    return ops[start : start + 2 * 12 + 1]
-
-
-def test_the_fused_attentions_head_norm_sums_in_the_two_kernel_order():
-    # _qk_norm_rope_store_kernel runs one warp, the fused kernel four (its attention's): the fused one must still add
-    # a head's squares in the one-warp order (fma of a lane's two elements, then the lanes' butterfly), or its q and
-    # k could differ from the two kernels' in the last bit
-    two = head_sum_of_squares("_qk_norm_rope_store_kernel", 1)
-    fused = head_sum_of_squares("_decode_qkv_attention_kernel", 4)
-    butterfly = [op for pair in zip([f"shfl.sync.bfly.b32 {o}" for o in (16, 8, 4, 2, 1)], ["add.f32"] * 5)
-                 for op in pair]
-    assert two[:12] == ["mul.f32", "fma.rn.f32", *butterfly], two
-    assert fused == two, (fused, two)
