@@ -17,7 +17,9 @@
 # below is all workers' together), DEVICES=0,1 (qasr-server --devices: an engine per GPU; default every visible GPU;
 # the engine rows below are then summed over the engines), ADMISSION_MS=N (qasr-server --admission-target-ms: 0 turns
 # admission control off to see raw capacity; each run prints the streams it refused and the partials it thinned),
-# INTERVAL_MS=N (qasr-server --admission-interval-ms: decoding between two admissions).
+# INTERVAL_MS=N (qasr-server --admission-interval-ms: decoding between two admissions),
+# PROFILE=N (the engine's GPU timeline, engine/gpu_timeline.py: a ${PROFILE_S:-2} s window of torch's profiler mid-run
+# in run N only, or every run with PROFILE=all; prints each CUDA stream's busy share and top kernels, JSON in OUTDIR).
 # After each run it prints where the engine's time went and how late the event loop ran (from /metrics).
 set -uo pipefail
 out=${1:?OUTDIR}; mkdir -p "$out"; counts=${2:-"100 400 1000"}
@@ -30,6 +32,7 @@ if [ -n "${ALIGNER:-}" ]; then
   [ -d /tmp/a06 ] || python3 -m qasr.model.testmodel /tmp/a06 --aligner --size 0.6B --dtype bfloat16 || exit 1
   aligner=(--aligner /tmp/a06) words=(--words-fraction "${WORDS_FRACTION:-1}" --language English)  # a forced language: random weights detect none the aligner takes
 fi
+[ -n "${PROFILE:-}" ] && export QASR_ENGINE_PROFILE="$out/profile" QASR_ENGINE_PROFILE_S=${PROFILE_S:-2}
 python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --workers "${WORKERS:-1}" --device cuda ${DEVICES:+--devices "$DEVICES"} \
   ${ADMISSION_MS:+--admission-target-ms "$ADMISSION_MS"} ${INTERVAL_MS:+--admission-interval-ms "$INTERVAL_MS"} --port 8765 --slots 256 --retained-slots 1024 \
   --max-len 640 --max-sessions 2048 --max-pending-per-address 4096 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
@@ -105,6 +108,19 @@ PY
 pyspy() { sleep $(( ${STAGGER:-10} + 2 ))
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-all.txt" > /dev/null 2>&1
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1; }
+# PROFILE: open the engines' profiler window mid-run, then print what each saw
+profile_start() { sleep $(( ${STAGGER:-10} + 4 )); echo "$1" > "$out/profile/start"; }
+profile_report() { python3 - "$out/profile" "$1" <<'PY'
+import glob, json, sys
+for path in sorted(glob.glob(f"{sys.argv[1]}/engine-*-{sys.argv[2]}.json")):
+    s = json.load(open(path))
+    print(f"GPU timeline ({path.rsplit('/', 1)[1]}): {s['window_s']:.1f} s, GPU busy {s['gpu_busy_fraction']:.0%}, "
+          f"{s['kernels']} kernels, streams overlapping {s['streams_overlap_ms']:.0f} ms")
+    for stream, v in s["streams"].items():
+        top = ", ".join(f"{k['name'][:40]} {k['ms']:.0f} ms" for k in v["top_kernels"][:4])
+        print(f"  stream {stream}: busy {v['busy_fraction']:.0%} ({v['kernels']} kernels): {top}")
+PY
+}
 if [ -n "${WARMUP:-}" ]; then  # WARMUP=N: N clients for 10 s first, not reported (first-use costs of a fresh server)
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$WARMUP" --processes 8 --duration 10 \
     "${words[@]}" --stagger-s 2 --drain-timeout-s 30 --no-progress --out "$out/warmup.json" > "$out/warmup.log" 2>&1
@@ -120,6 +136,7 @@ for spec in $counts; do  # a count may repeat ("1000 1000 1000": consecutive run
   nvidia-smi --query-gpu=index,utilization.gpu,power.draw --format=csv,noheader,nounits -lms 250 > "$out/gpu-$r.csv" 2>/dev/null &
   gpu_sampler=$!
   [ -n "${PYSPY:-}" ] && { [ "$PYSPY" = all ] || [ "$PYSPY" = "$run" ]; } && { pyspy "$r" & }
+  profiling=""; [ -n "${PROFILE:-}" ] && { [ "$PROFILE" = all ] || [ "$PROFILE" = "$run" ]; } && { profiling=1; profile_start "$r" & }
   python3 -m qasr.bench.cli stream --url ws://127.0.0.1:8765/v1/stream --clients "$n" --processes 8 --duration ${DURATION:-40} \
     "${words[@]}" ${LABEL:+--label "$LABEL"} --stagger-s ${STAGGER:-10} --drain-timeout-s 45 --server-pid "$server" --no-progress --out "$out/stream-$r.json" \
     > "$out/stream-$r.log" 2>&1
@@ -135,6 +152,7 @@ for gpu in sorted({r[0].strip() for r in rows}):
           f"median {busy[len(busy) // 2]:.0f}%, max {busy[-1]:.0f}%")
 PY
   run_split "$out/metrics-$r-before.txt" "$out/metrics-$r.txt"
+  [ -n "$profiling" ] && profile_report "$r"
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv >> "$out/metrics-$r.txt"
 done
 kill -TERM "$server"; wait "$server"

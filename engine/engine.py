@@ -587,6 +587,7 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._idle_wait_s = idle_wait_s
+        self.after_step = None  # called on the loop's thread after every step (engine_process: its GPU profiler)
         self._ready = False
         self._error: BaseException | None = None
 
@@ -678,6 +679,8 @@ class AsyncEngine:
                     self._wake.clear()
                     engine.seconds["idle"] += time.perf_counter() - t
                 engine.thread_cpu_seconds = time.thread_time()
+                if self.after_step is not None:
+                    self.after_step()
         except BaseException as e:  # a broken engine fails every waiter instead of leaving them hanging
             log.exception("engine loop failed")
             self._error = e

@@ -45,6 +45,7 @@ import weakref
 
 from .engine_client import EngineHealth, RemoteEngine, receive, send, shut_down
 from .gc_pauses import LONG_PAUSE_S, GcPauses, freeze_loaded_heap, thaw
+from .gpu_timeline import EngineProfiler
 from .options import EngineOptions, display_name
 from .request import EngineClosed
 from .restart_budget import RestartBudget
@@ -257,6 +258,9 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_se
 
         core = Engine.from_pretrained(model, device=device, dtype=dtype, options=options)
         engine = AsyncEngine(core)
+        profiler = EngineProfiler.from_env(core.runner.device.type)  # $QASR_ENGINE_PROFILE (gpu_timeline.py)
+        if profiler is not None:
+            engine.after_step = profiler.after_step
         freeze_loaded_heap()  # a full collection would walk the loaded engine: 204 ms on the H200
     except BaseException as e:
         log.exception("cannot load %s", model)
@@ -281,6 +285,8 @@ def _engine_main(conn, model: str, device, dtype, options: EngineOptions, log_se
     pauses = GcPauses.watch()
     engine.run()  # returns once "close" arrives (or the owner vanished), after failing what was left
     pauses.stop()
+    if profiler is not None:
+        profiler.close()  # a window still open: what it saw so far
     thaw()
     (log.warning if pauses.longest_pause >= LONG_PAUSE_S else log.info)(
         "garbage collection in the engine process while it served: %s", pauses.summary())
