@@ -117,6 +117,14 @@ class EngineProfiler:
         return cls(Path(directory), seconds, device_type)
 
     def after_step(self) -> None:
+        """Never raises: a profiler that cannot start (no CUPTI, say) is logged and disarmed, the engine goes on."""
+        try:
+            self._after_step()
+        except Exception:
+            log.warning("the engine profiler failed and is off from now on", exc_info=True)
+            self.poll_s, self._prof = float("inf"), None
+
+    def _after_step(self) -> None:
         now = time.monotonic()
         if self._prof is not None:
             if now - self._opened >= self.seconds:
@@ -145,10 +153,17 @@ class EngineProfiler:
         self._opened = time.monotonic()
 
     def close(self) -> None:
-        """End the window open (if any) and write its summary."""
+        """End the window open (if any) and write its summary. A failure is logged, never raised: the profile is a
+        measurement, and the engine process's exit (after a device error, say) must go on."""
         if self._prof is None:
             return
         prof, self._prof = self._prof, None
+        try:
+            self._write(prof)
+        except Exception:
+            log.warning("the engine profile of %s could not be written", self._label, exc_info=True)
+
+    def _write(self, prof) -> None:
         if self.device_type == "cuda":
             import torch
 

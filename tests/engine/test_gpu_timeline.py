@@ -61,6 +61,21 @@ def test_a_window_opens_for_each_new_label_and_writes_its_summary(tiny_model_dir
     assert [p.name.split("-", 2)[2] for p in tmp_path.glob("engine-*.json")] == ["1000_r2.json"]
 
 
+def test_a_profiler_that_cannot_start_is_disarmed_not_raised(tmp_path, monkeypatch):
+    profiler = EngineProfiler(tmp_path, seconds=1, device_type="cpu", poll_s=0)
+    (tmp_path / "start").write_text("x")
+
+    def broken(label):
+        raise RuntimeError("CUPTI unavailable")
+
+    monkeypatch.setattr(profiler, "_open", broken)
+    profiler.after_step()  # logged, not raised: the engine loop goes on
+    monkeypatch.undo()
+    (tmp_path / "start").write_text("y")
+    profiler.after_step()
+    assert profiler._prof is None  # disarmed: no window opens again
+
+
 def test_the_environment_arms_it(monkeypatch, tmp_path):
     monkeypatch.delenv(PROFILE_ENV, raising=False)
     assert EngineProfiler.from_env("cpu") is None  # off by default
