@@ -2,14 +2,11 @@
 # #16's decode kernels on one lease, one build, programmatic dependent launch measured off and on:
 #  1. the kernel check with QASR_PDL=1 (python -m qasr.bench.kernel_check): first the decode step captured with
 #     QASR_PDL=0 and =1 on one runner (graph replay ms at B=1,8,32,64,256, the two steps' logits bit for bit, kernels
-#     per step by kind: Triton launches PDL can chain vs cuBLAS/PyTorch), then the step's ends as kernels (chain:
-#     session 6's step, with PyTorch ops at its start and the argmax, against the chained step on one runner: graph
-#     replay ms per bucket, logits and outputs bit for bit, launches per step), then every kernel against its
-#     PyTorch reference and the GEMV kernels against cuBLAS with PDL on, then the step on three paths;
+#     per step by kind: Triton launches PDL can chain vs cuBLAS/PyTorch), then every kernel against its PyTorch
+#     reference and the GEMV kernels against cuBLAS with PDL on, then the step on three paths;
 #  2. `qasr-bench offline` (0.6B, no official baseline) with QASR_PDL=0, then =1: latency, throughput, energy, the
 #     step table and the row correctness checks, before and after (OFFLINE=pdl: only the run with PDL on; none: neither).
-# Every stage has a time limit; ~3-4 minutes on a fresh H200 (measured in session 6: install ~20 s, kernel check 53 s
-# before the chain section, offline 33 s).
+# Every stage has a time limit; ~3 minutes on a fresh H200 (measured: install ~20 s, kernel check 53 s, offline 33 s).
 # Usage (repo root, from the device tool with carry [".whl"] for tokenizers & co, see h200.sh):
 #   bash bench/h200_kernels.sh [OUTDIR]   -> 7 files under OUTDIR (default $OUT); read OUTDIR/summary.txt first
 # Env: OFFLINE (both | pdl | none, default both), GEMV_ROWS (QASR_DECODE_GEMV for every stage), OFFLINE_ARGS.
@@ -69,33 +66,6 @@ if step:
         print(f"kernels per step at B={b}: triton {kinds['triton']:.0f}, other {kinds['other']:.0f}, "
               f"copies {kinds['copy']:.0f}, triton chain breaks {kinds['chain_breaks']:.0f}")
         print("  other:", json.dumps(kinds["other_names"]))
-def compared(section: dict, title: str) -> None:
-    """A kernel_check.compare_steps section: the two variants' step per bucket and how far apart they came out."""
-    reference, other = section["step_ms"]
-    buckets = list(section["step_ms"][other])
-    print(f"decode step, {title}, graph replay at context 200, PDL on: {section['use_pdl']} "
-          f"(capture {section['capture_s']:.0f} s)")
-    print("bucket             " + " ".join(f"{b:>7}" for b in buckets))
-    for name in (reference, other):
-        print(f"step ms {name:<10} " + " ".join(f"{section['step_ms'][name][b]:7.3f}" for b in buckets))
-    print(f"{other + '/' + reference:<19}" + " ".join(
-        f"{section['step_ms'][other][b] / section['step_ms'][reference][b]:7.3f}" for b in buckets))
-    print(f"after {section['steps_compared']} step(s) in a row:")
-    print("logits identical   " + " ".join(f"{section['logits_identical'][b]:7.4f}" for b in buckets))
-    print("logits max |diff|  " + " ".join(f"{section['logits_max_abs'][b]:7.4f}" for b in buckets))
-    print("outputs identical  " + " ".join(f"{str(section['outputs_identical'][b]):>7}" for b in buckets))
-    print("KV cache identical " + " ".join(f"{str(section['cache_identical'][b]):>7}" for b in buckets))
-    for name, by_bucket in section["kinds"].items():
-        for b, kinds in by_bucket.items():
-            print(f"{name} kernels per step at B={b}: triton {kinds['triton']:.0f}, other {kinds['other']:.0f}, "
-                  f"copies {kinds['copy']:.0f}, triton chain breaks {kinds['chain_breaks']:.0f}")
-            print("  other:", json.dumps(kinds["other_names"]))
-    for name, rec in section["recorded_b1"].items():
-        print(f"{name} launches at B=1 as the host launched them: {json.dumps(rec)}")
-
-
-if res.get("decode_step_chain"):
-    compared(res["decode_step_chain"], "session 6 vs chained (start and argmax as kernels)")
 for key in ["kernels_bf16_vs_pytorch", "gemv_bf16_vs_cublas"] + [k for k in res if k.startswith(("decode_step_ms",
                                                                                                   "kernels_per_step"))]:
     print(key, json.dumps(res.get(key), indent=1))

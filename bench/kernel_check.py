@@ -8,13 +8,8 @@ QASR_PDL=0 and =1, timed at each bucket (graph replay), its logits compared bit 
 kernels per step counted by kind (Triton, whose launches PDL can overlap, and the rest: cuBLAS, PyTorch, copies).
 Run the whole check with QASR_PDL=1 and every kernel comparison after it runs with PDL on too.
 
-Then the step's ends as kernels (#16, section "chain"): the step as session 6 ran it (seven PyTorch ops at its start,
-the argmax after the lm_head) and chained (kernels.decode_begin, the argmax in the lm_head's GEMV and advance_rows),
-on one runner: graph replay ms per bucket, logits and the step's outputs bit for bit, launches per step by kind (the
-profiler's) and in order as the host launched them (`recorded_launches`, which also runs on the CPU).
-
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,chain,kernels,gemv,steps]` on a CUDA machine; prints
-one JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,steps]` on a CUDA machine; prints one
+JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
 """
 
 from __future__ import annotations
@@ -30,18 +25,15 @@ import time
 import torch
 import torch.nn.functional as F
 
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from qasr.model import gemv, kernels
-from qasr.model.modeling import FusedLayerOps, RMSNorm, rotate_half
+from qasr.model.modeling import RMSNorm, rotate_half
 from qasr.model.testmodel import make_test_model
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
-from qasr.engine.runner import advance_rows as runner_advance_rows
 
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "chain", "kernels", "gemv", "steps")
+SECTIONS = ("pdl", "kernels", "gemv", "steps")
 PDL_BUCKETS = (1, 8, 32, 64, 256)
 
 
@@ -119,7 +111,7 @@ def kernel_cases(cfg, device) -> dict:
         rows_got.append(got[b, : int(lengths[b])])
     out["prefill_attention"] = compare(torch.cat(rows_got), torch.cat(rows_ref))
 
-    # the decode step's ends (chain): its start against the PyTorch ops and kernels it replaces, the lm_head's
+    # the decode step's ends: its start against the PyTorch ops and kernels it replaces, the lm_head's
     # argmax against torch.argmax of the same logits (equal maxima planted in row 0, in three column blocks)
     V = cfg.vocab_size
     embed = torch.randn(V, D, device=device, dtype=bf)
@@ -247,93 +239,6 @@ def kernel_kinds(replay, replays: int = 3) -> dict:
     return launch_kinds([e.name for e in events], triton_kernel_names(), replays)
 
 
-# PyTorch ops that launch nothing: allocations (views are told by their schema)
-NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
-             "detach", "alias", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous"}
-
-
-def is_view(func) -> bool:
-    """Whether a PyTorch op returns a view of an input (its schema says its output aliases an input, unwritten)."""
-    return any(a.alias_info is not None and not a.alias_info.is_write for a in func._schema.arguments)
-
-
-@contextlib.contextmanager
-def recorded_launches():
-    """The kernels launched inside, in order, as the host launches them (on the CPU too, where the Triton kernels
-    run in the interpreter): kernels.py's and gemv.py's Triton kernels by name, and every PyTorch op that runs a
-    kernel as "aten.<op>" (views and allocations launch none). Yields the list, filled as they launch."""
-    from triton.runtime.jit import JITFunction
-
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:
-        InterpretedFunction = JITFunction
-    launched: list[str] = []
-    inside_triton = [False]  # the interpreter's own tensor work inside a Triton launch is not a launch
-
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__
-            if not inside_triton[0] and not is_view(func) and name not in NO_LAUNCH:
-                launched.append(f"aten.{name}")
-            return func(*args, **(kwargs or {}))
-
-    class Counted:
-        def __init__(self, name, fn):
-            self.name, self.fn = name, fn
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append(self.name)
-                inside_triton[0] = True
-                try:
-                    return self.fn[grid](*args, **kw)
-                finally:
-                    inside_triton[0] = False
-
-            return launch
-
-    kinds = (JITFunction, InterpretedFunction)
-    swapped = [(module, name, value) for module in (kernels, gemv) for name, value in vars(module).items()
-               if isinstance(value, kinds) and name.endswith("_kernel")]  # launched kernels, not device functions
-    for module, name, value in swapped:
-        setattr(module, name, Counted(name, value))
-    try:
-        with Ops():
-            yield launched
-    finally:
-        for module, name, value in swapped:
-            setattr(module, name, value)
-
-
-def launch_summary(launched: list[str]) -> dict:
-    """recorded_launches' list -> launches, Triton kernels, PyTorch ops by name, and Triton chain breaks (a Triton
-    kernel after a PyTorch op: PDL does not overlap it with what came before)."""
-    torch_ops: dict[str, int] = {}
-    for name in launched:
-        if name.startswith("aten."):
-            torch_ops[name] = torch_ops.get(name, 0) + 1
-    breaks = sum(1 for i, n in enumerate(launched) if not n.startswith("aten.") and i > 0
-                 and launched[i - 1].startswith("aten."))
-    return {"launches": len(launched), "triton": len(launched) - sum(torch_ops.values()), "torch_ops": torch_ops,
-            "chain_breaks": breaks}
-
-
-def greedy_step(runner: ModelRunner, B: int, ops) -> torch.Tensor:
-    """One decode step of `runner`'s rows [0, B) on layer ops `ops` as the runner takes it (its logits returned):
-    FusedLayerOps(chain=False) as session 6 did (decode, torch's argmax, advance_rows), chained ops as now."""
-    decoder = runner.model.decoder
-    args = (runner.tokens[:B], runner.positions[:B], runner.cache, ops)
-    if getattr(ops, "chain", False):
-        logits, nxt = decoder.decode_greedy(*args)
-    else:
-        logits = decoder.decode(*args)
-        nxt = logits.argmax(dim=-1)
-    advance = kernels.advance_rows if runner.fused_kernels else runner_advance_rows
-    advance(nxt, runner.tokens, runner.positions, runner.counts, runner.budgets, runner.eos, runner.out)
-    return logits
-
-
 def replay_ms(graph, reset, runs: int = 50) -> float:
     """Median GPU time of one replay of `graph`, reset() (outside the timing) before each."""
     samples = []
@@ -346,99 +251,6 @@ def replay_ms(graph, reset, runs: int = 50) -> float:
         end.synchronize()
         samples.append(start.elapsed_time(end))
     return statistics.median(samples[3:])
-
-
-def compare_steps(model, device, variants, buckets, context: int = 200, steps: int = 1, seed: int = 7,
-                  finish_row0: bool = False, kinds_at: tuple[int, ...] = (1,)) -> dict:
-    """The decode step with two layer-op variants on one runner (one cache, one graph pool, PDL as $QASR_PDL says).
-    variants(runner) -> {name: FusedLayerOps}, the reference first. Per bucket: ms per graph replay; after `steps`
-    replays in a row from the same state (each reads the keys its predecessors wrote), the last logits' share of
-    identical values and their max |diff|, the step's outputs (out, tokens, positions, counts) and the whole KV cache
-    bit for bit. Launches per step by kind at the `kinds_at` buckets (the profiler's) and as the host launched them at
-    1 row (recorded_launches). Rows live at `context`, the last of a bucket above 1 idle (a padding row);
-    finish_row0: row 0 finishes on its budget (its position goes idle)."""
-    S = max(buckets)
-    runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
-                         buckets=tuple(b for b in buckets if b < S))
-    layer_ops = variants(runner)
-    reference, other = layer_ops
-    gen = torch.Generator(device=device).manual_seed(seed)
-    for layer in (*runner.cache.k, *runner.cache.v):
-        layer.normal_(generator=gen)
-    cache0 = [t.clone() for t in (*runner.cache.k, *runner.cache.v)]
-    tokens = torch.randint(0, model.cfg.text.vocab_size, (S,), device=device, generator=gen)
-
-    def reset(B: int, cache: bool = False) -> None:
-        runner.tokens.copy_(tokens)
-        runner.positions.fill_(-1)
-        runner.positions[:B] = context
-        if B > 1:
-            runner.positions[B - 1] = -1
-        runner.counts.zero_()
-        runner.budgets.fill_(1 << 30)
-        if finish_row0:
-            runner.budgets[0] = 1
-        if cache:
-            for t, c in zip((*runner.cache.k, *runner.cache.v), cache0):
-                t.copy_(c)
-
-    state = lambda: [t.clone() for t in (runner.out, runner.tokens, runner.positions, runner.counts)]  # noqa: E731
-    out = {"use_pdl": kernels.use_pdl(device), "steps_compared": steps, "step_ms": {}, "logits_identical": {},
-           "logits_max_abs": {}, "outputs_identical": {}, "cache_identical": {}, "kinds": {}, "recorded_b1": {}}
-    graphs = {}
-    t0 = time.perf_counter()
-    pool = None
-    with torch.inference_mode():
-        with capture_stream() as stream:
-            for B in reversed(buckets):
-                for name, ops in layer_ops.items():
-                    reset(B)
-                    graph, logits = capture_graph(lambda: greedy_step(runner, B, ops), stream, pool, warmups=2)
-                    pool = graph.pool() if pool is None else pool
-                    graphs[(name, B)] = (graph, logits)
-        out["capture_s"] = time.perf_counter() - t0
-        for B in buckets:
-            got = {}
-            for name in layer_ops:
-                graph, logits = graphs[(name, B)]
-                reset(B, cache=True)
-                for _ in range(steps):
-                    graph.replay()
-                torch.cuda.synchronize()
-                got[name] = (logits.float().clone(), state(), [t.clone() for t in (*runner.cache.k, *runner.cache.v)])
-            (a, sa, ca), (b, sb, cb) = got[reference], got[other]
-            out["logits_identical"][B] = float((a == b).float().mean())
-            out["logits_max_abs"][B] = float((a - b).abs().max())
-            out["outputs_identical"][B] = all(torch.equal(x, y) for x, y in zip(sa, sb))
-            out["cache_identical"][B] = all(torch.equal(x, y) for x, y in zip(ca, cb))
-            del got
-            for name in layer_ops:
-                out["step_ms"].setdefault(name, {})[B] = replay_ms(graphs[(name, B)][0], lambda: reset(B))
-        for B in kinds_at:
-            if B in buckets:
-                for name in layer_ops:
-                    reset(B)
-                    out["kinds"].setdefault(name, {})[B] = kernel_kinds(graphs[(name, B)][0].replay)
-        for name, ops in layer_ops.items():
-            reset(1)
-            with recorded_launches() as launched:
-                greedy_step(runner, 1, ops)
-            torch.cuda.synchronize()
-            out["recorded_b1"][name] = launch_summary(launched)
-    runner.positions.fill_(-1)
-    del graphs, runner, cache0
-    torch.cuda.empty_cache()
-    return out
-
-
-def chain_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
-    """The decode step as session 6 ran it (its start and argmax PyTorch ops) and chained (all Triton kernels)."""
-    def variants(runner):
-        assert runner.layer_ops.chain
-        return {"session6": FusedLayerOps(model.decoder.rope_table(runner.cache.length), chain=False),
-                "chained": runner.layer_ops}
-
-    return compare_steps(model, device, variants, buckets, context, seed=6, finish_row0=True, kinds_at=(1, 64))
 
 
 def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
@@ -530,10 +342,6 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         emit("decode_step_pdl", pdl_steps(model, device))
         emit("decode_step_pdl_s", time.perf_counter() - t)
-    if "chain" in sections:
-        t = time.perf_counter()
-        emit("decode_step_chain", chain_steps(model, device))
-        emit("decode_step_chain_s", time.perf_counter() - t)
     if "kernels" in sections:
         emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
     if "gemv" in sections:

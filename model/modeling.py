@@ -480,18 +480,15 @@ class FusedLayerOps:
     add+RMSNorm, gate_up+SiLU*mul, down; o_proj, qkv and down hand split-K partial sums to the kernel after them),
     with cuBLAS nine (SiLU*mul apart).
 
-    The decode step's ends are kernels too (`chain`, #16): its start is one launch (kernels.decode_begin: the
-    embedding lookup, the position arithmetic, the residual copy and the first RMSNorm) and, where the lm_head is a
-    GEMV, the argmax is taken by it and the bookkeeping kernel after it (`greedy`). With the GEMV products a step is
-    then one unbroken chain of Triton kernels (programmatic dependent launch overlaps each with the one before);
-    chain=False keeps session 6's PyTorch ops there (seven at the start, the argmax), to measure against.
+    The decode step's ends are kernels too (#16): its start is one launch (kernels.decode_begin: the embedding
+    lookup, the position arithmetic, the residual copy and the first RMSNorm) and, where the lm_head is a GEMV, the
+    argmax is taken by it and the bookkeeping kernel after it (`greedy`). With the GEMV products a step is then one
+    unbroken chain of Triton kernels (programmatic dependent launch overlaps each with the one before).
     """
 
-    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None,
-                 chain: bool = True):
+    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None):
         self.cos, self.sin = rope_table
         self.gemv_rows = gemv.max_rows() if gemv_rows is None else gemv_rows
-        self.chain = chain
 
     def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.shape[0] <= self.gemv_rows and gemv.supports(x, weight)
@@ -516,19 +513,15 @@ class FusedLayerOps:
                h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | kernels.BlockMaxima]:
         """-> (logits, their argmax): [B] long, or the GEMV lm_head's kernels.BlockMaxima (kernels.advance_rows
         finishes that argmax in its own launch, bit for bit torch.argmax's)."""
-        if self.chain and self._small(h, lm_head.weight):
+        if self._small(h, lm_head.weight):
             return gemv.linear_argmax(h, lm_head.weight)
         logits = self.logits(lm_head, h)
         return logits, logits.argmax(dim=-1)
 
     def decode_start(self, decoder: TextDecoder, tokens, positions, cache: KVCache):
-        """-> ((h, residual) [B, D] for run_layers, attention) of a decode step: one kernel (kernels.decode_begin),
-        or with chain=False PlainLayerOps' PyTorch inputs and `begin`."""
+        """-> ((h, residual) [B, D] for run_layers, attention) of a decode step: its start in one kernel
+        (kernels.decode_begin), then attention reading each row's positions itself (no mask to build)."""
         norm = decoder.layers[0].input_layernorm
-        if not self.chain:
-            x, pos, slots, write_pos = decoder.decode_inputs(tokens, positions, cache)
-            x, attention = self.decode_attention(decoder, x, positions, pos, slots, write_pos, cache)
-            return self.begin(x, norm), attention
         h, residual, rope_pos, slots, write_pos = kernels.decode_begin(
             tokens, positions, decoder.embed_tokens.weight, norm.weight, norm.eps, cache.scratch)
         attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
@@ -548,11 +541,6 @@ class FusedLayerOps:
         attend = lambda i, q: kernels.prefill_attention(q, cache.k[i], cache.v[i], slots, starts, lengths)  # noqa: E731
         return x.reshape(B * T, -1), self._attention(rope_pos.reshape(-1), slot_of.reshape(-1), write_pos.reshape(-1),
                                                      attend, cache)
-
-    def decode_attention(self, decoder: TextDecoder, x, positions, pos, slots, write_pos, cache: KVCache):
-        # the kernel reads each row's positions itself: no mask to build
-        attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
-        return x[:, 0], self._attention(pos[:, 0], slots, write_pos[:, 0], attend, cache)
 
     def _attention(self, rope_pos, slots, write_pos, attend, cache: KVCache):
         # rope_pos, slots, write_pos: [N]; attend(layer, q [N, H, hd]) -> [N, H * hd]

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qasr.model import gemv, kernels
 from qasr.model.modeling import FusedLayerOps, PlainLayerOps, RMSNorm, rotate_half
@@ -470,32 +471,104 @@ def step_runner(engines):
     return runner
 
 
-def run_step(runner, B: int, ops) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """kernel_check.greedy_step on a copy of the runner's state and cache -> (logits, the state after)."""
-    from qasr.bench.kernel_check import greedy_step
+def greedy_step(runner, B: int, ops) -> torch.Tensor:
+    """One decode step of rows [0, B) on layer ops `ops` as the runner's _step takes it (decode_greedy, then
+    kernels.advance_rows) -> its logits."""
+    logits, nxt = runner.model.decoder.decode_greedy(runner.tokens[:B], runner.positions[:B], runner.cache, ops)
+    kernels.advance_rows(nxt, runner.tokens, runner.positions, runner.counts, runner.budgets, runner.eos, runner.out)
+    return logits
 
-    saved = [t.clone() for t in (runner.tokens, runner.positions, runner.counts, runner.budgets, runner.out,
-                                 *runner.cache.k, *runner.cache.v)]
+
+def run_step(runner, B: int, ops) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """greedy_step on a copy of the runner's state and cache -> (logits, the state after)."""
+    kept = (runner.tokens, runner.positions, runner.counts, runner.budgets, runner.out, *runner.cache.k,
+            *runner.cache.v)
+    saved = [t.clone() for t in kept]
     logits = greedy_step(runner, B, ops)
     after = [t.clone() for t in (runner.tokens, runner.positions, runner.counts, runner.out, *runner.cache.k,
                                  *runner.cache.v)]
-    for t, s in zip((runner.tokens, runner.positions, runner.counts, runner.budgets, runner.out, *runner.cache.k,
-                     *runner.cache.v), saved):
+    for t, s in zip(kept, saved):
         t.copy_(s)
     return logits, after
 
 
+# PyTorch ops that launch nothing: allocations (views are told by their schema)
+NO_LAUNCH = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view", "lift_fresh",
+             "detach", "alias", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous"}
+
+
+def is_view(func) -> bool:
+    """Whether a PyTorch op returns a view of an input (its schema says its output aliases an input, unwritten)."""
+    return any(a.alias_info is not None and not a.alias_info.is_write for a in func._schema.arguments)
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """The kernels launched inside, in order, as the host launches them (on the CPU too, where the Triton kernels
+    run in the interpreter): kernels.py's and gemv.py's Triton kernels by name, and every PyTorch op that runs a
+    kernel as "aten.<op>" (views and allocations launch none). Yields the list, filled as they launch."""
+    from triton.runtime.jit import JITFunction
+
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:
+        InterpretedFunction = JITFunction
+    launched: list[str] = []
+    inside_triton = [False]  # the interpreter's own tensor work inside a Triton launch is not a launch
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not inside_triton[0] and not is_view(func) and name not in NO_LAUNCH:
+                launched.append(f"aten.{name}")
+            return func(*args, **(kwargs or {}))
+
+    class Counted:
+        def __init__(self, name, fn):
+            self.name, self.fn = name, fn
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(self.name)
+                inside_triton[0] = True
+                try:
+                    return self.fn[grid](*args, **kw)
+                finally:
+                    inside_triton[0] = False
+
+            return launch
+
+    kinds = (JITFunction, InterpretedFunction)
+    swapped = [(module, name, value) for module in (kernels, gemv) for name, value in vars(module).items()
+               if isinstance(value, kinds) and name.endswith("_kernel")]  # launched kernels, not device functions
+    for module, name, value in swapped:
+        setattr(module, name, Counted(name, value))
+    try:
+        with Ops():
+            yield launched
+    finally:
+        for module, name, value in swapped:
+            setattr(module, name, value)
+
+
+def launch_summary(launched: list[str]) -> dict:
+    """recorded_launches' list -> launches, Triton kernels, PyTorch ops by name, and Triton chain breaks (a Triton
+    kernel after a PyTorch op: PDL does not overlap it with what came before)."""
+    torch_ops: dict[str, int] = {}
+    for name in launched:
+        if name.startswith("aten."):
+            torch_ops[name] = torch_ops.get(name, 0) + 1
+    breaks = sum(1 for i, n in enumerate(launched) if not n.startswith("aten.") and i > 0
+                 and launched[i - 1].startswith("aten."))
+    return {"launches": len(launched), "triton": len(launched) - sum(torch_ops.values()), "torch_ops": torch_ops,
+            "chain_breaks": breaks}
+
+
 @pytest.mark.parametrize("B", [1, 4, 6])
-def test_the_chained_step_is_session_6s_step_bit_for_bit(step_runner, B):
+def test_the_kernels_step_is_the_plain_pytorch_step(step_runner, B):
+    # logits to float32 rounding, the same tokens and state (rows live, finishing on their budget, idle, padding)
     runner = step_runner
-    chained = runner.layer_ops
-    assert chained.chain
-    session6 = FusedLayerOps(runner.model.decoder.rope_table(runner.cache.length), chain=False)
-    logits, after = run_step(runner, B, chained)
-    ref_logits, ref_after = run_step(runner, B, session6)
-    assert torch.equal(logits, ref_logits)
-    assert all(torch.equal(a, b) for a, b in zip(after, ref_after))
-    # and both are the plain PyTorch step's (logits to float32 rounding, the same tokens and state)
+    logits, after = run_step(runner, B, runner.layer_ops)
     plain_logits, plain_after = run_step(runner, B, PlainLayerOps())
     assert torch.allclose(logits, plain_logits, atol=1e-4, rtol=1e-4)
     assert all(torch.equal(a, b) for a, b in zip(after[:4], plain_after[:4]))
@@ -503,59 +576,24 @@ def test_the_chained_step_is_session_6s_step_bit_for_bit(step_runner, B):
     assert torch.equal(after[3][0, :B][~live], torch.full_like(after[3][0, :B][~live], -1))  # idle rows: no token
 
 
-def test_the_chained_step_launches_no_pytorch_op_where_its_products_are_gemv(step_runner):
-    from qasr.bench.kernel_check import greedy_step, launch_summary, recorded_launches
-
+def test_the_step_launches_no_pytorch_op_where_its_products_are_gemv(step_runner):
     runner = step_runner
     layers = runner.model.cfg.text.num_hidden_layers
-    session6 = FusedLayerOps(runner.model.decoder.rope_table(runner.cache.length), chain=False)
+    cublas = FusedLayerOps(runner.model.decoder.rope_table(runner.cache.length), gemv_rows=0)  # as above 32 rows
     counts = {}
-    for name, ops in (("chained", runner.layer_ops), ("session6", session6)):
+    for name, ops in (("gemv", runner.layer_ops), ("cublas", cublas)):
         with recorded_launches() as launched:
             greedy_step(runner, 4, ops)
         counts[name] = launch_summary(launched)
         assert launched[-1] == "_advance_rows_kernel"
-    chained, before = counts["chained"], counts["session6"]
     # per layer: add+RMSNorm, qkv, q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up+SiLU, down;
-    # then the step's start, the lm_head, the bookkeeping
-    assert chained == {"launches": 8 * layers + 3, "triton": 8 * layers + 3, "torch_ops": {}, "chain_breaks": 0}
-    assert before["triton"] == 8 * layers + 3 and sum(before["torch_ops"].values()) == 8, before
-    assert before["chain_breaks"] == 2 and "aten.argmax" in before["torch_ops"], before
-
-
-def test_kernel_checks_chain_section_compares_the_two_steps(engines, monkeypatch):
-    """kernel_check.chain_steps' bookkeeping (compare_steps) on the CPU: graphs stood in for by calls of the step, no
-    timing or profiler; the two steps must come out identical, the chained one 8 launches a layer, session 6's more
-    (its PyTorch ops)."""
-    from qasr.bench import kernel_check
-
-    class Replayed:  # a "graph" whose replay runs the step again into the tensor its capture returned
-        def __init__(self, fn):
-            self.fn, self.out = fn, fn()
-
-        def replay(self):
-            self.out.copy_(self.fn())
-
-        def pool(self):
-            return None
-
-    def capture(fn, stream, pool, warmups):
-        graph = Replayed(fn)
-        return graph, graph.out
-
-    monkeypatch.setattr(kernel_check, "capture_graph", capture)
-    monkeypatch.setattr(kernel_check, "capture_stream", contextlib.nullcontext)
-    monkeypatch.setattr(kernel_check, "replay_ms", lambda graph, reset: 0.0)
-    monkeypatch.setattr(kernel_check, "kernel_kinds", lambda replay: {})
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    model = engines[0].model
-    layers = model.cfg.text.num_hidden_layers
-    out = kernel_check.chain_steps(model, torch.device("cpu"), buckets=(1, 3), context=20)
-    assert out["logits_identical"] == {1: 1.0, 3: 1.0} and out["logits_max_abs"] == {1: 0.0, 3: 0.0}
-    assert out["outputs_identical"] == out["cache_identical"] == {1: True, 3: True}
-    assert out["recorded_b1"]["chained"]["launches"] == 8 * layers + 3
-    assert out["recorded_b1"]["session6"]["launches"] > out["recorded_b1"]["chained"]["launches"]
+    # then the step's start, the lm_head, the bookkeeping: one chain of Triton kernels
+    assert counts["gemv"] == {"launches": 8 * layers + 3, "triton": 8 * layers + 3, "torch_ops": {}, "chain_breaks": 0}
+    # with the products on cuBLAS (the step above 32 rows) they are PyTorch ops, and so is the argmax: the recording
+    # sees each, and the Triton kernel after each is a break (qkv, o_proj, gate_up and down a layer; the lm_head)
+    assert counts["cublas"] == {"launches": 9 * layers + 4, "triton": 5 * layers + 2,
+                                "torch_ops": {"aten.mm": 4 * layers + 1, "aten.argmax": 1},
+                                "chain_breaks": 4 * layers + 1}, counts["cublas"]
 
 
 def test_partials_reusing_a_prefix_on_kernels_match_the_plain_engine(engines):
