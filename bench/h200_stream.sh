@@ -71,6 +71,9 @@ def read(path):
     for what in ("sum", "count"):
         m = re.search(rf"^qasr_final_latency_seconds_{what} (\S+)$", text, re.M)
         out[f"final {what}"] = float(m.group(1)) if m else 0.0
+    for kind in ("prefill_tokens", "prefill_computed_tokens", "encoder_tokens", "encoder_computed_tokens"):
+        m = re.search(rf'^qasr_engine_counters\{{kind="{kind}"\}} (\S+)$', text, re.M)
+        out[kind] = float(m.group(1)) if m else 0.0
     out["engines"] = len(set(re.findall(r'^qasr_engine_steps\{engine="(\d+)"\}', raw, re.M))) or 1
     m = re.search(r'^qasr_streams_refused_total\{reason="headroom"\} (\S+)$', text, re.M)
     out["refused"] = float(m.group(1)) if m else 0.0
@@ -96,6 +99,11 @@ for prio in ("final", "partial"):
     if parts:
         total = f"; server final latency mean {d['final sum'] / d['final count'] * 1e3:.0f} ms" if prio == "final" and d.get("final count") else ""
         print(f"engine stages, {prio}s (mean ms): " + ", ".join(f"{st} {ms:.0f}" for st, ms in parts) + total)
+if d["prefill_computed_tokens"] and d["encoder_computed_tokens"]:  # what the buckets' padding costs the GPU
+    print(f"admissions' device work per second: prefill {d['prefill_tokens'] / wall:.0f} positions"
+          f" ({d['prefill_computed_tokens'] / wall:.0f} computed, {1 - d['prefill_tokens'] / d['prefill_computed_tokens']:.0%} padding),"
+          f" encoder {d['encoder_tokens'] / wall:.0f} ({d['encoder_computed_tokens'] / wall:.0f} computed,"
+          f" {1 - d['encoder_tokens'] / d['encoder_computed_tokens']:.0%} padding)")
 n = d["qasr_event_loop_lag_seconds_count"]
 if n:
     lag = {le: b["lag"][le] - a["lag"].get(le, 0) for le in b["lag"]}

@@ -59,6 +59,8 @@ class AudioFrontEnd:
         self.runner = runner
         self.counters = counters  # the engine's: mel_frames, conv_chunks, encoded_windows, reused_windows, and
         counters.setdefault("floor_moves", 0)  # partials whose rising maximum dropped kept chunks
+        counters.setdefault("encoder_tokens", 0)  # encoder positions of real audio, and those it computed
+        counters.setdefault("encoder_computed_tokens", 0)  # (windows padded to whole windows and graph buckets)
 
     def embed(self, clips: list[np.ndarray], states: list[StreamState | None]) -> list[AudioEmbedding]:
         """Audio embeddings of each clip; states[i]: its stream's kept front-end work (updated here), None for none."""
@@ -158,6 +160,10 @@ class AudioFrontEnd:
         for i, windows in zip(todo, encoded):
             out[i] = windows
         self.counters["encoded_windows"] += sum(len(w) for w in encoded)
+        # what the encoder computed against what was real: a partial's window in progress is mostly padding
+        self.counters["encoder_tokens"] += sum(w.shape[0] for clip in encoded for w in clip)
+        self.counters["encoder_computed_tokens"] += (self.runner.windows_computed(sum(len(w) for w in encoded))
+                                                     * self.runner.window_tokens)
         return out
 
     @staticmethod

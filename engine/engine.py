@@ -115,7 +115,7 @@ class Engine:
         # prefix, encoder windows computed vs kept from a stream's earlier partial
         # decode_rows / steps is the mean decode batch
         self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0,
-                         "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0}
+                         "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0, "prefill_computed_tokens": 0}
         self.frontend = AudioFrontEnd(self.runner, self.counters)  # mel + encoder, a partial's only for what is new
         # where the engine thread's time goes (wall seconds): admissions (encode + prefill), decode steps (launch and
         # wait for the GPU), the host's per-row work after each step, and (AsyncEngine) waiting for work. Their
@@ -355,6 +355,7 @@ class Engine:
             self._retain_prefixes(seqs, prepared.busy)
             done = self._record_done()
         self.counters["prefill_tokens"] += sum(e.shape[0] - s for e, s in zip(embeds, starts))
+        self.counters["prefill_computed_tokens"] += first.computed  # the prefill tokens and their buckets' padding
         self.counters["reused_tokens"] += sum(starts)
         t2 = time.perf_counter()
         for seq in seqs:

@@ -77,6 +77,7 @@ class FirstTokens:
 
     tokens: torch.Tensor
     order: list[int]
+    computed: int = 0  # token positions the device ran, padding included (buckets pad sequences and lengths)
 
     def tolist(self) -> list[int]:
         """Read to the host (waits for the prefill), in the prefill's sequence order."""
@@ -274,13 +275,15 @@ class ModelRunner:
         """
         lengths = [e.shape[0] for e in embeds]
         if not self.prefill_buckets:
-            return FirstTokens(self._prefill_eager(embeds, slots, starts, lengths), list(range(len(embeds))))
+            return FirstTokens(self._prefill_eager(embeds, slots, starts, lengths), list(range(len(embeds))),
+                               len(embeds) * max(lengths))
         # graphed buckets hold at most PREFILL_BATCH_BUCKETS[-1] sequences: a larger admission replays several,
         # similar lengths together (less padding). Eagerly, its ~250 Triton launches cost more CPU than the GPU work.
         # The chunks' first tokens stay on the device: a read per chunk made the host wait for each chunk's GPU work
         # before it could queue the next (measured at 1000 streams).
         order = sorted(range(len(embeds)), key=lengths.__getitem__)
         tokens: list[torch.Tensor] = []
+        computed = 0
         for c in range(0, len(order), PREFILL_BATCH_BUCKETS[-1]):
             chunk = order[c : c + PREFILL_BATCH_BUCKETS[-1]]
             args = [[embeds[i] for i in chunk], [slots[i] for i in chunk], [starts[i] for i in chunk],
@@ -288,9 +291,11 @@ class ModelRunner:
             bucket = self._prefill_bucket(len(chunk), max(args[3]))
             if bucket:  # a copy: the bucket's static output is overwritten when the bucket replays again
                 tokens.append(bucket.run(args[0], args[1:]).clone())
+                computed += bucket.x.shape[0] * bucket.x.shape[1]
             else:
                 tokens.append(self._prefill_eager(*args))
-        return FirstTokens(torch.cat(tokens), order)
+                computed += len(chunk) * max(args[3])
+        return FirstTokens(torch.cat(tokens), order, computed)
 
     def _prefill_eager(self, embeds, slots, starts, lengths) -> torch.Tensor:
         T = max(lengths)
@@ -415,6 +420,15 @@ class ModelRunner:
         tokens = self.model.decoder.embed_tokens(self.to_device(torch.from_numpy(ids)))
         return [self.model.splice_audio(t, a, prompt.audio_offset)
                 for t, a, prompt in zip(tokens.split([p.num_tokens for p in prompts]), audio, prompts)]
+
+    def windows_computed(self, windows: int) -> int:
+        """Windows the encoder runs for `windows` real ones: its graph buckets pad up (each window is window_tokens
+        positions, however few of them are real)."""
+        if not self.encoder_graphs:
+            return windows
+        largest = max(self.encoder_graphs)
+        whole, rest = divmod(windows, largest)
+        return whole * largest + (next(b for b in self.encoder_graphs if b >= rest) if rest else 0)
 
     @torch.inference_mode()
     def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ ENGINE_STATS_HELP = {
     "batch_sizes": "Rows of the recent decode steps.",
     "last_batch_sizes": "Rows of the recent decode steps.",
     "counters": "Engine work so far, by kind: tokens prefilled and reused, encoder windows encoded and reused, "
-                "decode rows.",
+                "decode rows, and the prefill's and the encoder's positions computed with their padding.",
     "seconds": "The engine loop's time so far, by kind: admit, decode_gpu, decode_host, idle.",
     "thread_cpu_seconds": "CPU time of the engine loop's thread.",
     "process_cpu_seconds": "CPU time of the engine process (all threads).",

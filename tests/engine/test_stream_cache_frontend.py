@@ -94,6 +94,16 @@ def test_a_clip_without_state_is_computed_whole(engine):
         0, frames, -(-frames // qaudio.CHUNK_FRAMES), -(-frames // qaudio.WINDOW_FRAMES))
 
 
+def test_the_encoder_counts_its_real_positions_and_those_it_computed(engine, monkeypatch):
+    audio = speech_like(17.0, seed=3)  # windows of 8, 8 and 1 s: the last one mostly padding
+    _, _, work = embed(engine, audio, None)
+    windows = -(-qaudio.num_frames(audio.size) // qaudio.WINDOW_FRAMES)
+    assert work["encoder_tokens"] == qaudio.num_audio_tokens(qaudio.num_frames(audio.size))
+    assert work["encoder_computed_tokens"] == windows * engine.runner.window_tokens > work["encoder_tokens"]
+    monkeypatch.setattr(engine.runner, "encoder_graphs", {1: None, 2: None, 4: None})  # as CUDA's buckets pad
+    assert [engine.runner.windows_computed(w) for w in (1, 3, 4, 5, 7)] == [1, 4, 4, 5, 8]  # 7: replays of 4 and 4
+
+
 def test_the_same_audio_again_computes_only_the_unsettled_end(engine):
     audio = loud_start_speech(9.0, seed=4)
     state = StreamState()

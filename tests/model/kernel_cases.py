@@ -383,7 +383,14 @@ def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines
     assert padded.runner._prefill_bucket(3, 100) is padded.runner.prefill_buckets[(4, 128)]
     clips = [speech(s, seed=20 + i) for i, s in enumerate([0.7, 2.5, 1.1])]
     reqs = [DecodeRequest(audio=c, max_new_tokens=8) for c in clips]
+    lengths = []
+    prefill = padded.runner.prefill
+    padded.runner.prefill = lambda embeds, *a: lengths.append([e.shape[0] for e in embeds]) or prefill(embeds, *a)
     assert [r.token_ids for r in padded.transcribe(reqs)] == [r.token_ids for r in plain.transcribe(reqs)]
+    del padded.runner.prefill
+    # one admission of three: a bucket of four sequences, each padded to the longest rounded up to 64 positions
+    assert len(lengths) == 1 and padded.counters["prefill_tokens"] == sum(lengths[0])
+    assert padded.counters["prefill_computed_tokens"] == 4 * (-(-max(lengths[0]) // 64) * 64)
     assert [padded.transcribe([r])[0].token_ids for r in reqs] == [r.token_ids for r in plain.transcribe(reqs)]
 
 
