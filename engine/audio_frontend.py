@@ -155,6 +155,7 @@ class AudioFrontEnd:
     def _encode(self, work: list[_Clip], tokens: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
         """The windows from each clip's first kept window on (all clips' in one call) -> per clip, their outputs."""
         todo = [i for i, t in enumerate(tokens) if t is not None]
+        run_before = self.runner.encoder_positions_run
         encoded = self.runner.encode([tokens[i] for i in todo]) if todo else []
         out: list[list[torch.Tensor]] = [[] for _ in work]
         for i, windows in zip(todo, encoded):
@@ -162,8 +163,7 @@ class AudioFrontEnd:
         self.counters["encoded_windows"] += sum(len(w) for w in encoded)
         # what the encoder computed against what was real: a partial's window in progress is mostly padding
         self.counters["encoder_tokens"] += sum(w.shape[0] for clip in encoded for w in clip)
-        self.counters["encoder_computed_tokens"] += (self.runner.windows_computed(sum(len(w) for w in encoded))
-                                                     * self.runner.window_tokens)
+        self.counters["encoder_computed_tokens"] += self.runner.encoder_positions_run - run_before
         return out
 
     @staticmethod

@@ -151,6 +151,7 @@ class ModelRunner:
         self.tokens_host = torch.zeros(S, dtype=torch.long, pin_memory=self.device.type == "cuda")  # the tokens fed
         # to a step, read with its output when asked (the first tokens of rows admitted since the last read)
         self._launched: tuple[int, bool] | None = None  # (rows, tokens asked) of the decode step launched, not read
+        self.encoder_positions_run = 0  # encoder positions computed: whole windows, padded to a graph bucket
         self.host_reads = 0  # times the host waited for the device to hand it a result (decode steps, the mel's
         # extremes, first tokens read apart): what overlapping host and device work is about, counted
         self.buckets = tuple(b for b in buckets if b < S) + (S,)
@@ -421,15 +422,6 @@ class ModelRunner:
         return [self.model.splice_audio(t, a, prompt.audio_offset)
                 for t, a, prompt in zip(tokens.split([p.num_tokens for p in prompts]), audio, prompts)]
 
-    def windows_computed(self, windows: int) -> int:
-        """Windows the encoder runs for `windows` real ones: its graph buckets pad up (each window is window_tokens
-        positions, however few of them are real)."""
-        if not self.encoder_graphs:
-            return windows
-        largest = max(self.encoder_graphs)
-        whole, rest = divmod(windows, largest)
-        return whole * largest + (next(b for b in self.encoder_graphs if b >= rest) if rest else 0)
-
     @torch.inference_mode()
     def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """The encoder's transformer over packed windows [W, window_tokens, D] -> [W, window_tokens, out].
@@ -439,12 +431,14 @@ class ModelRunner:
         """
         W = windows.shape[0]
         if not self.encoder_graphs:
+            self.encoder_positions_run += W * windows.shape[1]
             return self.model.encoder.encode_windows(windows, lengths)
         largest = max(self.encoder_graphs)
         if W > largest:  # a large admission (hundreds of streams' partials): several replays, not the eager encoder
             return torch.cat([self.encode_windows(windows[i : i + largest], lengths[i : i + largest])
                               for i in range(0, W, largest)])
         bucket = next(b for b in self.encoder_graphs if b >= W)
+        self.encoder_positions_run += bucket * windows.shape[1]
         graph, out = self.encoder_graphs[bucket]
         self._enc_windows[:W].copy_(windows)
         self._enc_windows[W:bucket].zero_()

@@ -100,8 +100,18 @@ def test_the_encoder_counts_its_real_positions_and_those_it_computed(engine, mon
     windows = -(-qaudio.num_frames(audio.size) // qaudio.WINDOW_FRAMES)
     assert work["encoder_tokens"] == qaudio.num_audio_tokens(qaudio.num_frames(audio.size))
     assert work["encoder_computed_tokens"] == windows * engine.runner.window_tokens > work["encoder_tokens"]
-    monkeypatch.setattr(engine.runner, "encoder_graphs", {1: None, 2: None, 4: None})  # as CUDA's buckets pad
-    assert [engine.runner.windows_computed(w) for w in (1, 3, 4, 5, 7)] == [1, 4, 4, 5, 8]  # 7: replays of 4 and 4
+    runner, T, D = engine.runner, engine.runner.window_tokens, engine.model.encoder.cfg.d_model
+    # CUDA's graph buckets pad the window count: stand-ins for graphs of 1, 2 and 4 windows
+    replay = type("Graph", (), {"replay": lambda self: None})()
+    monkeypatch.setattr(runner, "encoder_graphs", {b: (replay, torch.zeros(b, T, 1)) for b in (1, 2, 4)})
+    monkeypatch.setattr(runner, "_enc_windows", torch.zeros(4, T, D), raising=False)
+    monkeypatch.setattr(runner, "_enc_lengths", torch.ones(4, dtype=torch.long), raising=False)
+    computed = []
+    for windows in (1, 3, 4, 5, 7):
+        before = runner.encoder_positions_run
+        runner.encode_windows(torch.zeros(windows, T, D), torch.ones(windows, dtype=torch.long))
+        computed.append((runner.encoder_positions_run - before) // T)
+    assert computed == [1, 4, 4, 5, 8]  # 7: replays of 4 and 4
 
 
 def test_the_same_audio_again_computes_only_the_unsettled_end(engine):
