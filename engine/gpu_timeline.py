@@ -37,10 +37,11 @@ class Kernel(NamedTuple):
     duration_us: float
 
 
-def busy_us(intervals: Iterable[tuple[float, float]]) -> float:
-    """The length of the union of [start, end) intervals."""
+def busy_us(kernels: Iterable[Kernel]) -> float:
+    """How long at least one of `kernels` ran: the length of the union of their intervals."""
     total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
+    for start, duration in sorted((k.start_us, k.duration_us) for k in kernels):
+        end = start + duration
         if end > reach:
             total += end - max(start, reach)
             reach = end
@@ -48,32 +49,32 @@ def busy_us(intervals: Iterable[tuple[float, float]]) -> float:
 
 
 def summarize(kernels: list[Kernel], window_s: float) -> dict:
-    """What ran on the GPU during a window of `window_s` seconds: per stream and in all."""
+    """What ran on the GPU during a window of `window_s` seconds: per stream (the busiest first) and in all."""
     window_us = window_s * 1e6
     by_stream: dict[int, list[Kernel]] = defaultdict(list)
     for k in kernels:
         by_stream[k.stream].append(k)
     streams = {}
-    for stream, ks in sorted(by_stream.items(), key=lambda item: -sum(k.duration_us for k in item[1])):
+    for stream, ks in by_stream.items():
         totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
         for k in ks:
             totals[k.name][0] += 1
             totals[k.name][1] += k.duration_us
         top = sorted(totals.items(), key=lambda item: -item[1][1])[:TOP_KERNELS]
-        busy = busy_us((k.start_us, k.start_us + k.duration_us) for k in ks)
+        busy = busy_us(ks)
         streams[str(stream)] = {
             "kernels": len(ks),
             "busy_ms": busy / 1e3,
             "busy_fraction": busy / window_us if window_us else 0.0,
             "top_kernels": [{"name": name[:100], "count": count, "ms": us / 1e3} for name, (count, us) in top],
         }
-    busy = busy_us((k.start_us, k.start_us + k.duration_us) for k in kernels)
+    busy = busy_us(kernels)
     return {
         "window_s": window_s,
         "kernels": len(kernels),
         "gpu_busy_fraction": busy / window_us if window_us else 0.0,  # any stream running something
         "streams_overlap_ms": (sum(s["busy_ms"] for s in streams.values()) - busy / 1e3),  # two or more at once
-        "streams": streams,
+        "streams": dict(sorted(streams.items(), key=lambda item: -item[1]["busy_ms"])),
     }
 
 

@@ -16,9 +16,12 @@ from test_engine_process import OPTIONS
 
 
 def test_busy_time_is_the_union_of_the_intervals():
+    def spans(*intervals):
+        return [Kernel(0, "k", start, end - start) for start, end in intervals]
+
     assert busy_us([]) == 0
-    assert busy_us([(0, 10), (5, 15), (20, 30)]) == 25  # an overlap counted once, a gap not at all
-    assert busy_us([(0, 100), (10, 20), (30, 40)]) == 100  # nested
+    assert busy_us(spans((0, 10), (5, 15), (20, 30))) == 25  # an overlap counted once, a gap not at all
+    assert busy_us(spans((0, 100), (10, 20), (30, 40))) == 100  # nested
 
 
 def test_the_summary_splits_busy_time_by_stream_and_counts_what_ran_on_two_at_once():
@@ -26,7 +29,7 @@ def test_the_summary_splits_busy_time_by_stream_and_counts_what_ran_on_two_at_on
                Kernel(13, "encoder", 300, 800)]
     summary = summarize(kernels, window_s=0.002)
     decode, admission = summary["streams"]["7"], summary["streams"]["13"]
-    assert list(summary["streams"]) == ["7", "13"]  # by the time they ran, most first
+    assert list(summary["streams"]) == ["7", "13"]  # the busiest first
     assert decode["kernels"] == 3 and decode["busy_ms"] == pytest.approx(0.9) and decode["busy_fraction"] == 0.45
     assert decode["top_kernels"][0] == {"name": "gemv", "count": 2, "ms": 0.8}
     assert admission["busy_ms"] == pytest.approx(0.8)
