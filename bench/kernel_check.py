@@ -15,12 +15,12 @@ JSON object per line, a section each, as each completes (so a time limit leaves 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
 import tempfile
 import time
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -193,21 +193,6 @@ def gemv_cases(cfg, device) -> dict:
     return out
 
 
-@contextlib.contextmanager
-def environment(name: str, value: str):
-    """$name set to `value` inside (the switches the layer ops and kernels read: $QASR_DECODE_GEMV when a runner is
-    made, $QASR_PDL when kernels launch, so when graphs are captured), restored after."""
-    before = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = before
-
-
 def triton_kernel_names() -> set[str]:
     """The names the profiler gives the launches of kernels.py's and gemv.py's Triton kernels."""
     import triton
@@ -283,7 +268,7 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     pool = None
     with torch.inference_mode():
         for value in ("0", "1"):
-            with environment(kernels.PDL_ENV, value), capture_stream() as stream:
+            with mock.patch.dict(os.environ, {kernels.PDL_ENV: value}), capture_stream() as stream:
                 if value == "1":
                     out["use_pdl_when_on"] = kernels.use_pdl(device)
                 for B in reversed(buckets):
@@ -352,7 +337,7 @@ def main(argv=None) -> None:
     if "steps" not in sections:
         return
     for name, fused, rows in (("fused_gemv", True, gemv.max_rows()), ("fused_cublas", True, 0), ("pytorch", False, 0)):
-        with environment(gemv.MAX_ROWS_ENV, str(rows)):
+        with mock.patch.dict(os.environ, {gemv.MAX_ROWS_ENV: str(rows)}):  # read when a runner is made
             runner = ModelRunner(model, num_slots=64, max_len=320, fused_kernels=fused)
         emit(f"decode_step_ms_context_200_{name}", {B: step_ms(runner, B, 200) for B in (1, 8, 16, 32, 64)})
         emit(f"kernels_per_step_{name}", {B: kernels_per_step(runner, B, 200) for B in (1, 64)})
