@@ -15,7 +15,6 @@ never freed, and Triton's bindings report them as leaked at exit).
 from __future__ import annotations
 
 import gc
-import threading
 import time
 
 LONG_PAUSE_S = 0.05  # a collection this long delays every running stream's next token by about as much
@@ -38,8 +37,7 @@ class GcPauses:
         self.count = [0, 0, 0]  # collections per generation
         self.seconds = [0.0, 0.0, 0.0]
         self.longest = [0.0, 0.0, 0.0]
-        self._started: float | None = None
-        self._lock = threading.Lock()
+        self._started: float | None = None  # no lock: a collection runs whole under the GIL, one at a time
 
     @classmethod
     def watch(cls) -> "GcPauses":
@@ -59,15 +57,15 @@ class GcPauses:
             return
         spent, self._started = time.perf_counter() - self._started, None
         generation = min(int(info.get("generation", 0)), 2)
-        with self._lock:
-            self.count[generation] += 1
-            self.seconds[generation] += spent
-            self.longest[generation] = max(self.longest[generation], spent)
+        self.count[generation] += 1
+        self.seconds[generation] += spent
+        self.longest[generation] = max(self.longest[generation], spent)
 
     @property
     def longest_pause(self) -> float:
         return max(self.longest)
 
     def summary(self) -> str:
-        return f"{self.frozen} objects frozen; " + ", ".join(f"generation {g}: {self.count[g]} collections, {self.seconds[g] * 1e3:.0f} ms in all, the "
-                         f"longest {self.longest[g] * 1e3:.1f} ms" for g in range(3))
+        generations = (f"generation {g}: {self.count[g]} collections, {self.seconds[g] * 1e3:.0f} ms in all, "
+                       f"the longest {self.longest[g] * 1e3:.1f} ms" for g in range(3))
+        return f"{self.frozen} objects frozen; " + ", ".join(generations)
