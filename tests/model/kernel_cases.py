@@ -64,8 +64,9 @@ def rope_tables(length: int, hd: int):
     return emb.cos(), emb.sin()
 
 
-def test_qk_norm_rope_store_matches_reference_and_writes_only_its_positions():
-    H, KVH, hd, S, L, N = 4, 2, 16, 6, 48, 7
+@pytest.mark.parametrize("H,KVH", [(4, 2), (6, 3)])  # 6 and 3 heads: a program's head tiles padded to 8 and 4
+def test_qk_norm_rope_store_matches_reference_and_writes_only_its_positions(H, KVH):
+    hd, S, L, N = 16, 6, 48, 7
     qkv = torch.randn(N, (H + 2 * KVH) * hd)
     qw, kw = torch.randn(hd), torch.randn(hd)
     cos, sin = rope_tables(L, hd)
