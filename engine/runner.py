@@ -22,12 +22,63 @@ from qasr.model.prompt import Prompt
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# encoder windows per graphed call; more windows replay the largest graph several times
-ENCODER_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+# encoder windows per graphed run; more windows replay the largest graph several times. Finer than powers of two:
+# the windows of a call are split by length bucket first, and each group is padded to a window bucket
+ENCODER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# positions an encoder window runs at: one of n real positions runs at the smallest >= n (the last is the whole
+# window), so a partial's window in progress (a few 13-position chunks, mostly 13 k + 1 positions) is not run at 104.
+# Its positions past n are never read by its real ones: their keys are masked, and positions are added per chunk
+# before the encoder (the encoder is block-diagonal per window, per-position elsewhere)
+ENCODER_LENGTH_BUCKETS = (32, 56, 104)  # multiples of 8 (aligned attention masks); 13 k + 1 -> 32 or 56
 # prefills graphed per (sequences, padded tokens): eagerly, ~250 launches from Python cost more than the GPU work (a
 # 10.9 s clip: 8.4 ms eager, measured on the H200); more sequences replay several graphs
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
-PREFILL_TOKEN_STEP = 64
+# the prefill's padded lengths: (up to, step) rungs, fine where prompts are (a partial's: ~25-110 tokens), coarser
+# beyond; the last step goes on to max_len
+PREFILL_LENGTH_STEPS = ((128, 16), (256, 32), (None, 64))
+
+
+def prefill_length_buckets(max_len: int, steps=PREFILL_LENGTH_STEPS) -> tuple[int, ...]:
+    """The prefill's graphed lengths, up to the first that holds max_len tokens."""
+    ladder, length = [], 0
+    for top, step in steps:
+        while length < max_len and (top is None or length + step <= top):
+            length += step
+            ladder.append(length)
+    if ladder[-1] < max_len:
+        raise ValueError(f"PREFILL_LENGTH_STEPS end before max_len {max_len}")
+    return tuple(ladder)
+
+
+def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest bucket >= n (buckets ascending; n at most the last)."""
+    return next(b for b in buckets if b >= n)
+
+
+def prefill_replays(lengths: list[int], batch_buckets: tuple[int, ...], length_buckets: tuple[int, ...]
+                    ) -> list[tuple[list[int], int, int]]:
+    """How a prefill of sequences of these lengths is padded: sorted by length (similar lengths together, less
+    padding), in groups of at most the largest batch bucket -> per group (its sequences' indices, the sequences and
+    the length it runs at)."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    top = batch_buckets[-1]
+    return [(chunk, bucket_of(len(chunk), batch_buckets), bucket_of(max(lengths[i] for i in chunk), length_buckets))
+            for chunk in (order[c : c + top] for c in range(0, len(order), top))]
+
+
+def encoder_replays(sizes: list[int], length_buckets: tuple[int, ...], window_buckets: tuple[int, ...] | None
+                    ) -> list[tuple[int, list[int], int]]:
+    """How an encoder call over windows of these real positions runs: grouped by length bucket, each group in
+    pieces of at most the largest window bucket -> per run (its length, its windows' indices, the windows it runs:
+    a window bucket, or without window_buckets (eagerly) the windows themselves)."""
+    runs = []
+    for length in length_buckets:
+        group = [w for w, n in enumerate(sizes) if bucket_of(n, length_buckets) == length]
+        top = window_buckets[-1] if window_buckets else len(group)
+        for c in range(0, len(group), max(top, 1)):
+            piece = group[c : c + top]
+            runs.append((length, piece, bucket_of(len(piece), window_buckets) if window_buckets else len(piece)))
+    return runs
 
 
 @contextlib.contextmanager
@@ -151,12 +202,14 @@ class ModelRunner:
         self.tokens_host = torch.zeros(S, dtype=torch.long, pin_memory=self.device.type == "cuda")  # the tokens fed
         # to a step, read with its output when asked (the first tokens of rows admitted since the last read)
         self._launched: tuple[int, bool] | None = None  # (rows, tokens asked) of the decode step launched, not read
-        self.encoder_positions_run = 0  # encoder positions computed: whole windows, padded to a graph bucket
+        self.encoder_positions_run = 0  # encoder positions computed: windows padded to a length bucket, and their
+        # number to a graph bucket
         self.host_reads = 0  # times the host waited for the device to hand it a result (decode steps, the mel's
         # extremes, first tokens read apart): what overlapping host and device work is about, counted
         self.buckets = tuple(b for b in buckets if b < S) + (S,)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.encoder_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # windows -> (graph, output)
+        # (window length, windows) -> (graph, output)
+        self.encoder_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         # fused Triton kernels for the decoder: on CUDA when Triton is installed, unless asked otherwise
         self.fused_kernels = kernels.available(self.device) if fused_kernels is None else fused_kernels
         if self.fused_kernels and not kernels.available(self.device):
@@ -166,6 +219,10 @@ class ModelRunner:
                           else PlainLayerOps())
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.prefill_buckets: dict[tuple[int, int], PrefillBucket] = {}
+        self.prefill_lengths = prefill_length_buckets(max_len)  # the graphed prefill's padded lengths
+        # the encoder's window lengths (ENCODER_LENGTH_BUCKETS, cut at and ending with this model's window)
+        window = model.encoder.cfg.window_tokens
+        self.encoder_lengths = tuple(n for n in ENCODER_LENGTH_BUCKETS if n < window) + (window,)
         if use_graphs:
             self.capture_graphs()
             self.capture_encoder_graphs()
@@ -282,11 +339,11 @@ class ModelRunner:
         # similar lengths together (less padding). Eagerly, its ~250 Triton launches cost more CPU than the GPU work.
         # The chunks' first tokens stay on the device: a read per chunk made the host wait for each chunk's GPU work
         # before it could queue the next (measured at 1000 streams).
-        order = sorted(range(len(embeds)), key=lengths.__getitem__)
+        order: list[int] = []
         tokens: list[torch.Tensor] = []
         computed = 0
-        for c in range(0, len(order), PREFILL_BATCH_BUCKETS[-1]):
-            chunk = order[c : c + PREFILL_BATCH_BUCKETS[-1]]
+        for chunk, _, _ in prefill_replays(lengths, PREFILL_BATCH_BUCKETS, self.prefill_lengths):
+            order += chunk
             args = [[embeds[i] for i in chunk], [slots[i] for i in chunk], [starts[i] for i in chunk],
                     [lengths[i] for i in chunk]]
             bucket = self._prefill_bucket(len(chunk), max(args[3]))
@@ -312,11 +369,9 @@ class ModelRunner:
         return self.model.decoder.lm_head(last).argmax(dim=-1)
 
     def _prefill_bucket(self, batch: int, tokens: int) -> PrefillBucket | None:
-        if not self.prefill_buckets:
+        if not self.prefill_buckets or batch > PREFILL_BATCH_BUCKETS[-1] or tokens > self.prefill_lengths[-1]:
             return None
-        b = next((b for b in PREFILL_BATCH_BUCKETS if b >= batch), None)
-        t = -(-tokens // PREFILL_TOKEN_STEP) * PREFILL_TOKEN_STEP
-        return self.prefill_buckets.get((b, t))
+        return self.prefill_buckets[bucket_of(batch, PREFILL_BATCH_BUCKETS), bucket_of(tokens, self.prefill_lengths)]
 
     @torch.inference_mode()
     def build_prefill_buckets(self, capture: bool) -> None:
@@ -325,8 +380,7 @@ class ModelRunner:
         only pad (the CPU tests check that padding changes nothing)."""
         if not self.fused_kernels:
             raise ValueError("prefill buckets need the fused kernels (the plain prefill's shapes depend on its data)")
-        top = -(-self.max_len // PREFILL_TOKEN_STEP) * PREFILL_TOKEN_STEP
-        keys = [(b, t) for b in PREFILL_BATCH_BUCKETS for t in range(PREFILL_TOKEN_STEP, top + 1, PREFILL_TOKEN_STEP)]
+        keys = [(b, t) for b in PREFILL_BATCH_BUCKETS for t in self.prefill_lengths]
         keys.sort(key=lambda k: k[0] * k[1], reverse=True)
         buckets = {key: PrefillBucket(self, *key) for key in keys}
         if capture:
@@ -403,12 +457,13 @@ class ModelRunner:
         """The encoder's transformer over several clips' conv tokens [T_i, D] (each starting at a window boundary),
         their windows packed into one call -> per clip, its windows' outputs [tokens, out]."""
         windows, lengths, _ = self.model.encoder.pack_windows(clips)
-        out = self.encode_windows(windows, lengths)
-        per_clip: list[list[torch.Tensor]] = [[] for _ in clips]
         # each window's length from the clips' shapes (reading pack_windows' device copy would wait for the encoder)
+        sizes = [window_lengths(clip.shape[0], self.window_tokens) for clip in clips]
+        out = self.encode_windows(windows, lengths, [n for clip in sizes for n in clip])
+        per_clip: list[list[torch.Tensor]] = [[] for _ in clips]
         w = 0
-        for owner, clip in enumerate(clips):
-            for n in window_lengths(clip.shape[0], self.window_tokens):
+        for owner, clip in enumerate(sizes):
+            for n in clip:
                 per_clip[owner].append(out[w, :n])
                 w += 1
         return per_clip
@@ -423,46 +478,71 @@ class ModelRunner:
                 for t, a, prompt in zip(tokens.split([p.num_tokens for p in prompts]), audio, prompts)]
 
     @torch.inference_mode()
-    def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """The encoder's transformer over packed windows [W, window_tokens, D] -> [W, window_tokens, out].
+    def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor, sizes: list[int] | None = None
+                       ) -> torch.Tensor:
+        """The encoder's transformer over packed windows [W, window_tokens, D] of lengths [W] real positions
+        -> [W, window_tokens, out]: window w's output is its first sizes[w] positions (past them, its padding's).
 
-        Up to the largest encoder bucket this replays a captured graph: eagerly, the encoder's ~200 small launches
-        per call cost more CPU time than its GPU work at a few windows.
+        sizes: the host's copy of `lengths` (reading the device's would wait for it). With it, each window runs at its
+        length bucket (self.encoder_lengths), the windows of a bucket together; without it, every window runs whole.
+        A window's output does not depend on its padding: its real positions never read the others.
+        On CUDA each run replays a captured graph per (length, windows) bucket: eagerly, the encoder's ~200 small
+        launches per call cost more CPU time than its GPU work at a few windows.
         """
-        W = windows.shape[0]
-        if not self.encoder_graphs:
-            self.encoder_positions_run += W * windows.shape[1]
+        W, T = windows.shape[:2]
+        graphs = ENCODER_BUCKETS if self.encoder_graphs else None
+        runs = encoder_replays([T] * W if sizes is None else sizes,
+                               self.encoder_lengths if sizes is not None else (T,), graphs)
+        if graphs is None and len(runs) == 1 and runs[0][0] == T:  # every window whole, in order: as it is
+            self.encoder_positions_run += W * T
             return self.model.encoder.encode_windows(windows, lengths)
-        largest = max(self.encoder_graphs)
-        if W > largest:  # a large admission (hundreds of streams' partials): several replays, not the eager encoder
-            return torch.cat([self.encode_windows(windows[i : i + largest], lengths[i : i + largest])
-                              for i in range(0, W, largest)])
-        bucket = next(b for b in self.encoder_graphs if b >= W)
-        self.encoder_positions_run += bucket * windows.shape[1]
-        graph, out = self.encoder_graphs[bucket]
-        self._enc_windows[:W].copy_(windows)
-        self._enc_windows[W:bucket].zero_()
-        self._enc_lengths[:W].copy_(lengths)
-        self._enc_lengths[W:bucket] = 1  # padding windows attend to one (zero) token: no empty softmax
+        out = windows.new_zeros(W, T, self.model.encoder.cfg.output_dim)
+        order = self.to_device([w for _, piece, _ in runs for w in piece])  # the windows, run after run
+        first = 0
+        for length, piece, bucket in runs:
+            rows, first = order[first : first + len(piece)], first + len(piece)
+            self.encoder_positions_run += bucket * length
+            if graphs is None:
+                y = self.model.encoder.encode_windows(windows[:, :length].index_select(0, rows),
+                                                      lengths.index_select(0, rows))
+            else:
+                y = self._replay_encoder(windows, lengths, rows, length, bucket)
+            # into the answer: a copy, as callers keep windows (a stream's cache) and the graph's output is
+            # overwritten by its next replay
+            out[:, :length].index_copy_(0, rows, y)
+        return out
+
+    def _replay_encoder(self, windows, lengths, rows, length: int, bucket: int) -> torch.Tensor:
+        """Windows `rows` of `windows` through the graph of (length, bucket) -> its output [len(rows), length, out]."""
+        n = rows.shape[0]
+        static, static_lengths = self._enc_windows[length], self._enc_lengths[length]
+        torch.index_select(windows[:, :length], 0, rows, out=static[:n])
+        static[n:bucket].zero_()
+        torch.index_select(lengths, 0, rows, out=static_lengths[:n])
+        static_lengths[n:bucket] = 1  # padding windows attend to one (zero) position: no empty softmax
+        graph, out = self.encoder_graphs[(length, bucket)]
         graph.replay()
-        return out[:W].clone()  # callers keep windows (a stream's cache): the graph's output is overwritten next call
+        return out[:n]
 
     @torch.inference_mode()
     def capture_encoder_graphs(self) -> None:
-        """One encoder graph per window-count bucket, largest first, in a memory pool of their own."""
+        """One encoder graph per (window length, windows) bucket, largest first, in a memory pool of their own."""
         cfg = self.model.encoder.cfg
         top = ENCODER_BUCKETS[-1]
-        self._enc_windows = torch.zeros(top, cfg.window_tokens, cfg.d_model, dtype=self.model.dtype, device=self.device)
-        self._enc_lengths = torch.ones(top, dtype=torch.long, device=self.device)
+        self._enc_windows = {n: torch.zeros(top, n, cfg.d_model, dtype=self.model.dtype, device=self.device)
+                             for n in self.encoder_lengths}
+        self._enc_lengths = {n: torch.ones(top, dtype=torch.long, device=self.device) for n in self.encoder_lengths}
         encode = self.model.encoder.encode_windows
+        keys = sorted(((n, W) for n in self.encoder_lengths for W in ENCODER_BUCKETS), key=lambda k: k[0] * k[1],
+                      reverse=True)
         pool = None
         with capture_stream() as stream:
-            for W in reversed(ENCODER_BUCKETS):
-                graph, out = capture_graph(lambda: encode(self._enc_windows[:W], self._enc_lengths[:W]), stream, pool,
-                                     warmups=2)
+            for n, W in keys:
+                graph, out = capture_graph(lambda: encode(self._enc_windows[n][:W], self._enc_lengths[n][:W]), stream,
+                                           pool, warmups=2)
                 pool = graph.pool() if pool is None else pool
-                self.encoder_graphs[W] = (graph, out)
-        self.encoder_graphs = dict(sorted(self.encoder_graphs.items()))
+                self.encoder_graphs[(n, W)] = (graph, out)
+        log.info("captured %d encoder graphs (window lengths %s)", len(keys), list(self.encoder_lengths))
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst` (all layers)."""

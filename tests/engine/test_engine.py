@@ -364,30 +364,3 @@ def test_check_context_refuses_a_context_that_leaves_no_room_for_the_longest_seg
     engine.check_context("Names: Qasr, Qwen.", max_audio_seconds=2.0)  # fits: no error
     with pytest.raises(ValueError, match="context too long"):
         engine.check_context("word " * 200, max_audio_seconds=2.0)  # max_len is 256 in these tests
-
-
-def test_more_windows_than_the_largest_encoder_graph_replay_graphs_in_chunks(engine, monkeypatch):
-    runner, encoder = engine.runner, engine.model.encoder
-    cfg = encoder.cfg
-    monkeypatch.setattr(runner, "_enc_windows", torch.zeros(4, cfg.window_tokens, cfg.d_model), raising=False)
-    monkeypatch.setattr(runner, "_enc_lengths", torch.ones(4, dtype=torch.long), raising=False)
-    replays = []
-
-    class StandInGraph:  # replays what capture recorded: the encoder on the static buffers' first W windows
-        def __init__(self, W):
-            self.W, self.out = W, torch.zeros(W, cfg.window_tokens, cfg.output_dim)
-
-        def replay(self):
-            replays.append(self.W)
-            self.out.copy_(encoder.encode_windows(runner._enc_windows[: self.W], runner._enc_lengths[: self.W]))
-
-    graphs = {W: StandInGraph(W) for W in (1, 2, 4)}
-    monkeypatch.setattr(runner, "encoder_graphs", {W: (g, g.out) for W, g in graphs.items()})
-    torch.manual_seed(0)
-    windows = torch.randn(7, cfg.window_tokens, cfg.d_model)
-    lengths = torch.tensor([cfg.window_tokens] * 6 + [9])
-    with torch.inference_mode():
-        got = runner.encode_windows(windows, lengths)
-        expected = encoder.encode_windows(windows, lengths)
-    assert replays == [4, 4]  # 4 windows, then 3 padded to the 4-window graph
-    assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)

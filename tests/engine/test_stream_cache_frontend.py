@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from qasr.bench.synthetic import speech_like
+from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest, Priority
 from qasr.engine.stream_cache import StreamState
@@ -95,23 +96,31 @@ def test_a_clip_without_state_is_computed_whole(engine):
 
 
 def test_the_encoder_counts_its_real_positions_and_those_it_computed(engine, monkeypatch):
-    audio = speech_like(17.0, seed=3)  # windows of 8, 8 and 1 s: the last one mostly padding
+    audio = speech_like(17.0, seed=3)  # windows of 8, 8 and 1 s: the last one runs at its length bucket
     _, _, work = embed(engine, audio, None)
-    windows = -(-qaudio.num_frames(audio.size) // qaudio.WINDOW_FRAMES)
-    assert work["encoder_tokens"] == qaudio.num_audio_tokens(qaudio.num_frames(audio.size))
-    assert work["encoder_computed_tokens"] == windows * engine.runner.window_tokens > work["encoder_tokens"]
     runner, T, D = engine.runner, engine.runner.window_tokens, engine.model.encoder.cfg.d_model
-    # CUDA's graph buckets pad the window count: stand-ins for graphs of 1, 2 and 4 windows
+    real = qaudio.num_audio_tokens(qaudio.num_frames(audio.size))
+    last = real - 2 * T
+    assert work["encoder_tokens"] == real and last < runner.encoder_lengths[0] < T
+    assert work["encoder_computed_tokens"] == 2 * T + runner.encoder_lengths[0]
+    # CUDA's graph buckets pad the window count of each length's group: stand-ins for graphs of 1, 2 and 4 windows
+    monkeypatch.setattr(runner_module, "ENCODER_BUCKETS", (1, 2, 4))
     replay = type("Graph", (), {"replay": lambda self: None})()
-    monkeypatch.setattr(runner, "encoder_graphs", {b: (replay, torch.zeros(b, T, 1)) for b in (1, 2, 4)})
-    monkeypatch.setattr(runner, "_enc_windows", torch.zeros(4, T, D), raising=False)
-    monkeypatch.setattr(runner, "_enc_lengths", torch.ones(4, dtype=torch.long), raising=False)
+    out = engine.model.encoder.cfg.output_dim
+    monkeypatch.setattr(runner, "encoder_graphs", {(n, b): (replay, torch.zeros(b, n, out))
+                                                   for n in runner.encoder_lengths for b in (1, 2, 4)})
+    monkeypatch.setattr(runner, "_enc_windows", {n: torch.zeros(4, n, D) for n in runner.encoder_lengths},
+                        raising=False)
+    monkeypatch.setattr(runner, "_enc_lengths", {n: torch.ones(4, dtype=torch.long) for n in runner.encoder_lengths},
+                        raising=False)
+    short, middle = runner.encoder_lengths[:2]
     computed = []
-    for windows in (1, 3, 4, 5, 7):
+    for sizes in ([T], [T] * 3, [T] * 5, [T] * 7, [1, short, T, middle, 2]):
         before = runner.encoder_positions_run
-        runner.encode_windows(torch.zeros(windows, T, D), torch.ones(windows, dtype=torch.long))
-        computed.append((runner.encoder_positions_run - before) // T)
-    assert computed == [1, 4, 4, 5, 8]  # 7: replays of 4 and 4
+        runner.encode_windows(torch.zeros(len(sizes), T, D), torch.tensor(sizes), sizes)
+        computed.append(runner.encoder_positions_run - before)
+    # 5 and 7 whole windows: replays of 4 and 1, of 4 and 4; the mixed call: three short ones in the 4-window graph
+    assert computed == [T, 4 * T, 5 * T, 8 * T, 4 * short + middle + T]
 
 
 def test_the_same_audio_again_computes_only_the_unsettled_end(engine):

@@ -1,0 +1,137 @@
+"""The runner's padding of admissions on the CPU: the prefill's (sequences, length) buckets and the encoder's
+(window length, windows) buckets, which are the shapes its CUDA graphs are captured at.
+
+What a bucket pads must not change what the real positions compute: a window run at its length bucket gives the
+outputs of the whole window, whatever lies in its padding. The graphed path is driven with stand-in graphs that run
+what capture would have recorded (the eager encoder on the static buffers)."""
+
+import pytest
+import torch
+
+from qasr.engine import runner as runner_module
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.runner import bucket_of, encoder_replays, prefill_length_buckets, prefill_replays
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir) -> runner_module.ModelRunner:
+    engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32",
+                                    options=EngineOptions(num_slots=4, max_len=256, num_retained=2))
+    return engine.runner
+
+
+def test_prefill_lengths_are_fine_where_prompts_are_and_coarser_beyond():
+    assert prefill_length_buckets(640) == (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
+                                           320, 384, 448, 512, 576, 640)
+    assert prefill_length_buckets(100)[-1] == 112 and prefill_length_buckets(300)[-1] == 320  # past max_len
+    # the graphs captured: 72 at the benches' --max-len 640, 96 at the default 1024
+    assert len(runner_module.PREFILL_BATCH_BUCKETS) * len(prefill_length_buckets(640)) == 72
+    assert len(runner_module.PREFILL_BATCH_BUCKETS) * len(prefill_length_buckets(1024)) == 96
+    with pytest.raises(ValueError, match="before max_len"):
+        prefill_length_buckets(300, steps=((128, 16), (256, 32)))
+
+
+def test_a_prefill_is_padded_sorted_by_length_in_groups_of_the_largest_batch_bucket():
+    lengths = [100, 25, 47, 30, 200, 26, 51, 33, 64, 90]  # ten sequences: groups of 8 and 2
+    batch, ladder = (1, 2, 4, 8), prefill_length_buckets(640)
+    replays = prefill_replays(lengths, batch, ladder)
+    assert [(chunk, b, t) for chunk, b, t in replays] == [
+        ([1, 5, 3, 7, 2, 6, 8, 9], 8, 96),  # 25..90 -> 96 (with a step of 64: 128)
+        ([0, 4], 2, 224)]  # 100 and 200 -> 224
+    assert sum(b * t for _, b, t in replays) == 8 * 96 + 2 * 224
+    assert prefill_replays([17], batch, ladder) == [([0], 1, 32)] and prefill_replays([16], batch, ladder)[0][2] == 16
+    assert [b for _, b, _ in prefill_replays([5] * 3, batch, ladder)] == [4]  # 3 sequences and a padding row
+
+
+def test_the_runner_picks_the_prefill_bucket_of_the_ladder(runner):
+    try:
+        runner.fused_kernels = True  # build_prefill_buckets asks for them; capture=False runs nothing
+        runner.build_prefill_buckets(capture=False)
+        assert sorted({t for _, t in runner.prefill_buckets}) == list(prefill_length_buckets(256))
+        assert runner._prefill_bucket(3, 100) is runner.prefill_buckets[(4, 112)]
+        assert runner._prefill_bucket(1, 16) is runner.prefill_buckets[(1, 16)]
+        assert runner._prefill_bucket(9, 16) is None  # more than the largest bucket: the caller splits first
+    finally:
+        runner.fused_kernels, runner.prefill_buckets = False, {}
+
+
+def test_encoder_windows_are_grouped_by_length_bucket_and_each_group_padded_to_a_window_bucket():
+    lengths, windows = (32, 56, 104), (1, 2, 3, 4, 6, 8)
+    sizes = [14, 104, 27, 40, 53, 104, 79, 13, 32, 33]
+    assert encoder_replays(sizes, lengths, windows) == [
+        (32, [0, 2, 7, 8], 4), (56, [3, 4, 9], 3), (104, [1, 5, 6], 3)]
+    assert encoder_replays(sizes, lengths, None) == [  # eagerly: no window padding
+        (32, [0, 2, 7, 8], 4), (56, [3, 4, 9], 3), (104, [1, 5, 6], 3)]
+    assert encoder_replays([104] * 9 + [5], lengths, windows) == [
+        (32, [9], 1), (104, [0, 1, 2, 3, 4, 5, 6, 7], 8), (104, [8], 1)]  # past the largest: several replays
+    assert encoder_replays([104] * 5, (104,), windows) == [(104, [0, 1, 2, 3, 4], 6)]
+    assert bucket_of(57, lengths) == 104 and bucket_of(56, lengths) == 56
+
+
+def test_the_runners_encoder_lengths_end_with_its_window(runner):
+    assert runner.encoder_lengths == runner_module.ENCODER_LENGTH_BUCKETS == (32, 56, runner.window_tokens)
+
+
+def random_windows(runner, sizes, seed=0):
+    """Packed windows [W, window, D] whose positions past each window's size are random garbage (not zeros)."""
+    cfg = runner.model.encoder.cfg
+    torch.manual_seed(seed)
+    return torch.randn(len(sizes), cfg.window_tokens, cfg.d_model), torch.tensor(sizes)
+
+
+@torch.inference_mode()
+def test_a_windows_output_does_not_depend_on_its_padding(runner):
+    """A window run at its length bucket gives what it gives run whole, whatever its padding holds: its real
+    positions never read the others (keys masked; positions were added per chunk, before the encoder)."""
+    sizes = [14, 27, 104, 40, 53, 1, 79, 56]
+    windows, lengths = random_windows(runner, sizes)
+    encoder = runner.model.encoder
+    whole = encoder.encode_windows(windows, lengths)  # every window at 104 positions
+    before = runner.encoder_positions_run
+    bucketed = runner.encode_windows(windows, lengths, sizes)
+    assert runner.encoder_positions_run - before == sum(bucket_of(n, runner.encoder_lengths) for n in sizes) < 8 * 104
+    other = windows.clone()
+    for w, n in enumerate(sizes):
+        other[w, n:] = torch.randn(other.shape[1] - n, other.shape[2]) * 100  # different padding
+    again = runner.encode_windows(other, lengths, sizes)
+    for w, n in enumerate(sizes):
+        torch.testing.assert_close(bucketed[w, :n], whole[w, :n], rtol=0, atol=1e-5)
+        assert torch.equal(bucketed[w, :n], again[w, :n])
+    # without the host's sizes, every window runs whole
+    before = runner.encoder_positions_run
+    assert torch.equal(runner.encode_windows(windows, lengths), whole)
+    assert runner.encoder_positions_run - before == 8 * 104
+
+
+@torch.inference_mode()
+def test_graphed_encoder_runs_each_length_group_through_its_graphs(runner, monkeypatch):
+    encoder = runner.model.encoder
+    cfg = encoder.cfg
+    monkeypatch.setattr(runner_module, "ENCODER_BUCKETS", (1, 2, 4))
+    monkeypatch.setattr(runner, "_enc_windows", {n: torch.full((4, n, cfg.d_model), 7.0)
+                                                 for n in runner.encoder_lengths}, raising=False)
+    monkeypatch.setattr(runner, "_enc_lengths", {n: torch.ones(4, dtype=torch.long) for n in runner.encoder_lengths},
+                        raising=False)
+    replays = []
+
+    class StandInGraph:  # replays what capture recorded: the encoder on the static buffers' first W windows
+        def __init__(self, n, W):
+            self.n, self.W, self.out = n, W, torch.zeros(W, n, cfg.output_dim)
+
+        def replay(self):
+            replays.append((self.n, self.W))
+            static = runner._enc_windows[self.n][: self.W]
+            self.out.copy_(encoder.encode_windows(static, runner._enc_lengths[self.n][: self.W]))
+
+    graphs = {(n, W): StandInGraph(n, W) for n in runner.encoder_lengths for W in (1, 2, 4)}
+    monkeypatch.setattr(runner, "encoder_graphs", {key: (g, g.out) for key, g in graphs.items()})
+    sizes = [104] * 6 + [9, 40, 20]
+    windows, lengths = random_windows(runner, sizes, seed=1)
+    got = runner.encode_windows(windows, lengths, sizes)
+    expected = encoder.encode_windows(windows, lengths)
+    # the short group (9, 20) in the 2-window graph at 32, 40 alone at 56, the whole ones in graphs of 4 and 2
+    assert replays == [(32, 2), (56, 1), (104, 4), (104, 2)]
+    assert got.shape == expected.shape
+    for w, n in enumerate(sizes):
+        torch.testing.assert_close(got[w, :n], expected[w, :n], rtol=0, atol=1e-5)
+    assert runner._enc_lengths[104][:2].tolist() == [104, 104] and runner._enc_lengths[56][1:].tolist() == [1, 1, 1]
