@@ -159,9 +159,9 @@ if triton is not None:
         _norm_store(x.to(tl.float32), W, Y, row, cols, mask, D, eps)
 
     @triton.jit
-    def _norm_rope(x1, x2, W, C, S, half, eps, HD: tl.constexpr, OUT):
+    def _norm_rope(x1, x2, W, c, s, half, eps, HD: tl.constexpr, OUT):
         # heads [rows, HD] as their halves x1, x2 (float32 [rows, HD / 2]): RMS-normed over each head, times the norm's
-        # weight W, then rotated by the cos/sin rows C, S ([HD / 2] each: the two halves of a table row repeat), rounded
+        # weight W, then rotated by the cos/sin rows c, s ([HD / 2] each: the two halves of a table row repeat), rounded
         # where the eager ops round (to OUT's dtype); rotate_half(x) = [-x2, x1]
         dt = OUT.dtype.element_ty
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HD + eps)
@@ -169,7 +169,7 @@ if triton is not None:
         w2 = tl.load(W + HD // 2 + half).to(tl.float32)[None, :]
         x1 = ((x1 * rstd[:, None]).to(dt).to(tl.float32) * w1).to(dt).to(tl.float32)
         x2 = ((x2 * rstd[:, None]).to(dt).to(tl.float32) * w2).to(dt).to(tl.float32)
-        c, s = C[None, :], S[None, :]
+        c, s = c[None, :], s[None, :]
         o1 = ((x1 * c).to(dt).to(tl.float32) + (-x2 * s).to(dt).to(tl.float32)).to(dt)
         o2 = ((x2 * c).to(dt).to(tl.float32) + (x1 * s).to(dt).to(tl.float32)).to(dt)
         return o1, o2
@@ -178,42 +178,39 @@ if triton is not None:
     def _qk_norm_rope_store_kernel(
         QKV, Q, K_CACHE, V_CACHE, QW, KW, COS, SIN, ROPE_POS, SLOT, WRITE_POS,
         stride_qkv, stride_cs, stride_ch, stride_cl, eps, split_stride,
-        H: tl.constexpr, KVH: tl.constexpr, H_BLOCK: tl.constexpr, KVH_BLOCK: tl.constexpr, HD: tl.constexpr,
-        SPLITS: tl.constexpr, PDL: tl.constexpr,
+        H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
-        # program n: token n's H query heads (-> Q[n]) and KVH KV heads, whose normed and rotated keys and plain
-        # values go to the cache at [slot[n], :, write_pos[n]]. One program a token, not one a (token, head): a
-        # prefill's thousands of one-warp programs queued in waves (14.6 us for ~500 tokens on the H200)
+        # program (token n, group j of HEADS heads; HEADS divides H and KVH): a group j < H / HEADS is query heads
+        # (-> Q[n, heads]), the others KV heads, whose normed and rotated keys and plain values go to the cache at
+        # [slot[n], kv head, write_pos[n]]
         _await_inputs(PDL)
         n = tl.program_id(0).to(tl.int64)
+        first = tl.program_id(1) * HEADS
+        head = first + tl.arange(0, HEADS)[:, None]  # [HEADS, 1], of the H + KVH heads
         half = tl.arange(0, HD // 2)
-        every = half[None, :] < HD // 2
-        dt = Q.dtype.element_ty
+        every = (head >= 0) & (half[None, :] < HD // 2)
+        base = n * stride_qkv + head * HD + half[None, :]
+        x1 = _load_input(QKV, base, every, split_stride, SPLITS, Q)
+        x2 = _load_input(QKV, base + HD // 2, every, split_stride, SPLITS, Q)
         p = tl.load(ROPE_POS + n)
         c = tl.load(COS + p * HD + half).to(tl.float32)
         s = tl.load(SIN + p * HD + half).to(tl.float32)
-        hq = tl.arange(0, H_BLOCK)[:, None]
-        q_mask = (hq < H) & every
-        base = n * stride_qkv + hq * HD + half[None, :]
-        x1 = _load_input(QKV, base, q_mask, split_stride, SPLITS, Q)
-        x2 = _load_input(QKV, base + HD // 2, q_mask, split_stride, SPLITS, Q)
-        o1, o2 = _norm_rope(x1, x2, QW, c, s, half, eps, HD, Q)
-        out = Q + (n * H + hq) * HD + half[None, :]
-        tl.store(out, o1, mask=q_mask)
-        tl.store(out + HD // 2, o2, mask=q_mask)
-        hk = tl.arange(0, KVH_BLOCK)[:, None]
-        k_mask = (hk < KVH) & every
-        base = n * stride_qkv + (H + hk) * HD + half[None, :]
-        x1 = _load_input(QKV, base, k_mask, split_stride, SPLITS, Q)
-        x2 = _load_input(QKV, base + HD // 2, k_mask, split_stride, SPLITS, Q)
-        o1, o2 = _norm_rope(x1, x2, KW, c, s, half, eps, HD, Q)
-        at = tl.load(SLOT + n).to(tl.int64) * stride_cs + hk * stride_ch + tl.load(WRITE_POS + n) * stride_cl
-        tl.store(K_CACHE + at + half[None, :], o1, mask=k_mask)
-        tl.store(K_CACHE + at + HD // 2 + half[None, :], o2, mask=k_mask)
-        full = tl.arange(0, HD)[None, :]
-        v_mask = (hk < KVH) & (full < HD)
-        v = _load_input(QKV, n * stride_qkv + (H + KVH + hk) * HD + full, v_mask, split_stride, SPLITS, Q)
-        tl.store(V_CACHE + at + full, v.to(dt), mask=v_mask)
+        if first < H:
+            o1, o2 = _norm_rope(x1, x2, QW, c, s, half, eps, HD, Q)
+            out = Q + (n * H + head) * HD + half[None, :]
+            tl.store(out, o1)
+            tl.store(out + HD // 2, o2)
+        else:
+            o1, o2 = _norm_rope(x1, x2, KW, c, s, half, eps, HD, Q)
+            kvh = head - H
+            at = tl.load(SLOT + n).to(tl.int64) * stride_cs + kvh * stride_ch + tl.load(WRITE_POS + n) * stride_cl
+            tl.store(K_CACHE + at + half[None, :], o1)
+            tl.store(K_CACHE + at + HD // 2 + half[None, :], o2)
+            full = tl.arange(0, HD)[None, :]
+            v = _load_input(QKV, n * stride_qkv + (H + KVH + kvh) * HD + full, (kvh >= 0) & (full < HD), split_stride,
+                            SPLITS, Q)
+            tl.store(V_CACHE + at + full, v.to(Q.dtype.element_ty))
 
     @triton.jit
     def _decode_attention_kernel(
@@ -409,6 +406,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return y
 
 
+QK_HEADS_MAX = 8  # heads per program of qk_norm_rope_store past QK_ONE_HEAD_TOKENS tokens
+QK_ONE_HEAD_TOKENS = 32
+
+
+def qk_heads_per_program(num_heads: int, num_kv_heads: int, tokens: int) -> int:
+    """Heads one program of qk_norm_rope_store takes: one a program for a few tokens (a small decode step: more
+    programs run at once; the H200 measured 1 head at 5.7 us a call at 1 row, all 24 in one program 6.6 us), up to
+    QK_HEADS_MAX dividing both head counts past that (a prefill of ~500 tokens as one-head programs queued in waves:
+    14.6 us a call; 256 rows: 5.0 us as one-head programs, 2.9 us as one program a token)."""
+    if tokens <= QK_ONE_HEAD_TOKENS:
+        return 1
+    return math.gcd(num_heads, num_kv_heads, QK_HEADS_MAX) & -math.gcd(num_heads, num_kv_heads, QK_HEADS_MAX)
+
+
 def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos, k_cache, v_cache,
                        num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
     """The attention's input side in one kernel.
@@ -427,11 +438,11 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write
     assert not splits or qkv.is_contiguous()
     q = torch.empty((N, num_heads, hd), dtype=k_cache.dtype, device=qkv.device)
     sc, sh, sl, _ = k_cache.stride()
-    _qk_norm_rope_store_kernel[(N,)](
+    heads = qk_heads_per_program(num_heads, num_kv_heads, N)
+    _qk_norm_rope_store_kernel[(N, (num_heads + num_kv_heads) // heads)](
         qkv, q, k_cache, v_cache, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos,
-        qkv.stride(-2), sc, sh, sl, eps, N * qkv.shape[-1], H=num_heads, KVH=num_kv_heads,
-        H_BLOCK=triton.next_power_of_2(num_heads), KVH_BLOCK=triton.next_power_of_2(num_kv_heads), HD=hd,
-        SPLITS=splits, num_warps=4, **pdl_options(qkv.device, N))
+        qkv.stride(-2), sc, sh, sl, eps, N * qkv.shape[-1], H=num_heads, KVH=num_kv_heads, HD=hd, HEADS=heads,
+        SPLITS=splits, num_warps=max(1, heads // 2), **pdl_options(qkv.device, N))
     return q
 
 

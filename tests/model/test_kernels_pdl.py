@@ -33,7 +33,7 @@ KERNELS = {
         "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "QW": "*bf16", "KW": "*bf16",
         "COS": "*bf16", "SIN": "*bf16", "ROPE_POS": "*i64", "SLOT": "*i64", "WRITE_POS": "*i64", "stride_qkv": "i32",
         "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "eps": "fp32", "split_stride": "i32"},
-        {"H": 16, "KVH": 8, "H_BLOCK": 16, "KVH_BLOCK": 8, "HD": 128, "SPLITS": 2}),
+        {"H": 16, "KVH": 8, "HD": 128, "HEADS": 8, "SPLITS": 2}),
     "_decode_attention_kernel": (kernels, {
         "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "POS": "*i64", "stride_cs": "i32", "stride_ch": "i32",
         "stride_cl": "i32", "scale": "fp32"}, {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64}),
