@@ -64,9 +64,12 @@ def rope_tables(length: int, hd: int):
     return emb.cos(), emb.sin()
 
 
-@pytest.mark.parametrize("H,KVH", [(4, 2), (6, 3)])  # 6 and 3 heads: a program's head tiles padded to 8 and 4
-def test_qk_norm_rope_store_matches_reference_and_writes_only_its_positions(H, KVH):
-    hd, S, L, N = 16, 6, 48, 7
+# a few tokens: a program a head; 40 tokens: a program per group of heads dividing both counts (2 of 4 and 2; 6 and 3
+# share none larger than 1)
+@pytest.mark.parametrize("H,KVH,N", [(4, 2, 7), (4, 2, 40), (6, 3, 40)])
+def test_qk_norm_rope_store_matches_reference_and_writes_only_its_positions(H, KVH, N):
+    assert kernels.qk_heads_per_program(H, KVH, N) == (2 if (H, N) == (4, 40) else 1)
+    hd, S, L = 16, 6, 48
     qkv = torch.randn(N, (H + 2 * KVH) * hd)
     qw, kw = torch.randn(hd), torch.randn(hd)
     cos, sin = rope_tables(L, hd)
@@ -381,7 +384,7 @@ def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines
     padded = Engine.from_pretrained(str(tiny_model_dir), device="cpu",
                                     options=EngineOptions(num_slots=4, max_len=256, num_retained=2, fused_kernels=True))
     padded.runner.build_prefill_buckets(capture=False)  # the graphed path's padding, run eagerly
-    assert padded.runner._prefill_bucket(3, 100) is padded.runner.prefill_buckets[(4, 128)]
+    assert padded.runner._prefill_bucket(3, 100) is padded.runner.prefill_buckets[(4, 112)]
     clips = [speech(s, seed=20 + i) for i, s in enumerate([0.7, 2.5, 1.1])]
     reqs = [DecodeRequest(audio=c, max_new_tokens=8) for c in clips]
     lengths = []
@@ -389,9 +392,10 @@ def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines
     padded.runner.prefill = lambda embeds, *a: lengths.append([e.shape[0] for e in embeds]) or prefill(embeds, *a)
     assert [r.token_ids for r in padded.transcribe(reqs)] == [r.token_ids for r in plain.transcribe(reqs)]
     del padded.runner.prefill
-    # one admission of three: a bucket of four sequences, each padded to the longest rounded up to 64 positions
+    # one admission of three: a bucket of four sequences, each padded to the longest's rung of the length ladder
     assert len(lengths) == 1 and padded.counters["prefill_tokens"] == sum(lengths[0])
-    assert padded.counters["prefill_computed_tokens"] == 4 * (-(-max(lengths[0]) // 64) * 64)
+    longest = runner_module.bucket_of(max(lengths[0]), padded.runner.prefill_lengths)
+    assert padded.counters["prefill_computed_tokens"] == 4 * longest < 4 * (-(-max(lengths[0]) // 64) * 64)
     assert [padded.transcribe([r])[0].token_ids for r in reqs] == [r.token_ids for r in plain.transcribe(reqs)]
 
 
@@ -444,10 +448,12 @@ def test_graph_capture_code_runs_every_bucket_once_per_group_pool(tiny_model_dir
     runner = runner_module.ModelRunner(model, num_slots=4, max_len=64, cuda_graphs=True, fused_kernels=True)
 
     assert list(runner.graphs) == [4, 2, 1]
-    assert list(runner.encoder_graphs) == list(runner_module.ENCODER_BUCKETS)
-    assert sorted(runner.prefill_buckets) == [(b, 64) for b in runner_module.PREFILL_BATCH_BUCKETS]
+    assert sorted(runner.encoder_graphs) == [(n, W) for n in (32, 56, 104) for W in runner_module.ENCODER_BUCKETS]
+    # prefill lengths by 16 up to max_len 64
+    prefill = [(b, t) for b in runner_module.PREFILL_BATCH_BUCKETS for t in (16, 32, 48, 64)]
+    assert sorted(runner.prefill_buckets) == prefill
     assert all(bucket.graph is not None and bucket.first is not None for bucket in runner.prefill_buckets.values())
-    groups = [3, len(runner_module.ENCODER_BUCKETS), len(runner_module.PREFILL_BATCH_BUCKETS)]
+    groups = [3, 3 * len(runner_module.ENCODER_BUCKETS), 4 * len(runner_module.PREFILL_BATCH_BUCKETS)]
     assert len(recorded) == sum(groups)
     start = 0
     for size in groups:  # the first graph of a group opens its pool, the others share it
