@@ -96,7 +96,9 @@ class AudioEncoder(nn.Module):
         x = F.gelu(self.conv2d2(x))
         x = F.gelu(self.conv2d3(x))
         n, c, f, t = x.shape
-        x = self.conv_out(x.permute(0, 3, 1, 2).reshape(n, t, c * f))
+        # contiguous: the permuted view reshapes without a copy, to rows 13 elements apart, and F.linear then ran as
+        # an unaligned batched matmul (cutlass_75 align1: 1.2 ms for 81 chunks on the H200, against ~30 us)
+        x = self.conv_out(x.permute(0, 3, 1, 2).reshape(n, t, c * f).contiguous())
         return x + self.positions[:t].to(x.dtype)
 
     def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
