@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest, Priority
+from qasr.engine.runner import capture_graph, capture_stream
 from qasr.model import kernels
 from qasr.model.testmodel import make_test_model
 
@@ -135,9 +136,10 @@ def conv_front_variants(engine: Engine, chunks: int) -> dict:
     return out
 
 
-def attention_variants(engine: Engine) -> dict:
-    """The decode attention kernel's tile and pipelining choices at the step buckets: GPU ms, and agreement with the
-    kernel as launched (BLOCK_N 64, 4 warps)."""
+def attention_variants(engine: Engine, layers: int = 28) -> dict:
+    """The decode attention kernel's tile and pipelining choices at the step buckets, `layers` launches captured in a
+    graph as in a step (timed alone, one launch is mostly Python's launch cost): GPU us a launch, and agreement with
+    the kernel as launched (BLOCK_N 64, 4 warps)."""
     runner = engine.runner
     cfg = engine.model.cfg.text
     H, hd = cfg.num_attention_heads, cfg.head_dim
@@ -149,8 +151,8 @@ def attention_variants(engine: Engine) -> dict:
         q = torch.randn(B, H, hd, device=runner.device, dtype=k_cache.dtype)
         positions = torch.full((B,), CONTEXT, device=runner.device)
         ref = kernels.decode_attention(q, k_cache, v_cache, positions)
-        for block_n, warps, stages in ((64, 4, None), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 2),
-                                       (64, 2, 2)):
+        for block_n, warps, stages in ((64, 4, None), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4),
+                                       (64, 8, 3)):
             o = torch.empty_like(ref)
             extra = {} if stages is None else {"num_stages": stages}
 
@@ -160,8 +162,10 @@ def attention_variants(engine: Engine) -> dict:
                     G_BLOCK=max(16, 1 << (H // kvh - 1).bit_length()), HD=hd, BLOCK_N=block_n, num_warps=warps,
                     PDL=False, **extra)
 
-            ms = gpu_ms(launch)
-            out[f"B{B} n{block_n} w{warps} s{stages}"] = {"us": round(ms * 1e3, 1),
+            with capture_stream() as stream:
+                graph, _ = capture_graph(lambda: [launch() for _ in range(layers)], stream, None, warmups=1)
+            ms = gpu_ms(graph.replay)
+            out[f"B{B} n{block_n} w{warps} s{stages}"] = {"us": round(ms * 1e3 / layers, 2),
                                                           "max_abs": float((o.float() - ref.float()).abs().max())}
     return out
 
