@@ -135,7 +135,7 @@ def test_admission_control_is_on_by_default_for_gpu_engines_and_off_on_the_cpu_u
     assert cli.build_config(args).admission.enabled is False and args.admission_target_ms == 0
     args = cli.build_parser().parse_args(["--model", "some/model", "--device", "cpu", "--admission-target-ms", "80"])
     assert cli.build_config(args).admission.enabled is True and args.admission_target_ms == 80
-    assert cli.default_admission_target_ms(["cuda:0", "cuda:1"], "cuda:0") == 180
-    assert cli.default_admission_target_ms([None], "cuda:0") == 180
+    assert cli.default_admission_target_ms(["cuda:0", "cuda:1"], "cuda:0") == 150
+    assert cli.default_admission_target_ms([None], "cuda:0") == 150
     assert cli.default_admission_target_ms([None], "cpu") == 0
     assert cli.default_admission_target_ms(["cpu", "cpu"], "cuda:0") == 0
