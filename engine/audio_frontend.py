@@ -179,6 +179,5 @@ class AudioFrontEnd:
         state.windows += windows[: whole - first_window]
         start = (whole - first_window) * qaudio.WINDOW_TOKENS
         end = (complete - first_window * qaudio.WINDOW_CHUNKS) * qaudio.TOKENS_PER_CHUNK
-        # a copy: the tokens are a view of the whole admission's conv output, which the stream would keep alive
-        state.chunk_tokens = tokens[start:end].clone() if tokens is not None and end > start else None
+        state.chunk_tokens = tokens[start:end] if tokens is not None and end > start else None
         state.saw(clip.audio)

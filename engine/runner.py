@@ -159,10 +159,9 @@ class PrefillBucket:
     def run(self, embeds: list[torch.Tensor], meta: list[list[int]]) -> torch.Tensor:
         """embeds: per sequence [T_i, D], written straight into the static input (its stale tail is padding:
         tokens past a sequence's length are never read by its real tokens)."""
-        B, T = len(embeds), self.x.shape[1]
-        # one indexed copy for all sequences (a copy each was two launches a sequence)
-        rows = np.concatenate([i * T + np.arange(e.shape[0]) for i, e in enumerate(embeds)])
-        self.x.view(-1, self.x.shape[-1]).index_copy_(0, self.runner.to_device(torch.from_numpy(rows)), torch.cat(embeds))
+        B = len(embeds)
+        for i, e in enumerate(embeds):
+            self.x[i, : e.shape[0]].copy_(e)
         pad = self.meta.shape[1] - B
         # pinned and non-blocking: the host goes on to the next bucket instead of waiting for the GPU to get here
         on_cuda = self.meta.device.type == "cuda"
@@ -411,19 +410,17 @@ class ModelRunner:
         staged = self.stage_samples(clips, first_frames) if staged is None else staged
         flat = staged.to(self.device, non_blocking=self.device.type == "cuda")
         sizes = [clip.size - qaudio.stft_start_sample(first) for clip, first in zip(clips, first_frames)]
-        log_spec, _ = qaudio.log_spectrogram_flat(flat, sizes, [clip.size for clip in clips], first_frames)
+        log_spec, _ = qaudio.log_spectrogram_batch(list(torch.split(flat, sizes)),
+                                                   [clip.size for clip in clips], first_frames, device=self.device)
         return log_spec
 
     def stage_samples(self, clips: list[np.ndarray], first_frames: list[int]) -> torch.Tensor:
         """The host half of log_spectrogram (it can run while the device decodes): the samples its frames read, all
         clips' in one host tensor, pinned on CUDA (so that their copy waits for nothing)."""
         tails = [clip[qaudio.stft_start_sample(first):] for clip, first in zip(clips, first_frames)]
-        # concatenated straight into (pinned) memory of the tensor's own: one copy of the samples, not two; then the
-        # zero the mel's padding reads (qaudio.log_spectrogram_flat)
-        n = sum(tail.size for tail in tails)
-        flat = torch.empty(n + 1, dtype=torch.float32, pin_memory=self.device.type == "cuda")
-        np.concatenate(tails, out=flat.numpy()[:n], casting="same_kind")  # float32 audio, or a cast to it
-        flat[n] = 0.0
+        # concatenated straight into (pinned) memory of the tensor's own: one copy of the samples, not two
+        flat = torch.empty(sum(tail.size for tail in tails), dtype=torch.float32, pin_memory=self.device.type == "cuda")
+        np.concatenate(tails, out=flat.numpy(), casting="same_kind")  # float32 audio, or a cast to it
         return flat
 
     @torch.inference_mode()
@@ -473,19 +470,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def embed_prompts(self, prompts: list[Prompt], audio: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Each prompt's token embeddings with its audio [N_i, D] in place of its N_i placeholders -> [T_i, D] each
-        (views of one tensor). One lookup and one indexed copy for all prompts: a splice per prompt was ~4 launches
-        each."""
-        for prompt, a in zip(prompts, audio):
-            if a.shape[0] != prompt.num_audio_tokens:
-                raise ValueError(f"a prompt of {prompt.num_audio_tokens} audio positions got {a.shape[0]} audio tokens")
+        """Each prompt's token embeddings with its audio [N_i, D] in place of the placeholders -> [T_i, D] each.
+        One lookup for all prompts."""
         ids = np.concatenate([prompt.input_ids for prompt in prompts])
-        embeds = self.model.decoder.embed_tokens(self.to_device(torch.from_numpy(ids)))
-        first = np.cumsum([0] + [p.num_tokens for p in prompts[:-1]])
-        rows = np.concatenate([start + p.audio_offset + np.arange(p.num_audio_tokens) for start, p in zip(first, prompts)])
-        if rows.size:
-            embeds.index_copy_(0, self.to_device(torch.from_numpy(rows)), torch.cat(audio).to(embeds.dtype))
-        return list(embeds.split([p.num_tokens for p in prompts]))
+        tokens = self.model.decoder.embed_tokens(self.to_device(torch.from_numpy(ids)))
+        return [self.model.splice_audio(t, a, prompt.audio_offset)
+                for t, a, prompt in zip(tokens.split([p.num_tokens for p in prompts]), audio, prompts)]
 
     @torch.inference_mode()
     def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor, sizes: list[int] | None = None

@@ -257,30 +257,18 @@ def log_spectrogram_batch(tails: list[torch.Tensor | np.ndarray], num_samples: l
         device = torch.as_tensor(tails[0]).device if len(tails) else torch.device("cpu")
     device = torch.device(device)
     clips = [_as_float32_tensor(tail, device) for tail in tails]
-    flat = torch.cat(clips + [torch.zeros(1, device=device)])
-    return log_spectrogram_flat(flat, [clip.shape[0] for clip in clips], num_samples, first_frames)
-
-
-def log_spectrogram_flat(flat: torch.Tensor, sizes: list[int], num_samples: list[int], first_frames: list[int]
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """log_spectrogram_batch of tails given concatenated: flat [sum(sizes) + 1] float32 (tail b is sizes[b] samples
-    from the sum of the sizes before it; a zero after the last), on the device to compute on. The engine stages its
-    admissions' samples so (one copy for the batch, no tensor per clip)."""
-    device = flat.device
     starts = [stft_start_sample(first) for first in first_frames]
-    for size, first, start, total in zip(sizes, first_frames, starts, num_samples):
+    for clip, first, start, total in zip(clips, first_frames, starts, num_samples):
         if not 0 <= first <= num_frames(total):
             raise ValueError(f"first frame {first} is outside a clip of {num_frames(total)} frames")
-        if size != total - start:
+        if clip.shape[0] != total - start:
             raise ValueError(f"a tail from sample {start} of a {total}-sample clip has {total - start} samples, "
-                             f"got {size}")
-    if flat.shape != (sum(sizes) + 1,):
-        raise ValueError(f"expected the tails' {sum(sizes)} samples and a zero, got {tuple(flat.shape)}")
+                             f"got {clip.shape[0]}")
     counts = [max(0, num_frames(total) - first) for total, first in zip(num_samples, first_frames)]
-    batch, max_count = len(sizes), max(counts, default=0)
+    batch, max_count = len(clips), max(counts, default=0)
     # everything per clip crosses to the device in one copy: [B, 5] = (samples of the whole clip, the tail's offset in
     # the concatenation less its start sample, frames to compute, first frame, the tail's start sample)
-    offsets = np.cumsum([0] + sizes[:-1])
+    offsets = np.cumsum([0] + [clip.shape[0] for clip in clips[:-1]])
     rows = [[total, offset - start, count, first, start]
             for total, offset, count, first, start in zip(num_samples, offsets, counts, first_frames, starts)]
     # pinned and asynchronous on CUDA: a pageable copy would make the host wait for the device (#17)
@@ -290,7 +278,7 @@ def log_spectrogram_flat(flat: torch.Tensor, sizes: list[int], num_samples: list
     if max_count == 0:
         return torch.zeros(batch, N_MELS, 0, device=device), num_frames_out
 
-    padded = _centre_padded_batch(flat, per_clip, max_count)  # [B, n_max * HOP + N_FFT]
+    padded = _centre_padded_batch(clips, per_clip, max_count)  # [B, n_max * HOP + N_FFT]
     window = _hann_window(device, torch.float32)
     stft = torch.stft(padded, N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
     power = stft[..., :max_count].abs() ** 2  # [B, N_FREQS, n_max]: the frame past each clip's end is dropped
@@ -300,19 +288,19 @@ def log_spectrogram_flat(flat: torch.Tensor, sizes: list[int], num_samples: list
     return log_spec.masked_fill(padding, 0.0), num_frames_out
 
 
-def _centre_padded_batch(flat: torch.Tensor, per_clip: torch.Tensor, max_frames: int) -> torch.Tensor:
+def _centre_padded_batch(clips: list[torch.Tensor], per_clip: torch.Tensor, max_frames: int) -> torch.Tensor:
     """Each clip's samples for its frames from its first frame on, reflect-padded by N_FFT // 2 at the clip's own
     ends, then zero-padded to a common length.
 
-    flat: the clips' tails (each from its start sample) concatenated, then a zero; per_clip: [B, 5] as
-    log_spectrogram_flat builds it, on flat's device. One gather, so the batch costs a handful of kernels however many
-    clips it holds.
+    clips: each clip's tail (from its start sample); per_clip: [B, 5] as log_spectrogram_batch builds it, on the clips'
+    device. One gather from the concatenated tails, so the batch costs a handful of kernels however many clips it holds.
     Returns [B, max_frames * HOP_LENGTH + N_FFT]: the samples an uncentred STFT frames into max_frames + 1
     frames, exactly what torch.stft(center=True, pad_mode="reflect") frames for each whole clip alone from its first.
     """
     pad = N_FFT // 2
     width = max_frames * HOP_LENGTH + N_FFT
-    zero_index = flat.shape[0] - 1  # the zero used for padding
+    flat = torch.cat(clips + [clips[0].new_zeros(1)])  # the last element is the zero used for padding
+    zero_index = flat.shape[0] - 1
     length, base, has_frames = per_clip[:, 0:1], per_clip[:, 1:2], per_clip[:, 2:3] > 0  # [B, 1] each
     first, start = per_clip[:, 3:4], per_clip[:, 4:5]
 

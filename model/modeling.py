@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,14 +35,6 @@ def sinusoids(length: int, channels: int, max_timescale: float = 10000.0) -> tor
     inv_timescales = torch.exp(-log_timescale_increment * torch.arange(channels // 2).float())
     scaled_time = torch.arange(length)[:, None] * inv_timescales[None, :]
     return torch.cat([torch.sin(scaled_time), torch.cos(scaled_time)], dim=1)
-
-
-def _index_to(device: torch.device, index: np.ndarray) -> torch.Tensor:
-    """A host index array on `device` without making the host wait (pinned, non-blocking on CUDA)."""
-    host = torch.from_numpy(index.astype(np.int64))
-    if device.type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class EncoderAttention(nn.Module):
@@ -129,47 +120,38 @@ class AudioEncoder(nn.Module):
     # -- packing helpers: plain tensor bookkeeping, shared with the engine's incremental encoder ------------------
 
     def embed_clips(self, mels: list[torch.Tensor], tails: list[bool] | None = None) -> list[torch.Tensor]:
-        """Conv front end for whole clips: list of [mels, F_i] -> list of [num_tokens(F_i), D] (views of one tensor).
+        """Conv front end for whole clips: list of [mels, F_i] -> list of [num_tokens(F_i), D].
 
         A clip's last chunk is zero-padded to the chunk length, except in a clip shorter than one chunk, which the
         official encoder convolves unpadded (the padding would leak into its edge tokens through the convs).
         `tails[i]` marks mel i as the tail of a longer clip (whose earlier windows are cached): padded like a long clip.
-        Full-length chunks of all clips share one conv call, gathered in one indexing from all clips' frames and
-        split back in one: per-clip pads and copies were most of an admission's launches (#15).
+        Full-length chunks of all clips share one conv call.
         """
         size, dtype = self.cfg.chunk_frames, self.conv_out.weight.dtype
-        out: list[torch.Tensor | None] = [None] * len(mels)
-        long, frame_index, token_index, counts = [], [], [], []
-        offset = chunks = 0
+        full, counts, short = [], [], {}
         for i, mel in enumerate(mels):
             frames = mel.shape[-1]
             if frames == 0:
                 raise ValueError("cannot encode an empty clip (0 mel frames)")
             if frames < size and not (tails and tails[i]):
-                out[i] = self.embed_chunks(mel[None].to(dtype))[0, : self.cfg.num_tokens(frames)]
+                short[i] = self.embed_chunks(mel[None].to(dtype))[0, : self.cfg.num_tokens(frames)]
                 continue
             n = -(-frames // size)
-            long.append(i)
-            # this clip's chunks: its frames, then the zero column after all clips' frames (-1 until that is known)
-            cols = np.arange(n * size)
-            frame_index.append(np.where(cols < frames, offset + cols, -1))
-            # chunk j's tokens are row chunks + j of the conv output, all of a whole chunk's and the last one's first
-            tokens = self.cfg.tokens_per_chunk
-            last = self.cfg.num_tokens(frames - (n - 1) * size)
-            token_index.append(np.concatenate([(chunks + j) * tokens + np.arange(tokens if j < n - 1 else last)
-                                               for j in range(n)]))
-            counts.append((n - 1) * tokens + last)
-            offset, chunks = offset + frames, chunks + n
-        if long:
-            device = mels[long[0]].device
-            frames = torch.cat([mels[i] for i in long] + [mels[long[0]].new_zeros(mels[long[0]].shape[0], 1)], dim=1)
-            index = np.concatenate(frame_index)
-            index = _index_to(device, np.where(index < 0, offset, index))
-            batch = frames.index_select(1, index).view(frames.shape[0], chunks, size).transpose(0, 1)
-            embedded = self.embed_chunks(batch.to(dtype)).flatten(0, 1)  # [chunks * tokens_per_chunk, D]
-            kept = embedded.index_select(0, _index_to(device, np.concatenate(token_index)))
-            for i, tokens in zip(long, kept.split(counts)):
-                out[i] = tokens
+            full.append(F.pad(mel, (0, n * size - frames)).view(mel.shape[0], n, size).transpose(0, 1))
+            counts.append([self.cfg.tokens_per_chunk] * (n - 1) + [self.cfg.num_tokens(frames - (n - 1) * size)])
+        embedded = self.embed_chunks(torch.cat(full).to(dtype)) if full else None
+        out, row, k = [], 0, 0
+        for i in range(len(mels)):
+            if i in short:
+                out.append(short[i])
+                continue
+            # chunk j's tokens are embedded[row + j, :counts[k][j]], and every chunk but the last is whole: the
+            # clip's tokens are its chunks' rows flattened, cut after the last chunk's (one copy, not a cat of
+            # slices; a copy, so a stream keeping some of them does not keep the whole batch's)
+            n = len(counts[k])
+            out.append(embedded[row : row + n].flatten(0, 1)[: sum(counts[k])].clone())
+            row += n
+            k += 1
         return out
 
     def pack_windows(self, clips: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
