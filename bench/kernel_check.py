@@ -300,15 +300,20 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     return out
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m qasr.bench.kernel_check")
+def size_and_sections(prog: str, known: tuple[str, ...], argv=None) -> tuple[str, set[str]]:
+    """The GPU checks' command line: `[0.6B|1.7B] [--sections a,b]` (default: all of `known`)."""
+    parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("size", nargs="?", default="0.6B", choices=("0.6B", "1.7B"))
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {SECTIONS}")
+    parser.add_argument("--sections", default=",".join(known), help=f"comma-separated, of {known}")
     args = parser.parse_args(argv)
     sections = set(args.sections.split(","))
-    if not sections <= set(SECTIONS):
-        parser.error(f"--sections takes {SECTIONS}, got {args.sections!r}")
-    size = args.size
+    if not sections <= set(known):
+        parser.error(f"--sections takes {known}, got {args.sections!r}")
+    return args.size, sections
+
+
+def main(argv=None) -> None:
+    size, sections = size_and_sections("python -m qasr.bench.kernel_check", SECTIONS, argv)
     device = torch.device("cuda")
     with tempfile.TemporaryDirectory() as tmp:
         d = make_test_model(f"{tmp}/m", size=size, dtype="bfloat16")

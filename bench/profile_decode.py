@@ -10,7 +10,6 @@ operator table as text.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
@@ -26,6 +25,7 @@ from qasr.engine.runner import capture_graph, capture_stream
 from qasr.model import kernels
 from qasr.model.testmodel import make_test_model
 
+from .kernel_check import size_and_sections
 from .synthetic import speech_like
 
 SECTIONS = ("step", "admission", "variants")
@@ -171,15 +171,9 @@ def attention_variants(engine: Engine, layers: int = 28) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m qasr.bench.profile_decode")
-    parser.add_argument("size", nargs="?", default="0.6B", choices=("0.6B", "1.7B"))
-    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {SECTIONS}")
-    args = parser.parse_args(argv)
-    sections = set(args.sections.split(","))
-    if not sections <= set(SECTIONS):
-        parser.error(f"--sections takes {SECTIONS}, got {args.sections!r}")
+    size, sections = size_and_sections("python -m qasr.bench.profile_decode", SECTIONS, argv)
     with tempfile.TemporaryDirectory() as tmp:
-        d = make_test_model(f"{tmp}/m", size=args.size, dtype="bfloat16")
+        d = make_test_model(f"{tmp}/m", size=size, dtype="bfloat16")
         # the stream bench's server: 256 decode rows, 640 positions, streams' prefixes retained
         opts = EngineOptions(num_slots=256, max_len=640, num_retained=64, ignore_eos=True, repetition_window=0)
         engine = Engine.from_pretrained(str(d), device="cuda", dtype="bfloat16", options=opts)
@@ -187,7 +181,7 @@ def main(argv=None) -> None:
     def emit(section: str, value) -> None:
         print(json.dumps({section: value}), flush=True)
 
-    emit("size", args.size)
+    emit("size", size)
     if "step" in sections:
         emit("decode_step_kernels_us", step_section(engine))
     if "admission" in sections:
