@@ -9,7 +9,8 @@
 # Usage (repo root, from the device tool with carry [".whl"]): bash bench/h200_stream.sh OUTDIR "600 800"
 # Env: LABEL (the run's line on a scaling curve: qasr-bench stream --label), DURATION (s per client, 40), STAGGER (s over which clients start, 10), WARMUP=N (N clients for 10 s first,
 # not reported), PYSPY=N (sample the server's and the engine process's Python stacks mid-run into OUTDIR, in run N
-# only, so the other runs are not perturbed; PYSPY=all: every run), ALIGNER=1
+# only, so the other runs are not perturbed; PYSPY=all: every run; PYSPY_NATIVE=1: the engine process's native
+# frames too), ALIGNER=1
 # (word times: a random Qwen3-ForcedAligner-0.6B-shaped aligner beside the model, every client asks with --words),
 # WORDS_FRACTION=F (with ALIGNER=1: only this fraction of the clients ask, --words-fraction F; each run then prints
 # final latency apart for the streams with and without words),
@@ -112,10 +113,14 @@ if n:
 print(f"admission control: {d['refused']:.0f} streams refused (no headroom), {d['thinned']:.0f} partials thinned")
 PY
 }
-# PYSPY: sample the server's Python stacks mid-run (all threads, then only the thread holding the GIL), raw folded
+# PYSPY: sample the server's Python stacks mid-run (all threads, then only the thread holding the GIL), raw folded;
+# PYSPY_NATIVE=1: then the engine process (the GPU's compute process) with native frames too, where its thread waits
+# in C++ and CUDA calls (py-spy stops the process for each such sample: no --nonblocking, a lower rate)
 pyspy() { sleep $(( ${STAGGER:-10} + 2 ))
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-all.txt" > /dev/null 2>&1
-  py-spy record --pid "$server" --subprocesses --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1; }
+  py-spy record --pid "$server" --subprocesses --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1
+  [ -n "${PYSPY_NATIVE:-}" ] && py-spy record --pid "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | head -1 | tr -d ' ')" \
+    --native --threads --duration 6 --rate 50 --format raw -o "$out/pyspy-$1-native.txt" > "$out/pyspy-$1-native.log" 2>&1; }
 # PROFILE: open the engines' profiler window mid-run, then print what each saw
 profile_start() { sleep $(( ${STAGGER:-10} + 4 )); echo "$1" > "$out/profile/start"; }
 profile_report() { python3 - "$out/profile" "$1" <<'PY'
