@@ -115,7 +115,8 @@ PY
 }
 # PYSPY: sample the server's Python stacks mid-run (all threads, then only the thread holding the GIL), raw folded;
 # PYSPY_NATIVE=1: then the engine process (the GPU's compute process) with native frames too, where its thread waits
-# in C++ and CUDA calls (py-spy stops the process for each such sample: no --nonblocking, a lower rate)
+# in C++ and CUDA calls (py-spy stops the process for each such sample: no --nonblocking, a lower rate). Read them
+# with python -m qasr.bench.pyspy_summary FILE --process PID --thread MainThread
 pyspy() { sleep $(( ${STAGGER:-10} + 2 ))
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-all.txt" > /dev/null 2>&1
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1
