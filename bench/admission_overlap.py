@@ -16,12 +16,17 @@ OUT/admission_overlap.json. Random weights: the transcripts are meaningless, the
 the host wait for the device is counted by where it came from (its innermost qasr frames). Two are meant: the
 decode step's read (runner.read_decode) and the mel's chunk extremes (runner.chunk_extremes); any other is a wait
 to remove (a scalar or list copied from pageable memory, an .item(), a .tolist()).
+
+`--phases`: the runs with the overlap on also time the engine thread by phase (PHASES: the admission's host side
+piece by piece, the decode step's launch and read, the postprocess), in ms an admission and as a share of the run:
+which piece of an admission holds the thread (session 9: 55% of it at 1,000 streams, not in Python).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import tempfile
 import sys
@@ -89,6 +94,41 @@ def run_load(engine: Engine, args, overlap: bool, round_index: int) -> dict:
                                   "p90": float(np.percentile(latencies, 90)) if latencies else None}}
 
 
+# where the engine thread's time goes inside a step, by the method it is in (--phases): (phase, owner, method). The
+# owners are the engine's own objects; mel includes mel_read, the host's wait for the mel's chunk extremes
+PHASES = (("prepare", "engine", "_prepare"), ("mel", "frontend", "_log_spectrogram"),
+          ("mel_read", "runner", "chunk_extremes"), ("floor", "frontend", "_floored"), ("conv", "frontend", "_conv_tokens"),
+          ("encoder", "frontend", "_encode"), ("prompts", "runner", "embed_prompts"), ("prefill", "runner", "prefill"),
+          ("start_rows", "runner", "start_rows"), ("launch", "runner", "launch_decode"), ("read", "runner", "read_decode"),
+          ("postprocess", "engine", "_postprocess"), ("admissions", "engine", "_admit_together"))
+
+
+@contextlib.contextmanager
+def phase_timers(engine: Engine):
+    """Times the PHASES' methods on this engine while inside -> {phase: [calls, wall seconds]} (filled as it runs).
+    Instance attributes shadow the methods and are removed after."""
+    owners = {"engine": engine, "frontend": engine.frontend, "runner": engine.runner}
+    spent = {phase: [0, 0.0] for phase, _, _ in PHASES}
+
+    def timed(phase, method):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spent[phase][0] += 1
+                spent[phase][1] += time.perf_counter() - start
+        return call
+
+    for phase, owner, name in PHASES:
+        setattr(owners[owner], name, timed(phase, getattr(owners[owner], name)))
+    try:
+        yield spent
+    finally:
+        for _, owner, name in PHASES:
+            delattr(owners[owner], name)
+
+
 def qasr_frames() -> list[str]:
     """The caller's stack, innermost first, as "file:line function" for the frames of qasr's own modules (not the
     benches' or the tests')."""
@@ -127,6 +167,18 @@ def audit_syncs(fn, cuda: bool = True):
     return result, dict(sites.most_common())
 
 
+def phase_table(spent: dict, wall_s: float) -> dict:
+    """{phase: calls, ms a call, ms an admission, share of `wall_s` (the time the timers were on)}."""
+    admissions = max(1, spent["admissions"][0])
+    return {phase: {"calls": n, "ms_per_call": s / n * 1e3 if n else 0.0, "ms_per_admission": s / admissions * 1e3,
+                    "share": s / wall_s} for phase, (n, s) in spent.items()}
+
+
+def print_phases(table: dict) -> None:
+    print("  engine thread by phase (ms an admission, share of the run):",
+          ", ".join(f"{phase} {v['ms_per_admission']:.2f} ({v['share']:.0%})" for phase, v in table.items()))
+
+
 def print_run(row: dict) -> None:
     lat = row["partial_engine_ms"]
     fmt = lambda v: f"{v:.1f}" if v is not None else "-"  # noqa: E731
@@ -154,6 +206,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--sync-audit", action="store_true",
                    help="CUDA: count where the host waited for the device in the runs with the overlap on")
+    p.add_argument("--phases", action="store_true",
+                   help="time the engine thread's phases (PHASES) in the runs with the overlap on")
     p.add_argument("--out", default=None, help="folder for admission_overlap.json")
     return p
 
@@ -179,6 +233,12 @@ def run(args) -> dict:
                     row["syncs"] = syncs
                     print("  host waited for the device at:", *(f"    {n:6d}  {site}" for site, n in syncs.items()),
                           sep="\n")
+                elif overlap and args.phases:
+                    started = time.perf_counter()
+                    with phase_timers(engine) as spent:  # the run's setup and wind-down too: shares of all of it
+                        row = run_load(engine, args, overlap, r)
+                    row["phases"] = phase_table(spent, time.perf_counter() - started)
+                    print_phases(row["phases"])
                 else:
                     row = run_load(engine, args, overlap, r)
                 rows.append(row)

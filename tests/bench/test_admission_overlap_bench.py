@@ -33,3 +33,29 @@ def test_the_sync_audit_counts_each_wait_by_its_qasr_call_site():
     result, sites = admission_overlap.audit_syncs(load, cuda=False)
     assert result == "done"
     assert sites == {"waiting.py:2 wait": 3}
+
+
+def test_phases_time_the_engine_threads_pieces_of_the_overlapped_runs(tmp_path):
+    admission_overlap.main(["--device", "cpu", "--steps", "12", "--rows", "2", "--streams", "3", "--per-admission", "2",
+                            "--slots", "8", "--max-seconds", "2", "--rounds", "1", "--phases", "--out", str(tmp_path)])
+    runs = json.loads((tmp_path / "admission_overlap.json").read_text())["runs"]
+    assert "phases" not in runs[0]  # the overlap off: untimed
+    phases = runs[1]["phases"]
+    assert set(phases) == {phase for phase, _, _ in admission_overlap.PHASES}
+    assert phases["admissions"]["calls"] >= 1 and phases["launch"]["calls"] >= 12 and phases["read"]["calls"] >= 12
+    assert phases["mel"]["calls"] >= phases["admissions"]["calls"] and phases["prefill"]["calls"] >= 1
+    # nested phases take no more than the admission around them, all less than the run
+    inner = sum(phases[p]["ms_per_admission"] for p in ("prepare", "mel", "floor", "conv", "encoder", "prompts", "prefill"))
+    assert 0 < inner <= phases["admissions"]["ms_per_admission"] + phases["prepare"]["ms_per_admission"]
+    assert all(0 <= v["share"] < 1 for v in phases.values())
+
+
+def test_phase_timers_count_calls_and_take_their_wrappers_off():
+    classes = {key: type(key, (), {name: (lambda self, x=0: x + 1) for _, o, name in admission_overlap.PHASES
+                                   if o == key}) for key in ("engine", "frontend", "runner")}
+    engine = classes["engine"]()
+    engine.frontend, engine.runner = classes["frontend"](), classes["runner"]()
+    with admission_overlap.phase_timers(engine) as spent:
+        assert engine.runner.prefill(1) == 2 and engine.runner.prefill() == 1 and engine._prepare() == 1
+    assert spent["prefill"][0] == 2 and spent["prepare"][0] == 1 and spent["read"] == [0, 0.0]
+    assert "prefill" not in vars(engine.runner) and "_prepare" not in vars(engine)  # the class's methods again
