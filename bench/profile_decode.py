@@ -1,6 +1,7 @@
 """Where the GPU's time goes, by kernel, on a random real-shape checkpoint (#15, #16): the decode step's graph replay
 at several buckets, and a live-like admission (partials of streams that kept their earlier chunks, and finals) with the
-operator and input shapes behind each kernel; then side-by-side timings of kernel variants still being decided.
+operator and input shapes behind each kernel; then side-by-side timings of kernel variants still being decided, and
+the int8 KV cache (EngineOptions.kv_cache_int8) against bf16: step time, kernels, token agreement.
 
     python -m qasr.bench.profile_decode [0.6B|1.7B] [--sections step,admission,variants]    # on CUDA, ~2 min
 
@@ -10,6 +11,7 @@ operator table as text.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -28,7 +30,7 @@ from qasr.model.testmodel import make_test_model
 from .kernel_check import size_and_sections
 from .synthetic import speech_like
 
-SECTIONS = ("step", "admission", "variants")
+SECTIONS = ("step", "admission", "variants", "int8")
 STEP_BUCKETS = (1, 32, 128, 256)
 CONTEXT = 200  # decode rows' positions: a ~10 s segment's prompt and answer
 
@@ -60,12 +62,50 @@ def gpu_ms(fn, runs: int = 30) -> float:
     return statistics.median(samples)
 
 
+def fill_cache(cache) -> None:
+    """Random keys and values (an int8 cache: random integers and scales)."""
+    gen = torch.Generator(device=cache.k[0].device).manual_seed(0)
+    for layer in (*cache.k, *cache.v):
+        if layer.dtype == torch.int8:
+            layer.random_(-127, 128, generator=gen)
+        else:
+            layer.normal_(generator=gen)
+    for scale in (t for pair in cache.scales or () for t in pair):
+        scale.uniform_(0.001, 0.05, generator=gen)
+
+
+def step_ms(engine: Engine, runs: int = 30) -> dict:
+    """Each bucket's graphed decode step, every row live at CONTEXT: median GPU ms a replay."""
+    runner = engine.runner
+    runner.budgets.fill_(1 << 30)
+
+    def replay(B):
+        runner.positions[:B] = CONTEXT
+        runner.graphs[B].replay()
+
+    out = {B: round(gpu_ms(lambda: replay(B), runs), 4) for B in STEP_BUCKETS}
+    runner.positions.fill_(-1)
+    return out
+
+
+def int8_section(bf16: Engine, int8: Engine, requests: int = 32, tokens: int = 40) -> dict:
+    """The int8 KV cache against the model's dtype: the step's replay time at the buckets (the same weights), its
+    kernels, and the tokens of the same forced-length requests (random weights: how often int8's rounding of K and V
+    changes the argmax)."""
+    fill_cache(int8.runner.cache)
+    out = {"step_ms": {"bf16": step_ms(bf16), "int8": step_ms(int8)}, "int8_step_kernels_us": step_section(int8)}
+    reqs = [DecodeRequest(audio=speech_like(3 + i % 8, seed=500 + i), max_new_tokens=tokens) for i in range(requests)]
+    a, b = ([r.token_ids for r in engine.transcribe(reqs)] for engine in (bf16, int8))
+    out["first_tokens_identical"] = sum(x[0] == y[0] for x, y in zip(a, b)) / requests
+    out["tokens_identical"] = sum(u == v for x, y in zip(a, b) for u, v in zip(x, y)) / (requests * tokens)
+    out["requests_identical"] = sum(x == y for x, y in zip(a, b)) / requests
+    return out
+
+
 def step_section(engine: Engine, replays: int = 20) -> dict:
     """Each bucket's graphed decode step, every row live at CONTEXT: GPU time per kernel per step."""
     runner = engine.runner
-    gen = torch.Generator(device=runner.device).manual_seed(0)
-    for layer in (*runner.cache.k, *runner.cache.v):
-        layer.normal_(generator=gen)
+    fill_cache(runner.cache)
     runner.budgets.fill_(1 << 30)
     out = {}
     for B in STEP_BUCKETS:
@@ -177,6 +217,9 @@ def main(argv=None) -> None:
         # the stream bench's server: 256 decode rows, 640 positions, streams' prefixes retained
         opts = EngineOptions(num_slots=256, max_len=640, num_retained=64, ignore_eos=True, repetition_window=0)
         engine = Engine.from_pretrained(str(d), device="cuda", dtype="bfloat16", options=opts)
+        int8 = (Engine.from_pretrained(str(d), device="cuda", dtype="bfloat16",
+                                       options=dataclasses.replace(opts, kv_cache_int8=True))
+                if "int8" in sections else None)
 
     def emit(section: str, value) -> None:
         print(json.dumps({section: value}), flush=True)
@@ -189,6 +232,8 @@ def main(argv=None) -> None:
     if "variants" in sections:
         emit("conv_front_variants", {n: conv_front_variants(engine, n) for n in (8, 40)})
         emit("decode_attention_variants", attention_variants(engine))
+    if int8 is not None:
+        emit("kv_cache_int8", int8_section(engine, int8))
 
 
 if __name__ == "__main__":

@@ -184,12 +184,13 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         fused_kernels: bool | None = None,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        kv_int8: bool = False,
     ):
         self.model = model
         self.device = model.device
         self.num_slots = num_slots  # decode rows; slots [num_slots, num_slots + num_retained) hold retained prefixes
         self.max_len = max_len
-        self.cache = model.new_cache(num_slots + num_retained, max_len)
+        self.cache = model.new_cache(num_slots + num_retained, max_len, int8=kv_int8)
         self.eos = torch.tensor(eos_ids or (-1,), device=self.device)  # -1: no token is EOS
         # per-slot decode state (device): the token to feed, its position (-1 = idle), tokens made, token budget
         S = num_slots
@@ -214,6 +215,8 @@ class ModelRunner:
         self.fused_kernels = kernels.available(self.device) if fused_kernels is None else fused_kernels
         if self.fused_kernels and not kernels.available(self.device):
             raise ValueError(f"fused kernels need Triton and a CUDA device (got {self.device})")
+        if kv_int8 and not self.fused_kernels:
+            raise ValueError("an int8 KV cache needs the fused kernels (the plain attention reads the cache as it is)")
         # the decoder's layer ops, chosen once: every prefill and decode step (and so every graph) runs on them
         self.layer_ops = (FusedLayerOps(model.decoder.rope_table(self.cache.length)) if self.fused_kernels
                           else PlainLayerOps())
@@ -547,5 +550,5 @@ class ModelRunner:
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst` (all layers)."""
         if length > 0:
-            for layer in (*self.cache.k, *self.cache.v):
+            for layer in (*self.cache.k, *self.cache.v, *(t for pair in self.cache.scales or () for t in pair)):
                 layer[dst, :, :length] = layer[src, :, :length]
