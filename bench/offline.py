@@ -113,7 +113,8 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     clip = speech_like(args.clip_seconds, seed=1)
     opts = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
-                         repetition_window=0, max_prefill_tokens=args.prefill_tokens)
+                         repetition_window=0, max_prefill_tokens=args.prefill_tokens,
+                         kv_cache_int8=args.kv_cache_int8)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
@@ -306,7 +307,7 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     out: dict = {"size": args.size, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "clip_seconds": args.clip_seconds, "tokens": args.tokens,
-                 "date": time.strftime("%Y-%m-%d")}
+                 "kv_cache_int8": args.kv_cache_int8, "date": time.strftime("%Y-%m-%d")}
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             model_dir = Path(args.model)
