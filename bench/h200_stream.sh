@@ -75,6 +75,9 @@ def read(path):
     for kind in ("prefill_tokens", "prefill_computed_tokens", "encoder_tokens", "encoder_computed_tokens"):
         m = re.search(rf'^qasr_engine_counters\{{kind="{kind}"\}} (\S+)$', text, re.M)
         out[kind] = float(m.group(1)) if m else 0.0
+    for kind in ("device_allocs", "device_frees", "alloc_retries", "reserved_bytes"):  # the CUDA caching allocator
+        m = re.search(rf'^qasr_engine_device_memory\{{kind="{kind}"\}} (\S+)$', text, re.M)
+        out[kind] = float(m.group(1)) if m else 0.0
     out["engines"] = len(set(re.findall(r'^qasr_engine_steps\{engine="(\d+)"\}', raw, re.M))) or 1
     m = re.search(r'^qasr_streams_refused_total\{reason="headroom"\} (\S+)$', text, re.M)
     out["refused"] = float(m.group(1)) if m else 0.0
@@ -105,6 +108,9 @@ if d["prefill_computed_tokens"] and d["encoder_computed_tokens"]:  # what the bu
           f" ({d['prefill_computed_tokens'] / wall:.0f} computed, {1 - d['prefill_tokens'] / d['prefill_computed_tokens']:.0%} padding),"
           f" encoder {d['encoder_tokens'] / wall:.0f} ({d['encoder_computed_tokens'] / wall:.0f} computed,"
           f" {1 - d['encoder_tokens'] / d['encoder_computed_tokens']:.0%} padding)")
+if b["reserved_bytes"]:
+    print(f"CUDA allocator in the run: {d['device_allocs']:.0f} cudaMalloc, {d['device_frees']:.0f} cudaFree, "
+          f"{d['alloc_retries']:.0f} retries after freeing the cache; {b['reserved_bytes'] / 2**30:.1f} GiB reserved")
 n = d["qasr_event_loop_lag_seconds_count"]
 if n:
     lag = {le: b["lag"][le] - a["lag"].get(le, 0) for le in b["lag"]}

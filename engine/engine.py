@@ -69,6 +69,17 @@ class _Admitted:
         return self.done is None or self.done.query()
 
 
+def device_memory(device: torch.device) -> dict[str, float]:
+    """The CUDA caching allocator's work so far on `device`: cudaMalloc and cudaFree calls (each can hold the thread
+    that made it: session 9 found the engine thread inside C++ calls most of an admission), retries after a failed
+    allocation (each frees the cache, synchronizing), and the bytes reserved and allocated now."""
+    stats = torch.cuda.memory_stats(device)
+    return {"device_allocs": stats.get("num_device_alloc", 0), "device_frees": stats.get("num_device_free", 0),
+            "alloc_retries": stats.get("num_alloc_retries", 0),
+            "reserved_bytes": stats.get("reserved_bytes.all.current", 0),
+            "allocated_bytes": stats.get("allocated_bytes.all.current", 0)}
+
+
 class Engine:
     """Synchronous core. `add()` and `release_stream()` are thread-safe; `step()` must be called from one thread."""
 
@@ -258,6 +269,7 @@ class Engine:
                if self.aligner is not None else {}),
             "seconds": dict(self.seconds),
             "thread_cpu_seconds": self.thread_cpu_seconds,
+            **({"device_memory": device_memory(self.runner.device)} if self.runner.device.type == "cuda" else {}),
         }
 
     # -- admit: schedule, encode, prefill, postprocess the first tokens ---------------------------------------------

@@ -60,6 +60,9 @@ ENGINE_STATS_HELP = {
                 "decode rows, and the prefill's and the encoder's positions computed with their padding.",
     "seconds": "The engine loop's time so far, by kind: admit, decode_gpu, decode_host, idle.",
     "thread_cpu_seconds": "CPU time of the engine loop's thread.",
+    "device_memory": "The engine's CUDA caching allocator, by kind: cudaMalloc and cudaFree calls so far "
+                     "(device_allocs, device_frees), allocations retried after freeing the cache (alloc_retries), "
+                     "bytes reserved and allocated now.",
     "process_cpu_seconds": "CPU time of the engine process (all threads).",
     "restarts": "Engine processes replaced after one died (a device error, out of memory, a kill).",
     "streams": "Streams (segments) placed on the engine and not released (qasr.engine.pool).",

@@ -78,6 +78,22 @@ def test_stats_say_where_the_engine_threads_time_went(tiny_model_dir, alone):
     assert seconds["idle"] == 0  # only AsyncEngine waits for work
 
 
+def test_device_memory_reads_the_cuda_allocators_counts_and_a_cpu_engine_has_none(engine, monkeypatch):
+    from qasr.engine import engine as engine_module
+
+    assert "device_memory" not in engine.stats()
+    seen = []
+    stats = {"num_device_alloc": 12, "num_device_free": 3, "num_alloc_retries": 1, "reserved_bytes.all.current": 2048,
+             "allocated_bytes.all.current": 1024, "active.all.current": 7}
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: seen.append(device) or stats)
+    cuda = torch.device("cuda", 1)
+    assert engine_module.device_memory(cuda) == {"device_allocs": 12, "device_frees": 3, "alloc_retries": 1,
+                                                 "reserved_bytes": 2048, "allocated_bytes": 1024}
+    assert seen == [cuda]
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {})  # an allocator that never ran
+    assert set(engine_module.device_memory(cuda).values()) == {0}
+
+
 def test_arrivals_while_decoding_wait_for_the_admission_interval(tiny_model_dir, alone):
     clips, budgets, out = alone
     engine = make_engine(tiny_model_dir, admission_interval_ms=1e6)  # never again while something decodes
