@@ -1,9 +1,10 @@
 """Where the GPU's time goes, by kernel, on a random real-shape checkpoint (#15, #16): the decode step's graph replay
 at several buckets, and a live-like admission (partials of streams that kept their earlier chunks, and finals) with the
-operator and input shapes behind each kernel; then side-by-side timings of kernel variants still being decided, and
-the int8 KV cache (EngineOptions.kv_cache_int8) against bf16: step time, kernels, token agreement.
+operator and input shapes behind each kernel; and the int8 KV cache (EngineOptions.kv_cache_int8) against bf16: step
+time, kernels, token agreement. (Session 9's side-by-side variants of the first conv and of the decode attention's
+tiles, decided and recorded in docs/benchmarks.md, are in `72fa962`.)
 
-    python -m qasr.bench.profile_decode [0.6B|1.7B] [--sections step,admission,variants]    # on CUDA, ~2 min
+    python -m qasr.bench.profile_decode [0.6B|1.7B] [--sections step,admission,int8]    # on CUDA, ~2 min
 
 Prints one JSON object per line, a section each (a time limit leaves the sections that finished), and the admission's
 operator table as text.
@@ -13,24 +14,20 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 import tempfile
 
 import torch
-import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest, Priority
-from qasr.engine.runner import capture_graph, capture_stream
-from qasr.model import kernels
 from qasr.model.testmodel import make_test_model
 
 from .kernel_check import size_and_sections
 from .synthetic import speech_like
 
-SECTIONS = ("step", "admission", "variants", "int8")
+SECTIONS = ("step", "admission", "int8")
 STEP_BUCKETS = (1, 32, 128, 256)
 CONTEXT = 200  # decode rows' positions: a ~10 s segment's prompt and answer
 
@@ -152,64 +149,6 @@ def admission_section(engine: Engine) -> dict:
     return kernel_times(prof, 1, top=25)
 
 
-def conv_front_variants(engine: Engine, chunks: int) -> dict:
-    """The encoder's first convolution (1 input channel, so a reduction of 9: cuBLAS/cuDNN pick an unaligned kernel)
-    as it is and with its input padded with zero channels to 8 (the same sums, plus zeros), and channels-last; each
-    timed with its GELU, against the first's output."""
-    enc = engine.model.encoder
-    conv = enc.conv2d1
-    x = torch.randn(chunks, 1, 128, 100, device=conv.weight.device, dtype=conv.weight.dtype)
-    w8 = F.pad(conv.weight, (0, 0, 0, 0, 0, 7))  # [C, 8, 3, 3]
-    base = lambda: F.gelu(conv(x))  # noqa: E731
-    pad8 = lambda: F.gelu(F.conv2d(F.pad(x, (0, 0, 0, 0, 0, 7)), w8, conv.bias, 2, 1))  # noqa: E731
-    x_cl = x.to(memory_format=torch.channels_last)
-    w_cl = conv.weight.to(memory_format=torch.channels_last)
-    last = lambda: F.gelu(F.conv2d(x_cl, w_cl, conv.bias, 2, 1))  # noqa: E731
-    ref = base().float()
-    out = {}
-    for name, fn in (("as_is", base), ("pad8", pad8), ("channels_last", last)):
-        got = fn().float()
-        out[name] = {"ms": round(gpu_ms(fn), 4), "max_abs": float((got - ref).abs().max()),
-                     "identical": float((got == ref).float().mean())}
-    whole = lambda: enc.embed_chunks(x[:, 0])  # noqa: E731
-    out["embed_chunks_ms"] = round(gpu_ms(whole), 4)
-    return out
-
-
-def attention_variants(engine: Engine, layers: int = 28) -> dict:
-    """The decode attention kernel's tile and pipelining choices at the step buckets, `layers` launches captured in a
-    graph as in a step (timed alone, one launch is mostly Python's launch cost): GPU us a launch, and agreement with
-    the kernel as launched (BLOCK_N 64, 4 warps)."""
-    runner = engine.runner
-    cfg = engine.model.cfg.text
-    H, hd = cfg.num_attention_heads, cfg.head_dim
-    k_cache, v_cache = runner.cache.k[0], runner.cache.v[0]
-    kvh = k_cache.shape[1]
-    sc, sh, sl, _ = k_cache.stride()
-    out = {}
-    for B in STEP_BUCKETS:
-        q = torch.randn(B, H, hd, device=runner.device, dtype=k_cache.dtype)
-        positions = torch.full((B,), CONTEXT, device=runner.device)
-        ref = kernels.decode_attention(q, k_cache, v_cache, positions)
-        for block_n, warps, stages in ((64, 4, None), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (32, 4, 4),
-                                       (64, 8, 3)):
-            o = torch.empty_like(ref)
-            extra = {} if stages is None else {"num_stages": stages}
-
-            def launch():
-                kernels._decode_attention_kernel[(B, kvh)](
-                    q, k_cache, v_cache, o, positions, sc, sh, sl, 1.0 / math.sqrt(hd), H=H, G=H // kvh,
-                    G_BLOCK=max(16, 1 << (H // kvh - 1).bit_length()), HD=hd, BLOCK_N=block_n, num_warps=warps,
-                    PDL=False, **extra)
-
-            with capture_stream() as stream:
-                graph, _ = capture_graph(lambda: [launch() for _ in range(layers)], stream, None, warmups=1)
-            ms = gpu_ms(graph.replay)
-            out[f"B{B} n{block_n} w{warps} s{stages}"] = {"us": round(ms * 1e3 / layers, 2),
-                                                          "max_abs": float((o.float() - ref.float()).abs().max())}
-    return out
-
-
 def main(argv=None) -> None:
     size, sections = size_and_sections("python -m qasr.bench.profile_decode", SECTIONS, argv)
     with tempfile.TemporaryDirectory() as tmp:
@@ -229,9 +168,6 @@ def main(argv=None) -> None:
         emit("decode_step_kernels_us", step_section(engine))
     if "admission" in sections:
         emit("admission_kernels_us", admission_section(engine))
-    if "variants" in sections:
-        emit("conv_front_variants", {n: conv_front_variants(engine, n) for n in (8, 40)})
-        emit("decode_attention_variants", attention_variants(engine))
     if int8 is not None:
         emit("kv_cache_int8", int8_section(engine, int8))
 
