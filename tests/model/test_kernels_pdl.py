@@ -103,19 +103,25 @@ def test_with_pdl_each_program_waits_for_the_previous_kernel_before_touching_mem
 
 
 @pytest.mark.parametrize("name", ["_qk_norm_rope_store_kernel", "_decode_attention_kernel", "_prefill_attention_kernel"])
-def test_the_int8_kv_cache_paths_compile_for_hopper_and_convert_bytes(name):
+def test_the_int8_kv_cache_paths_compile_for_hopper_and_move_bytes(name):
     """QUANT (an int8 KV cache with float32 scales per vector) on: the kernel compiles for sm_90 with int8 cache
-    pointers, and its PTX converts between int8 and floats (stores s8 in the writer, reads s8 in the readers)."""
+    pointers, stores (the writer) or loads (the readers) single bytes where the bf16 build moves none, and still waits
+    for the previous kernel first."""
     module, signature, constexprs = KERNELS[name]
     caches = ("K_CACHE", "V_CACHE") if "K_CACHE" in signature else ("K", "V")
-    signature = signature | {c: "*i8" for c in caches}
-    constexprs = constexprs | {"QUANT": True, "PDL": True}
-    src = ASTSource(fn=getattr(module, name), signature=signature | {c: "constexpr" for c in constexprs},
-                    constexprs=constexprs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, "num_warps": 4}).asm["ptx"]
-    memory = "st.global.b8" if name == "_qk_norm_rope_store_kernel" else "ld.global"
-    assert re.search(r"cvt\.\w*s8|cvt\.rn\.\w+\.s\d+|s8", ptx) and memory in ptx
-    assert ptx.find("griddepcontrol.wait") < MEMORY.search(ptx).start()
+
+    def ptx(quant: bool) -> str:
+        sig = signature | ({c: "*i8" for c in caches} if quant else {})
+        flags = constexprs | {"QUANT": quant, "PDL": True}
+        src = ASTSource(fn=getattr(module, name), signature=sig | {c: "constexpr" for c in flags}, constexprs=flags)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, "num_warps": 4}).asm["ptx"]
+
+    access = re.compile(r"\b(st|ld)\.global(\.\w+)*\.b8\b")
+    on, off = ptx(True), ptx(False)
+    assert [m.group(1) for m in access.finditer(on)][:1] == ["st" if name == "_qk_norm_rope_store_kernel" else "ld"]
+    assert not access.search(off)
+    wait = on.find("griddepcontrol.wait")
+    assert 0 <= wait < MEMORY.search(on).start()
 
 
 def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
