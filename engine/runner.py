@@ -51,8 +51,11 @@ def prefill_length_buckets(max_len: int, steps=PREFILL_LENGTH_STEPS) -> tuple[in
 
 
 def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest bucket >= n (buckets ascending; n at most the last)."""
-    return next(b for b in buckets if b >= n)
+    """The smallest bucket >= n (buckets ascending)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} is past the largest bucket, {buckets[-1]}")
 
 
 def prefill_replays(lengths: list[int], batch_buckets: tuple[int, ...], length_buckets: tuple[int, ...]
@@ -190,7 +193,6 @@ class ModelRunner:
         self.device = model.device
         self.num_slots = num_slots  # decode rows; slots [num_slots, num_slots + num_retained) hold retained prefixes
         self.max_len = max_len
-        self.cache = model.new_cache(num_slots + num_retained, max_len, int8=kv_int8)
         self.eos = torch.tensor(eos_ids or (-1,), device=self.device)  # -1: no token is EOS
         # per-slot decode state (device): the token to feed, its position (-1 = idle), tokens made, token budget
         S = num_slots
@@ -217,6 +219,7 @@ class ModelRunner:
             raise ValueError(f"fused kernels need Triton and a CUDA device (got {self.device})")
         if kv_int8 and not self.fused_kernels:
             raise ValueError("an int8 KV cache needs the fused kernels (the plain attention reads the cache as it is)")
+        self.cache = model.new_cache(num_slots + num_retained, max_len, int8=kv_int8)
         # the decoder's layer ops, chosen once: every prefill and decode step (and so every graph) runs on them
         self.layer_ops = (FusedLayerOps(model.decoder.rope_table(self.cache.length)) if self.fused_kernels
                           else PlainLayerOps())
@@ -484,7 +487,8 @@ class ModelRunner:
     def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor, sizes: list[int] | None = None
                        ) -> torch.Tensor:
         """The encoder's transformer over packed windows [W, window_tokens, D] of lengths [W] real positions
-        -> [W, window_tokens, out]: window w's output is its first sizes[w] positions (past them, its padding's).
+        -> [W, window_tokens, out]: window w's output is its first sizes[w] positions (past them: its padding's up to
+        its length bucket, zeros after).
 
         sizes: the host's copy of `lengths` (reading the device's would wait for it). With it, each window runs at its
         length bucket (self.encoder_lengths), the windows of a bucket together; without it, every window runs whole.

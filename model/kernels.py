@@ -200,7 +200,7 @@ if triton is not None:
         first = tl.program_id(1) * HEADS
         head = first + tl.arange(0, HEADS)[:, None]  # [HEADS, 1], of the H + KVH heads
         half = tl.arange(0, HD // 2)
-        every = (head >= 0) & (half[None, :] < HD // 2)
+        every = (head >= 0) & (half[None, :] < HD // 2)  # all true: a mask of the tile's shape for _load_input
         base = n * stride_qkv + head * HD + half[None, :]
         x1 = _load_input(QKV, base, every, split_stride, SPLITS, Q)
         x2 = _load_input(QKV, base + HD // 2, every, split_stride, SPLITS, Q)
@@ -219,8 +219,8 @@ if triton is not None:
             full = tl.arange(0, HD)[None, :]
             v = _load_input(QKV, n * stride_qkv + (H + KVH + kvh) * HD + full, (kvh >= 0) & (full < HD), split_stride,
                             SPLITS, Q).to(Q.dtype.element_ty)
-            if QUANT:  # int8 with a float32 scale per vector (at SCALE[at // HD]: the vector's index), of the values
-                # the plain cache would hold
+            if QUANT:  # int8 with a float32 scale per vector at SCALE[its offset // HD] (a contiguous cache), of the
+                # values the plain cache would hold
                 k1, k2 = o1.to(tl.float32), o2.to(tl.float32)
                 scale = _absmax_scale(tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1)))
                 tl.store(K_CACHE + at + half[None, :], _int8(k1, scale))
@@ -241,10 +241,10 @@ if triton is not None:
         return tl.load(CACHE + offs, mask=kmask[:, None], other=0).to(q.dtype)
 
     @triton.jit
-    def _kv_scales(SCALE, base, keys, kmask, stride_cl):
-        # an int8 cache's scales of a block of keys or values [1, BLOCK_N] (the vector at cache offset
-        # base + key * stride_cl has index base // stride_cl + key: a contiguous cache, stride_cl = HD)
-        return tl.load(SCALE + base // stride_cl + keys, mask=kmask, other=0.0)[None, :]
+    def _kv_scales(SCALE, base, keys, kmask, HD: tl.constexpr):
+        # an int8 cache's scales of a block of keys or values [1, BLOCK_N]: a vector's scale is at its cache offset // HD
+        # (a contiguous cache, kernels._checked_scales), here base // HD + key, as the writer stores it
+        return tl.load(SCALE + base // HD + keys, mask=kmask, other=0.0)[None, :]
 
     @triton.jit
     def _decode_attention_kernel(
@@ -276,7 +276,7 @@ if triton is not None:
             k = _load_kv(K, offs, kmask, q)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # [G_BLOCK, BLOCK_N]
             if QUANT:
-                s = s * _kv_scales(K_SCALE, base, keys, kmask, stride_cl)
+                s = s * _kv_scales(K_SCALE, base, keys, kmask, HD)
             s = tl.where(kmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
@@ -284,7 +284,7 @@ if triton is not None:
             v = _load_kv(V, offs, kmask, q)
             w = p  # the weights of the values: times their scales with an int8 cache (the softmax's sum stays p's)
             if QUANT:
-                w = p * _kv_scales(V_SCALE, base, keys, kmask, stride_cl)
+                w = p * _kv_scales(V_SCALE, base, keys, kmask, HD)
             acc = acc * alpha[:, None] + tl.dot(w.to(v.dtype), v)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
@@ -327,7 +327,7 @@ if triton is not None:
             k = _load_kv(K, offs, kmask, q)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             if QUANT:
-                s = s * _kv_scales(K_SCALE, base, keys, kmask, stride_cl)
+                s = s * _kv_scales(K_SCALE, base, keys, kmask, HD)
             s = tl.where(keys[None, :] < n_keys[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
@@ -335,7 +335,7 @@ if triton is not None:
             v = _load_kv(V, offs, kmask, q)
             w = p  # the weights of the values: times their scales with an int8 cache (the softmax's sum stays p's)
             if QUANT:
-                w = p * _kv_scales(V_SCALE, base, keys, kmask, stride_cl)
+                w = p * _kv_scales(V_SCALE, base, keys, kmask, HD)
             acc = acc * alpha[:, None] + tl.dot(w.to(v.dtype), v)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
@@ -461,7 +461,8 @@ def qk_heads_per_program(num_heads: int, num_kv_heads: int, tokens: int) -> int:
     14.6 us a call; 256 rows: 5.0 us as one-head programs, 2.9 us as one program a token)."""
     if tokens <= QK_ONE_HEAD_TOKENS:
         return 1
-    return math.gcd(num_heads, num_kv_heads, QK_HEADS_MAX) & -math.gcd(num_heads, num_kv_heads, QK_HEADS_MAX)
+    shared = math.gcd(num_heads, num_kv_heads, QK_HEADS_MAX)
+    return shared & -shared  # its largest power-of-two divisor: tl.arange needs one
 
 
 def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos, k_cache, v_cache,
@@ -482,7 +483,7 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write
     rope_pos, slots, write_pos = rope_pos.contiguous(), slots.contiguous(), write_pos.contiguous()
     assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert not splits or qkv.is_contiguous()
-    k_scale, v_scale = _checked_scales(k_cache, scales)
+    k_scale, v_scale = _checked_scales(k_cache, v_cache, scales)
     q = torch.empty((N, num_heads, hd), dtype=dtype, device=qkv.device)
     sc, sh, sl, _ = k_cache.stride()
     heads = qk_heads_per_program(num_heads, num_kv_heads, N)
@@ -493,17 +494,21 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write
     return q
 
 
-def _checked_scales(k_cache: torch.Tensor, scales) -> tuple[torch.Tensor, torch.Tensor]:
+def _checked_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, scales) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' K_SCALE and V_SCALE: an int8 cache's scales (checked against it), or the cache itself for a plain
     one (never read: QUANT off)."""
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"keys and values of one cache in one dtype, got {k_cache.dtype} and {v_cache.dtype}")
     if scales is None:
         if k_cache.dtype == torch.int8:
             raise ValueError("an int8 KV cache needs its scales")
         return k_cache, k_cache
     k_scale, v_scale = scales
     S, KVH, L, _ = k_cache.shape
-    if k_cache.dtype != torch.int8 or not k_cache.is_contiguous():
-        raise ValueError(f"scales go with a contiguous int8 cache, got {k_cache.dtype}")
+    if k_cache.dtype != torch.int8:
+        raise ValueError(f"scales go with an int8 cache, got a {k_cache.dtype} one")
+    if not k_cache.is_contiguous():  # a vector's scale is found at its offset // head_dim
+        raise ValueError(f"an int8 cache must be contiguous, got strides {k_cache.stride()}")
     for scale in (k_scale, v_scale):
         if scale.shape != (S, KVH, L) or scale.dtype != torch.float32 or not scale.is_contiguous():
             raise ValueError(f"expected contiguous float32 scales {(S, KVH, L)}, got {tuple(scale.shape)} {scale.dtype}")
@@ -524,7 +529,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = H // kvh
     out = torch.empty((B, H * hd), dtype=q.dtype, device=q.device)
     sc, sh, sl, _ = k_cache.stride()
-    k_scale, v_scale = _checked_scales(k_cache, scales)
+    k_scale, v_scale = _checked_scales(k_cache, v_cache, scales)
     _decode_attention_kernel[(B, kvh)](
         q, k_cache, v_cache, k_scale, v_scale, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
         H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, QUANT=scales is not None,
@@ -550,7 +555,7 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     sc, sh, sl, _ = k_cache.stride()
     g_block = triton.next_power_of_2(group)
     block_m = max(1, 32 // g_block)  # 32 tile rows: (token, query head) pairs
-    k_scale, v_scale = _checked_scales(k_cache, scales)
+    k_scale, v_scale = _checked_scales(k_cache, v_cache, scales)
     _prefill_attention_kernel[(B, triton.cdiv(T, block_m), kvh)](
         q, k_cache, v_cache, k_scale, v_scale, out, slots, starts, lengths, T, sc, sh, sl, 1.0 / math.sqrt(hd),
         H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, QUANT=scales is not None, num_warps=4,
