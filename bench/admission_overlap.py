@@ -213,6 +213,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(args) -> dict:
+    if args.phases and args.sync_audit:  # the audit's warnings would be timed with the phases
+        raise SystemExit("--phases and --sync-audit each run the overlapped load their own way: give one")
     from qasr.model.checkpoint import resolve_device
     from qasr.model.testmodel import make_test_model
 

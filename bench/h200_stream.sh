@@ -120,13 +120,14 @@ print(f"admission control: {d['refused']:.0f} streams refused (no headroom), {d[
 PY
 }
 # PYSPY: sample the server's Python stacks mid-run (all threads, then only the thread holding the GIL), raw folded;
-# PYSPY_NATIVE=1: then the engine process (the GPU's compute process) with native frames too, where its thread waits
-# in C++ and CUDA calls (py-spy stops the process for each such sample: no --nonblocking, a lower rate). Read them
+# PYSPY_NATIVE=1: then the engine process (the first GPU compute process: with DEVICES, one engine) with native
+# frames too, where its thread waits in C++ and CUDA calls (py-spy stops the process for each such sample: no
+# --nonblocking, a lower rate). Read them
 # with python -m qasr.bench.pyspy_summary FILE --process PID --thread MainThread
 pyspy() { sleep $(( ${STAGGER:-10} + 2 ))
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-all.txt" > /dev/null 2>&1
   py-spy record --pid "$server" --subprocesses --nonblocking --threads --gil --duration 8 --rate 250 --format raw -o "$out/pyspy-$1-gil.txt" > /dev/null 2>&1
-  [ -n "${PYSPY_NATIVE:-}" ] && py-spy record --pid "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | head -1 | tr -d ' ')" \
+  [ "${PYSPY_NATIVE:-}" = 1 ] && py-spy record --pid "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | head -1 | tr -d ' ')" \
     --native --threads --duration 6 --rate 50 --format raw -o "$out/pyspy-$1-native.txt" > "$out/pyspy-$1-native.log" 2>&1; }
 # PROFILE: open the engines' profiler window mid-run, then print what each saw
 profile_start() { sleep $(( ${STAGGER:-10} + 4 )); echo "$1" > "$out/profile/start"; }

@@ -147,6 +147,9 @@ def main(argv=None) -> None:
         for name, count in rules.items():
             groups = prefills if name.startswith("prefill") else encodes
             groups = groups if grouping == "as run" else regroup(groups, grouping)
+            if not groups:  # the logs hold no call of this kind
+                print(f"{str(grouping):>6} {name:34} no calls logged")
+                continue
             real = sum(map(sum, groups))
             computed, replays = count(groups)
             counts.append(dict(admissions=grouping, rule=name, real=real, computed=computed, replays=replays,

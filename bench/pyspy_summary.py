@@ -35,7 +35,7 @@ def function_name(frame: str) -> str:
 
 
 def summarize(lines: Iterable[str], process: str = "", thread: str = "") -> Shares:
-    """The samples of the threads whose process frame contains `process` and thread frame contains `thread`."""
+    """The samples of process `process` (a pid; "" any) whose thread frame contains `thread` ("" any)."""
     samples, inclusive, innermost = 0, Counter(), Counter()
     for line in lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
@@ -45,12 +45,12 @@ def summarize(lines: Iterable[str], process: str = "", thread: str = "") -> Shar
         proc = next((f for f in reversed(frames) if f.startswith("process ")), "")  # the innermost: a subprocess's
         # stack starts with its parents' process frames
         at = next((i for i, f in enumerate(frames) if f.startswith("thread ")), -1)
-        if process not in proc or (thread and (at < 0 or thread not in frames[at])):
+        if (process and not proc.startswith(f"process {process}:")) or (thread and (at < 0 or thread not in frames[at])):
             continue
         names = [function_name(f) for f in frames[at + 1 :] if not f.startswith("process ")]
         n = int(count)
         samples += n
-        inclusive.update(dict.fromkeys(set(names), n))
+        inclusive.update(dict.fromkeys(names, n))  # once a sample each, in stack order (ties stay in that order)
         innermost[names[-1] if names else "?"] += n
     return Shares(samples, inclusive, innermost)
 
@@ -68,7 +68,7 @@ def report(shares: Shares, top: int) -> str:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m qasr.bench.pyspy_summary", description=__doc__.split("\n\n")[0])
     parser.add_argument("file", help="py-spy record --format raw output")
-    parser.add_argument("--process", default="", help="only processes whose frame contains this (a pid)")
+    parser.add_argument("--process", default="", help="only this process (its pid)")
     parser.add_argument("--thread", default="", help="only threads whose frame contains this (a name or tid)")
     parser.add_argument("--top", type=int, default=40)
     args = parser.parse_args(argv)
