@@ -134,6 +134,7 @@ class Engine:
         # rates under load say whether the GPU, the engine's Python or something outside it (the event loop) bounds
         # a server.
         self.seconds = {"admit": 0.0, "decode_gpu": 0.0, "decode_host": 0.0, "align": 0.0, "idle": 0.0}
+        self._device_memory_read: tuple[float, dict] = (-math.inf, {})  # (when, device_memory then)
         self.thread_cpu_seconds = 0.0  # CPU the engine thread used (AsyncEngine): near its busy wall time means the
         # thread runs Python, not waits on the GPU
 
@@ -269,8 +270,16 @@ class Engine:
                if self.aligner is not None else {}),
             "seconds": dict(self.seconds),
             "thread_cpu_seconds": self.thread_cpu_seconds,
-            **({"device_memory": device_memory(self.runner.device)} if self.runner.device.type == "cuda" else {}),
+            **({"device_memory": self._device_memory()} if self.runner.device.type == "cuda" else {}),
         }
+
+    def _device_memory(self) -> dict[str, float]:
+        """device_memory, read at most once a second: with --engine-in-process the pool asks for stats a few times
+        a handshake, on the event loop, and the allocator's full statistics are a few hundred entries."""
+        now = time.monotonic()
+        if now - self._device_memory_read[0] >= 1.0:
+            self._device_memory_read = (now, device_memory(self.runner.device))
+        return self._device_memory_read[1]
 
     # -- admit: schedule, encode, prefill, postprocess the first tokens ---------------------------------------------
 

@@ -92,6 +92,14 @@ def test_device_memory_reads_the_cuda_allocators_counts_and_a_cpu_engine_has_non
     assert seen == [cuda]
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda device: {})  # an allocator that never ran
     assert set(engine_module.device_memory(cuda).values()) == {0}
+    # the engine reads it at most once a second (a CUDA engine's stats; this one's device stands in for one)
+    reads = []
+    monkeypatch.setattr(engine_module, "device_memory", lambda device: reads.append(device) or {"device_allocs": 1})
+    monkeypatch.setattr(engine.runner, "device", cuda)
+    ticks = [100.0, 100.5, 101.2]  # then it stays at 101.2 (for anything else that reads the clock meanwhile)
+    monkeypatch.setattr(engine_module.time, "monotonic", lambda: ticks.pop(0) if len(ticks) > 1 else ticks[0])
+    assert [engine.stats()["device_memory"] for _ in range(3)] == [{"device_allocs": 1}] * 3
+    assert len(reads) == 2  # at 100.0 and 101.2, not at 100.5
 
 
 def test_arrivals_while_decoding_wait_for_the_admission_interval(tiny_model_dir, alone):
