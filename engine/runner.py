@@ -348,11 +348,11 @@ class ModelRunner:
         order: list[int] = []
         tokens: list[torch.Tensor] = []
         computed = 0
-        for chunk, _, _ in prefill_replays(lengths, PREFILL_BATCH_BUCKETS, self.prefill_lengths):
+        for chunk, batch, length in prefill_replays(lengths, PREFILL_BATCH_BUCKETS, self.prefill_lengths):
             order += chunk
             args = [[embeds[i] for i in chunk], [slots[i] for i in chunk], [starts[i] for i in chunk],
                     [lengths[i] for i in chunk]]
-            bucket = self._prefill_bucket(len(chunk), max(args[3]))
+            bucket = self.prefill_buckets.get((batch, length))  # None: no graphs (the CPU) or no buckets built
             if bucket:  # a copy: the bucket's static output is overwritten when the bucket replays again
                 tokens.append(bucket.run(args[0], args[1:]).clone())
                 computed += bucket.x.shape[0] * bucket.x.shape[1]
@@ -373,11 +373,6 @@ class ModelRunner:
         hidden = self.model.decoder.prefill(x, slots, starts, lengths, self.cache, self.layer_ops, num_keys)
         last = hidden[torch.arange(x.shape[0], device=x.device), (lengths - 1).clamp(min=0)]
         return self.model.decoder.lm_head(last).argmax(dim=-1)
-
-    def _prefill_bucket(self, batch: int, tokens: int) -> PrefillBucket | None:
-        if not self.prefill_buckets or batch > PREFILL_BATCH_BUCKETS[-1] or tokens > self.prefill_lengths[-1]:
-            return None
-        return self.prefill_buckets[bucket_of(batch, PREFILL_BATCH_BUCKETS), bucket_of(tokens, self.prefill_lengths)]
 
     @torch.inference_mode()
     def build_prefill_buckets(self, capture: bool) -> None:

@@ -48,9 +48,10 @@ def test_the_runner_picks_the_prefill_bucket_of_the_ladder(runner):
         runner.fused_kernels = True  # build_prefill_buckets asks for them; capture=False runs nothing
         runner.build_prefill_buckets(capture=False)
         assert sorted({t for _, t in runner.prefill_buckets}) == list(prefill_length_buckets(256))
-        assert runner._prefill_bucket(3, 100) is runner.prefill_buckets[(4, 112)]
-        assert runner._prefill_bucket(1, 16) is runner.prefill_buckets[(1, 16)]
-        assert runner._prefill_bucket(9, 16) is None  # more than the largest bucket: the caller splits first
+        # every replay an admission makes has its bucket: up to max_len tokens, any number of sequences
+        for lengths in ([30, 100, 64], [16], [5] * 9, [256, 1, 129]):
+            for _, b, t in prefill_replays(lengths, runner_module.PREFILL_BATCH_BUCKETS, runner.prefill_lengths):
+                assert (b, t) in runner.prefill_buckets, (lengths, b, t)
     finally:
         runner.fused_kernels, runner.prefill_buckets = False, {}
 

@@ -449,7 +449,8 @@ def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines
     padded = Engine.from_pretrained(str(tiny_model_dir), device="cpu",
                                     options=EngineOptions(num_slots=4, max_len=256, num_retained=2, fused_kernels=True))
     padded.runner.build_prefill_buckets(capture=False)  # the graphed path's padding, run eagerly
-    assert padded.runner._prefill_bucket(3, 100) is padded.runner.prefill_buckets[(4, 112)]
+    assert [(b, t) for _, b, t in runner_module.prefill_replays([30, 100, 64], runner_module.PREFILL_BATCH_BUCKETS,
+                                                                   padded.runner.prefill_lengths)] == [(4, 112)]
     clips = [speech(s, seed=20 + i) for i, s in enumerate([0.7, 2.5, 1.1])]
     reqs = [DecodeRequest(audio=c, max_new_tokens=8) for c in clips]
     lengths = []
