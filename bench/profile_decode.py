@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import statistics
 import tempfile
 
 import torch
@@ -24,6 +23,7 @@ from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest, Priority
 from qasr.model.testmodel import make_test_model
 
+from . import kernel_check
 from .kernel_check import size_and_sections
 from .synthetic import speech_like
 
@@ -45,44 +45,21 @@ def kernel_times(prof, replays: int, top: int = 14) -> dict:
             "kernels": {name: [round(n / replays, 1), round(t / replays, 1)] for name, (n, t) in rows[:top]}}
 
 
-def gpu_ms(fn, runs: int = 30) -> float:
-    """Median GPU time of fn() (CUDA events), after three warm-up calls."""
-    samples = []
-    for i in range(runs + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            samples.append(start.elapsed_time(end))
-    return statistics.median(samples)
-
-
 def fill_cache(cache) -> None:
     """Random keys and values (an int8 cache: random integers and scales)."""
     gen = torch.Generator(device=cache.k[0].device).manual_seed(0)
-    for layer in (*cache.k, *cache.v):
-        if layer.dtype == torch.int8:
-            layer.random_(-127, 128, generator=gen)
+    for t in cache.tensors:
+        if t.dtype == torch.int8:
+            t.random_(-127, 128, generator=gen)
+        elif t.dim() == 3:  # an int8 cache's scales
+            t.uniform_(0.001, 0.05, generator=gen)
         else:
-            layer.normal_(generator=gen)
-    for scale in (t for pair in cache.scales or () for t in pair):
-        scale.uniform_(0.001, 0.05, generator=gen)
+            t.normal_(generator=gen)
 
 
 def step_ms(engine: Engine, runs: int = 30) -> dict:
     """Each bucket's graphed decode step, every row live at CONTEXT: median GPU ms a replay."""
-    runner = engine.runner
-    runner.budgets.fill_(1 << 30)
-
-    def replay(B):
-        runner.positions[:B] = CONTEXT
-        runner.graphs[B].replay()
-
-    out = {B: round(gpu_ms(lambda: replay(B), runs), 4) for B in STEP_BUCKETS}
-    runner.positions.fill_(-1)
-    return out
+    return {B: round(kernel_check.step_ms(engine.runner, B, CONTEXT, runs), 4) for B in STEP_BUCKETS}
 
 
 def int8_section(bf16: Engine, int8: Engine, requests: int = 32, tokens: int = 40) -> dict:

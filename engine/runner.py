@@ -549,5 +549,5 @@ class ModelRunner:
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst` (all layers)."""
         if length > 0:
-            for layer in (*self.cache.k, *self.cache.v, *(t for pair in self.cache.scales or () for t in pair)):
-                layer[dst, :, :length] = layer[src, :, :length]
+            for t in self.cache.tensors:
+                t[dst, :, :length] = t[src, :, :length]

@@ -241,6 +241,12 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
 
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the cache, each [slots, kv_heads, length, ...]: the layers' keys and values, and an int8
+        cache's scales (what copying a slot's positions, or filling the cache, must cover)."""
+        return [*self.k, *self.v, *(t for pair in self.scales or () for t in pair)]
+
     def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         return self.scales[layer] if self.scales is not None else None
 

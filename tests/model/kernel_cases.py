@@ -492,7 +492,8 @@ def test_an_int8_runners_prefix_copy_takes_the_scales_along(tiny_model_dir):
     runner = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
         num_slots=2, max_len=64, num_retained=1, fused_kernels=True, kv_cache_int8=True)).runner
     cache = runner.cache
-    tensors = (*cache.k, *cache.v, *(t for pair in cache.scales for t in pair))
+    tensors = cache.tensors
+    assert len(tensors) == 4 * len(cache.k)  # keys, values and their two scales, per layer
     for t in tensors:
         t[0] = torch.randint(-127, 128, t[0].shape) if t.dtype == torch.int8 else torch.rand(t[0].shape)
     runner.copy_prefix(0, 2, 20)
