@@ -141,18 +141,11 @@ def kernel_cases(cfg, device) -> dict:
 
 
 def step_ms(runner: ModelRunner, B: int, context: int, runs: int = 50) -> float:
+    """Median GPU time of bucket B's graphed decode step, its rows live at `context` (reset before each replay)."""
     runner.budgets[:B] = 1 << 30
-    samples = []
-    for _ in range(runs + 3):
-        runner.positions[:B] = context
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        runner.graphs[B].replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
+    ms = replay_ms(runner.graphs[B], lambda: runner.positions[:B].fill_(context), runs)
     runner.positions.fill_(-1)
-    return statistics.median(samples[3:])
+    return ms
 
 
 def summed(parts: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
