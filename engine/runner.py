@@ -29,7 +29,11 @@ ENCODER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # window), so a partial's window in progress (a few 13-position chunks, mostly 13 k + 1 positions) is not run at 104.
 # Its positions past n are never read by its real ones: their keys are masked, and positions are added per chunk
 # before the encoder (the encoder is block-diagonal per window, per-position elsewhere)
-ENCODER_LENGTH_BUCKETS = (32, 56, 104)  # multiples of 8 (aligned attention masks); 13 k + 1 -> 32 or 56
+ENCODER_LENGTH_BUCKETS = (32, 56, 104)
+# chunks (100 mel frames) per graphed run of the encoder's conv front end; more replay the largest graph several times.
+# Eagerly every new chunk count is a new shape to cuDNN, and planning one held the engine thread 18% of its time at
+# 1,000 streams (native py-spy, session 10: get_configs_from_heuristics under conv2d)
+CONV_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # multiples of 8 (aligned attention masks); 13 k + 1 -> 32 or 56
 # prefills graphed per (sequences, padded tokens): eagerly, ~250 launches from Python cost more than the GPU work (a
 # 10.9 s clip: 8.4 ms eager, measured on the H200); more sequences replay several graphs
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
@@ -207,12 +211,14 @@ class ModelRunner:
         self._launched: tuple[int, bool] | None = None  # (rows, tokens asked) of the decode step launched, not read
         self.encoder_positions_run = 0  # encoder positions computed: windows padded to a length bucket, and their
         # number to a graph bucket
+        self.conv_chunks_run = 0  # chunks the conv front end computed (their number padded to a graph bucket)
         self.host_reads = 0  # times the host waited for the device to hand it a result (decode steps, the mel's
         # extremes, first tokens read apart): what overlapping host and device work is about, counted
         self.buckets = tuple(b for b in buckets if b < S) + (S,)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # (window length, windows) -> (graph, output)
         self.encoder_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.conv_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # chunks -> (graph, output)
         # fused Triton kernels for the decoder: on CUDA when Triton is installed, unless asked otherwise
         self.fused_kernels = kernels.available(self.device) if fused_kernels is None else fused_kernels
         if self.fused_kernels and not kernels.available(self.device):
@@ -232,6 +238,7 @@ class ModelRunner:
         if use_graphs:
             self.capture_graphs()
             self.capture_encoder_graphs()
+            self.capture_conv_graphs()
             if self.fused_kernels:  # the fused prefill's shapes depend only on (sequences, tokens)
                 self.build_prefill_buckets(capture=True)
 
@@ -451,7 +458,25 @@ class ModelRunner:
         """The encoder's conv front end over mels [mels, F_i] in 100-frame chunks -> tokens [num_tokens(F_i), D] each.
         continued[i]: mel i continues earlier chunks (a stream's kept ones), so its last chunk is padded like a long
         clip's."""
-        return self.model.encoder.embed_clips(mels, continued)
+        return self.model.encoder.embed_clips(mels, continued, self._embed_chunks)
+
+    def _embed_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
+        """The conv front end over chunks [N, mels, chunk_frames] -> [N, tokens_per_chunk, D]: on CUDA in pieces of at
+        most the largest graph bucket, each replaying its bucket's graph (valid until that graph's next replay)."""
+        if not self.conv_graphs:
+            self.conv_chunks_run += chunks.shape[0]
+            return self.model.encoder.embed_chunks(chunks)
+        top, out = CONV_BUCKETS[-1], []
+        for first in range(0, chunks.shape[0], top):
+            piece = chunks[first : first + top]
+            n, bucket = piece.shape[0], bucket_of(piece.shape[0], CONV_BUCKETS)
+            # rows past n keep an earlier call's chunks: the convolutions are per chunk, and their outputs unread
+            self._conv_chunks[:n].copy_(piece)
+            graph, y = self.conv_graphs[bucket]
+            graph.replay()
+            self.conv_chunks_run += bucket
+            out.append(y[:n] if chunks.shape[0] <= top else y[:n].clone())  # a copy when the graph replays again
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     @torch.inference_mode()
     def encode(self, clips: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -545,6 +570,20 @@ class ModelRunner:
                 pool = graph.pool() if pool is None else pool
                 self.encoder_graphs[(n, W)] = (graph, out)
         log.info("captured %d encoder graphs (window lengths %s)", len(keys), list(self.encoder_lengths))
+
+    @torch.inference_mode()
+    def capture_conv_graphs(self) -> None:
+        """One conv front-end graph per chunk-count bucket, largest first, in a memory pool of their own."""
+        cfg = self.model.encoder.cfg
+        self._conv_chunks = torch.zeros(CONV_BUCKETS[-1], cfg.num_mel_bins, cfg.chunk_frames, dtype=self.model.dtype,
+                                        device=self.device)
+        embed, pool = self.model.encoder.embed_chunks, None
+        with capture_stream() as stream:
+            for n in reversed(CONV_BUCKETS):
+                graph, out = capture_graph(lambda: embed(self._conv_chunks[:n]), stream, pool, warmups=2)
+                pool = graph.pool() if pool is None else pool
+                self.conv_graphs[n] = (graph, out)
+        log.info("captured %d conv front-end graphs", len(CONV_BUCKETS))
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst` (all layers)."""

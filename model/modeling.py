@@ -120,13 +120,15 @@ class AudioEncoder(nn.Module):
 
     # -- packing helpers: plain tensor bookkeeping, shared with the engine's incremental encoder ------------------
 
-    def embed_clips(self, mels: list[torch.Tensor], tails: list[bool] | None = None) -> list[torch.Tensor]:
+    def embed_clips(self, mels: list[torch.Tensor], tails: list[bool] | None = None,
+                    embed_chunks=None) -> list[torch.Tensor]:
         """Conv front end for whole clips: list of [mels, F_i] -> list of [num_tokens(F_i), D].
 
         A clip's last chunk is zero-padded to the chunk length, except in a clip shorter than one chunk, which the
         official encoder convolves unpadded (the padding would leak into its edge tokens through the convs).
         `tails[i]` marks mel i as the tail of a longer clip (whose earlier windows are cached): padded like a long clip.
-        Full-length chunks of all clips share one conv call.
+        Full-length chunks of all clips share one conv call: `embed_chunks` (default: self.embed_chunks; the engine's
+        runner passes its graphed one), whose output is read before it is called again.
         """
         size, dtype = self.cfg.chunk_frames, self.conv_out.weight.dtype
         full, counts, short = [], [], {}
@@ -140,7 +142,7 @@ class AudioEncoder(nn.Module):
             n = -(-frames // size)
             full.append(F.pad(mel, (0, n * size - frames)).view(mel.shape[0], n, size).transpose(0, 1))
             counts.append([self.cfg.tokens_per_chunk] * (n - 1) + [self.cfg.num_tokens(frames - (n - 1) * size)])
-        embedded = self.embed_chunks(torch.cat(full).to(dtype)) if full else None
+        embedded = (embed_chunks or self.embed_chunks)(torch.cat(full).to(dtype)) if full else None
         out, row, k = [], 0, 0
         for i in range(len(mels)):
             if i in short:

@@ -136,3 +136,46 @@ def test_graphed_encoder_runs_each_length_group_through_its_graphs(runner, monke
     for w, n in enumerate(sizes):
         torch.testing.assert_close(got[w, :n], expected[w, :n], rtol=0, atol=1e-5)
     assert runner._enc_lengths[104][:2].tolist() == [104, 104] and runner._enc_lengths[56][1:].tolist() == [1, 1, 1]
+
+
+@torch.inference_mode()
+def test_graphed_conv_front_end_pads_the_chunk_count_to_a_bucket(runner, monkeypatch):
+    """Full chunks of all clips run through the conv graph of their count's bucket, in pieces of the largest; a clip
+    shorter than one chunk still runs apart, unpadded (as the official encoder convolves it)."""
+    encoder = runner.model.encoder
+    cfg = encoder.cfg
+    monkeypatch.setattr(runner_module, "CONV_BUCKETS", (1, 2, 4))
+    monkeypatch.setattr(runner, "_conv_chunks", torch.full((4, cfg.num_mel_bins, cfg.chunk_frames), 3.0),
+                        raising=False)
+    replays = []
+
+    class StandInGraph:  # replays what capture recorded: the conv front end on the static buffer's first n chunks
+        def __init__(self, n):
+            self.n = n
+            self.out = torch.zeros(n, cfg.tokens_per_chunk, cfg.d_model)
+
+        def replay(self):
+            replays.append(self.n)
+            self.out.copy_(encoder.embed_chunks(runner._conv_chunks[: self.n]))
+
+    graphs = {n: StandInGraph(n) for n in (1, 2, 4)}
+    monkeypatch.setattr(runner, "conv_graphs", {n: (g, g.out) for n, g in graphs.items()})
+    torch.manual_seed(5)
+    frames = [250, 60, 100, 120]  # chunks 3, short, 1, 2: six in the batch
+    mels = [torch.randn(cfg.num_mel_bins, f) for f in frames]
+    for continued in ([False] * 4, [False, True, False, False]):  # a continued short tail is padded like a chunk
+        replays.clear()
+        before = runner.conv_chunks_run
+        got = runner.embed_chunks(mels, continued)
+        expected = encoder.embed_clips(mels, continued)
+        chunks = 6 + continued[1]
+        assert replays == ([4, 2] if chunks == 6 else [4, 4])  # 6: 4 + 2; 7: 4 + 3 padded to 4
+        assert runner.conv_chunks_run - before == (6 if chunks == 6 else 8)
+        for g, e, f in zip(got, expected, frames):
+            assert g.shape == e.shape == (cfg.num_tokens(f), cfg.d_model)
+            torch.testing.assert_close(g, e, rtol=0, atol=1e-5)
+    # without graphs (the CPU) the batch runs as it is
+    monkeypatch.setattr(runner, "conv_graphs", {})
+    before = runner.conv_chunks_run
+    runner.embed_chunks(mels, [False] * 4)
+    assert runner.conv_chunks_run - before == 6

@@ -525,7 +525,7 @@ def test_an_admission_larger_than_the_largest_bucket_is_prefilled_in_chunks(tiny
 
 def test_graph_capture_code_runs_every_bucket_once_per_group_pool(tiny_model_dir, monkeypatch):
     """The capture code only runs on CUDA; here torch.cuda's graph API is stood in for, so that its Python runs in CI:
-    every decode, encoder and prefill bucket is warmed up and recorded, each group into one pool of its own."""
+    every decode, encoder, conv front-end and prefill bucket is warmed up and recorded, each group into one pool of its own."""
 
     recorded = []  # (pool passed in, graph) per recording
 
@@ -550,6 +550,7 @@ def test_graph_capture_code_runs_every_bucket_once_per_group_pool(tiny_model_dir
                         "synchronize": lambda: None}.items():
         monkeypatch.setattr(torch.cuda, name, value)
     monkeypatch.setattr(runner_module, "ENCODER_BUCKETS", (1, 2, 4))  # fewer buckets: the interpreter is slow
+    monkeypatch.setattr(runner_module, "CONV_BUCKETS", (1, 2, 4))
     monkeypatch.setattr(runner_module, "PREFILL_BATCH_BUCKETS", (1, 2))
     model = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
         num_slots=4, max_len=64, num_retained=0, fused_kernels=True)).model
@@ -561,7 +562,8 @@ def test_graph_capture_code_runs_every_bucket_once_per_group_pool(tiny_model_dir
     prefill = [(b, t) for b in runner_module.PREFILL_BATCH_BUCKETS for t in (16, 32, 48, 64)]
     assert sorted(runner.prefill_buckets) == prefill
     assert all(bucket.graph is not None and bucket.first is not None for bucket in runner.prefill_buckets.values())
-    groups = [3, 3 * len(runner_module.ENCODER_BUCKETS), 4 * len(runner_module.PREFILL_BATCH_BUCKETS)]
+    assert sorted(runner.conv_graphs) == [1, 2, 4]
+    groups = [3, 3 * len(runner_module.ENCODER_BUCKETS), 3, 4 * len(runner_module.PREFILL_BATCH_BUCKETS)]
     assert len(recorded) == sum(groups)
     start = 0
     for size in groups:  # the first graph of a group opens its pool, the others share it
