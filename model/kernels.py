@@ -237,15 +237,8 @@ if triton is not None:
 
     @triton.jit
     def _load_kv(CACHE, offs, kmask, q):
-        # a block of keys or values [BLOCK_N, HD] in q's dtype (float16 with an int8 cache: its integers are exact)
-        x = tl.load(CACHE + offs, mask=kmask[:, None], other=0)
-        if CACHE.dtype.element_ty == tl.int8:
-            # without the integer-to-float conversion, a quarter-rate instruction on Hopper that made the int8 cache's
-            # attention slower than bf16's (session 10): x + 128 as the low byte of float16 1024's mantissa, exactly
-            # 1024 + 128 + x, then less 1152 (the xor sets 0x64, float16 1024's high byte, and flips x's sign bit)
-            biased = x.to(tl.uint8, bitcast=True).to(tl.uint16) ^ 0x6480
-            return biased.to(tl.float16, bitcast=True) - 1152.0
-        return x.to(q.dtype)
+        # a block of keys or values [BLOCK_N, HD] in q's dtype (an int8 cache's integers are exact in it)
+        return tl.load(CACHE + offs, mask=kmask[:, None], other=0).to(q.dtype)
 
     @triton.jit
     def _kv_scales(SCALE, base, keys, kmask, HD: tl.constexpr):
@@ -270,8 +263,6 @@ if triton is not None:
         gmask = g < G
         heads = kvh * G + g
         q = tl.load(Q + (b * H + heads[:, None]) * HD + d[None, :], mask=gmask[:, None], other=0.0)
-        if QUANT:  # an int8 cache's blocks load as float16 (_load_kv): both products in float16
-            q = q.to(tl.float16)
         qk_scale = scale * 1.4426950408889634  # exp2 domain
         n_keys = tl.maximum(tl.load(POS + b), 0) + 1
         base = b * stride_cs + kvh * stride_ch
@@ -321,8 +312,6 @@ if triton is not None:
         d = tl.arange(0, HD)
         q_rows = ((b * T + t) * H + kvh * G + g) * HD
         q = tl.load(Q + q_rows[:, None] + d[None, :], mask=rmask[:, None], other=0.0)
-        if QUANT:
-            q = q.to(tl.float16)
         qk_scale = scale * 1.4426950408889634  # exp2 domain
         start, length = tl.load(STARTS + b), tl.load(LENGTHS + b)
         n_keys = tl.where(t < length, start + t, 0) + 1  # per row
