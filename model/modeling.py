@@ -225,30 +225,20 @@ class KVCache:
     step on the stacked layout copied the whole cache back per layer: a 100 ms step on the H200).
     """
 
-    def __init__(self, cfg: TextDecoderConfig, num_slots: int, max_len: int, device=None, dtype=None,
-                 int8: bool = False):
-        """int8: each key and value vector stored as int8 with a float32 scale (its absmax / 127) in `scales`: about
-        half the bytes the decode step's attention reads (the fused kernels only: kernels.qk_norm_rope_store)."""
+    def __init__(self, cfg: TextDecoderConfig, num_slots: int, max_len: int, device=None, dtype=None):
         self.length = _round_up(max_len + 1, 16)
         shape = (num_slots, cfg.num_key_value_heads, self.length, cfg.head_dim)
         layers = range(cfg.num_hidden_layers)
-        store = torch.int8 if int8 else dtype
-        self.k = [torch.zeros(shape, device=device, dtype=store) for _ in layers]
-        self.v = [torch.zeros(shape, device=device, dtype=store) for _ in layers]
-        # per layer (k_scale, v_scale) [slots, kv_heads, length], or None for a plain cache
-        scale = dict(size=shape[:3], device=device, dtype=torch.float32)
-        self.scales = [(torch.zeros(**scale), torch.zeros(**scale)) for _ in layers] if int8 else None
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in layers]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in layers]
         self.num_slots = num_slots
         self.max_len = max_len
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the cache, each [slots, kv_heads, length, ...]: the layers' keys and values, and an int8
-        cache's scales (what copying a slot's positions, or filling the cache, must cover)."""
-        return [*self.k, *self.v, *(t for pair in self.scales or () for t in pair)]
-
-    def layer_scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return self.scales[layer] if self.scales is not None else None
+        """Every tensor of the cache, each [slots, kv_heads, length, head_dim]: the layers' keys and values (what
+        copying a slot's positions, or filling the cache, must cover)."""
+        return [*self.k, *self.v]
 
     @property
     def scratch(self) -> int:
@@ -544,8 +534,7 @@ class FusedLayerOps:
         norm = decoder.layers[0].input_layernorm
         h, residual, rope_pos, slots, write_pos = kernels.decode_begin(
             tokens, positions, decoder.embed_tokens.weight, norm.weight, norm.eps, cache.scratch)
-        attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions,  # noqa: E731
-                                                       cache.layer_scales(i))
+        attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
         return (h, residual), self._attention(rope_pos, slots, write_pos, attend, cache)
 
     def mlp(self, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
@@ -559,8 +548,7 @@ class FusedLayerOps:
         B, T, _ = x.shape
         rope_pos = positions.clamp(max=self.cos.shape[0] - 1)  # padded positions may run past the table
         slot_of = slots[:, None].expand_as(write_pos)
-        attend = lambda i, q: kernels.prefill_attention(q, cache.k[i], cache.v[i], slots, starts, lengths,  # noqa: E731
-                                                        cache.layer_scales(i))
+        attend = lambda i, q: kernels.prefill_attention(q, cache.k[i], cache.v[i], slots, starts, lengths)  # noqa: E731
         return x.reshape(B * T, -1), self._attention(rope_pos.reshape(-1), slot_of.reshape(-1), write_pos.reshape(-1),
                                                      attend, cache)
 
@@ -569,7 +557,7 @@ class FusedLayerOps:
         def attention(i: int, attn: DecoderAttention, h: torch.Tensor) -> torch.Tensor:
             q = kernels.qk_norm_rope_store(self.project(attn.qkv_proj, h), attn.q_norm.weight, attn.k_norm.weight, self.cos,
                                            self.sin, rope_pos, slots, write_pos, cache.k[i], cache.v[i],
-                                           attn.num_heads, attn.num_kv_heads, attn.q_norm.eps, cache.layer_scales(i))
+                                           attn.num_heads, attn.num_kv_heads, attn.q_norm.eps)
             return attend(i, q)
 
         return attention
@@ -596,8 +584,8 @@ class Qwen3ASR(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.decoder.embed_tokens.weight.dtype
 
-    def new_cache(self, num_slots: int, max_len: int, int8: bool = False) -> KVCache:
-        return KVCache(self.cfg.text, num_slots, max_len, device=self.device, dtype=self.dtype, int8=int8)
+    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
+        return KVCache(self.cfg.text, num_slots, max_len, device=self.device, dtype=self.dtype)
 
     def embed_prompt(self, input_ids: torch.Tensor, audio: torch.Tensor, audio_offset: int) -> torch.Tensor:
         # input_ids: [T]; audio: [N, D] placed at positions audio_offset .. audio_offset + N -> [T, D]

@@ -134,71 +134,6 @@ def test_prefill_attention_is_causal_over_each_slots_cache(heads, kv_heads):
     assert torch.equal(alone.view(T, -1)[:37], out[1, :37])
 
 
-# -- the int8 KV cache: vectors stored as int8 with a float32 scale each (absmax / 127) -----------------------------
-
-
-def int8_cache(k: torch.Tensor, v: torch.Tensor):
-    """A float cache pair quantized as the kernels store it -> (k int8, v int8, (k_scale, v_scale), and the
-    dequantized k, v the kernels' results must match)."""
-    out = []
-    for x in (k, v):
-        scale = x.abs().amax(-1).clamp(min=1e-30) / 127
-        q = torch.round(x / scale[..., None]).to(torch.int8)  # ties aside (random floats never tie), to nearest
-        out.append((q, scale.float()))
-    (kq, ks), (vq, vs) = out
-    return kq, vq, (ks, vs), kq.float() * ks[..., None], vq.float() * vs[..., None]
-
-
-@pytest.mark.parametrize("H,KVH,N", [(4, 2, 7), (4, 2, 40)])  # a head a program, and groups of 2
-def test_qk_norm_rope_store_into_an_int8_cache_stores_each_vector_to_its_scale(H, KVH, N):
-    hd, S, L = 16, 6, 48
-    qkv = torch.randn(N, (H + 2 * KVH) * hd)
-    qkv[0, (H + KVH) * hd :] = 0  # token 0's values all zero: a vector with no magnitude to scale
-    qw, kw = torch.randn(hd), torch.randn(hd)
-    cos, sin = rope_tables(L, hd)
-    rope_pos, slots, write_pos = torch.randint(0, L, (N,)), torch.randint(0, S, (N,)), torch.randperm(L)[:N]
-    plain_k, plain_v = torch.zeros(S, KVH, L, hd), torch.zeros(S, KVH, L, hd)
-    q_plain = kernels.qk_norm_rope_store(qkv, qw, kw, cos, sin, rope_pos, slots, write_pos, plain_k, plain_v, H, KVH,
-                                         1e-6)
-    k8, v8 = torch.zeros(S, KVH, L, hd, dtype=torch.int8), torch.zeros(S, KVH, L, hd, dtype=torch.int8)
-    scales = (torch.zeros(S, KVH, L), torch.zeros(S, KVH, L))
-    q8 = kernels.qk_norm_rope_store(qkv, qw, kw, cos, sin, rope_pos, slots, write_pos, k8, v8, H, KVH, 1e-6,
-                                    scales=scales)
-    assert torch.equal(q8, q_plain)  # the queries do not depend on the cache
-    for got, scale, plain in ((k8, scales[0], plain_k), (v8, scales[1], plain_v)):
-        written = plain.transpose(1, 2)[slots, write_pos]  # [N, KVH, hd]
-        expected_scale = written.abs().amax(-1).clamp(min=1e-30) / 127
-        assert torch.allclose(scale[slots, :, write_pos], expected_scale, rtol=1e-6)
-        stored = got.transpose(1, 2)[slots, write_pos]
-        nonzero = written.abs().amax(-1) > 0
-        assert stored.abs().amax(-1)[nonzero].eq(127).all()  # each vector's largest magnitude maps to 127
-        assert torch.equal(stored, torch.round(written / expected_scale[..., None]).to(torch.int8))
-        untouched = torch.ones(S, L, dtype=torch.bool)
-        untouched[slots, write_pos] = False
-        assert not got.transpose(1, 2)[untouched].any() and not scale.transpose(1, 2)[untouched].any()
-    zero = scales[1][slots[0], :, write_pos[0]]  # token 0's values: stored as zeros, to a tiny scale (not 0: no 0 / 0)
-    assert not v8[slots[0], :, write_pos[0]].any() and (zero > 0).all() and (zero < 1e-30).all()
-    with pytest.raises(ValueError, match="needs its scales"):
-        kernels.qk_norm_rope_store(qkv, qw, kw, cos, sin, rope_pos, slots, write_pos, k8, v8, H, KVH, 1e-6)
-
-
-def test_decode_and_prefill_attention_over_an_int8_cache_equal_attention_over_its_dequantized_values():
-    heads, kv_heads, hd, S, L = 4, 2, 16, 7, 80
-    k8, v8, scales, k, v = int8_cache(torch.randn(S, kv_heads, L, hd), torch.randn(S, kv_heads, L, hd))
-    positions = torch.tensor([0, 5, -1, 70, 63, 64])
-    q = torch.randn(len(positions), heads, hd)
-    got = kernels.decode_attention(q, k8, v8, positions, scales=scales)
-    assert torch.allclose(got, kernels.decode_attention(q, k, v, positions), atol=TOL, rtol=TOL)
-    slots, starts, lengths = torch.tensor([3, 0]), torch.tensor([0, 40]), torch.tensor([20, 37])
-    qp = torch.randn(2 * 37, heads, hd)
-    got = kernels.prefill_attention(qp, k8, v8, slots, starts, lengths, scales=scales).view(2, 37, -1)
-    expected = kernels.prefill_attention(qp, k, v, slots, starts, lengths).view(2, 37, -1)
-    for b in range(2):
-        assert torch.allclose(got[b, : lengths[b]], expected[b, : lengths[b]], atol=TOL, rtol=TOL), b
-    with pytest.raises(ValueError, match="float32 scales"):
-        kernels.decode_attention(q, k8, v8, positions, scales=(scales[0][:, :1], scales[1]))
-
-
 # -- the small-batch matrix products (model/gemv.py) -------------------------------------------------------------
 
 GEMV_CONFIGS = [gemv.GemvConfig(32, 64), gemv.GemvConfig(32, 64, split=3), gemv.GemvConfig(16, 16, split=4)]
@@ -465,46 +400,18 @@ def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines
     assert [padded.transcribe([r])[0].token_ids for r in reqs] == [r.token_ids for r in plain.transcribe(reqs)]
 
 
-def test_an_int8_kv_cache_engine_keeps_rows_independent_and_close_to_the_plain_cache(tiny_model_dir, engines):
-    fused, _ = engines
-    int8 = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
-        num_slots=4, max_len=256, num_retained=2, fused_kernels=True, kv_cache_int8=True))
-    assert int8.runner.cache.k[0].dtype == torch.int8 and int8.runner.cache.scales is not None
-    clips = [speech(s, seed=40 + i) for i, s in enumerate([0.9, 2.2, 1.4])]
-    reqs = [DecodeRequest(audio=c, max_new_tokens=6) for c in clips] + [DecodeRequest(audio=clips[0], max_new_tokens=6)]
-    batch = [r.token_ids for r in int8.transcribe(reqs)]
-    assert batch[0] == batch[3] and all(len(t) == 6 for t in batch)  # identical inputs, identical rows
-    assert [int8.transcribe([r])[0].token_ids for r in reqs[:3]] == batch[:3]  # a row does not depend on its batch
-    # the same prefill into an int8 and a plain cache: hidden states within int8's rounding of K and V
-    decoder, ops = int8.model.decoder, int8.runner.layer_ops
-    x = torch.randn(2, 30, int8.model.cfg.text.hidden_size)
-    meta = [torch.tensor(v) for v in ([0, 1], [0, 0], [30, 17])]
-    got = decoder.prefill(x, *meta, int8.runner.cache, ops)
-    expected = decoder.prefill(x, *meta, fused.model.new_cache(2, 256), fused.runner.layer_ops)  # not the fixture's
-    for b, n in enumerate((30, 17)):
-        error = (got[b, :n] - expected[b, :n]).norm() / expected[b, :n].norm()
-        assert 0 < error < 0.01, (b, float(error))  # int8 rounds (not 0): 0.37% on the tiny model
-
-
-def test_an_int8_runners_prefix_copy_takes_the_scales_along(tiny_model_dir):
-    """A stream's retained prefix (copy_prefix) in an int8 cache: the integers without their scales would read back
-    as other values."""
+def test_a_runners_prefix_copy_copies_every_layers_keys_and_values(tiny_model_dir):
+    """A stream's retained prefix (copy_prefix): the first `length` positions of every cache tensor, nothing past."""
     runner = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
-        num_slots=2, max_len=64, num_retained=1, fused_kernels=True, kv_cache_int8=True)).runner
+        num_slots=2, max_len=64, num_retained=1, fused_kernels=True)).runner
     cache = runner.cache
     tensors = cache.tensors
-    assert len(tensors) == 4 * len(cache.k)  # keys, values and their two scales, per layer
+    assert len(tensors) == 2 * len(cache.k)  # keys and values, per layer
     for t in tensors:
-        t[0] = torch.randint(-127, 128, t[0].shape) if t.dtype == torch.int8 else torch.rand(t[0].shape)
+        t[0] = torch.rand(t[0].shape)
     runner.copy_prefix(0, 2, 20)
     for t in tensors:
         assert torch.equal(t[2, :, :20], t[0, :, :20]) and not t[2, :, 20:].any()
-
-
-def test_an_int8_kv_cache_needs_the_fused_kernels(tiny_model_dir):
-    with pytest.raises(ValueError, match="int8 KV cache needs the fused kernels"):
-        Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
-            num_slots=2, max_len=128, num_retained=0, fused_kernels=False, kv_cache_int8=True))
 
 
 def test_an_admission_larger_than_the_largest_bucket_is_prefilled_in_chunks(tiny_model_dir, engines, monkeypatch):

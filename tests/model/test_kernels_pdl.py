@@ -30,20 +30,18 @@ KERNELS = {
                                    "split_stride": "i32"},
                          {"SPLITS": 2, "HAS_RESIDUAL": True, "BLOCK": 1024}),
     "_qk_norm_rope_store_kernel": (kernels, {
-        "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "K_SCALE": "*fp32", "V_SCALE": "*fp32",
-        "QW": "*bf16", "KW": "*bf16",
+        "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "QW": "*bf16", "KW": "*bf16",
         "COS": "*bf16", "SIN": "*bf16", "ROPE_POS": "*i64", "SLOT": "*i64", "WRITE_POS": "*i64", "stride_qkv": "i32",
         "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "eps": "fp32", "split_stride": "i32"},
-        {"H": 16, "KVH": 8, "HD": 128, "HEADS": 8, "SPLITS": 2, "QUANT": False}),
+        {"H": 16, "KVH": 8, "HD": 128, "HEADS": 8, "SPLITS": 2}),
     "_decode_attention_kernel": (kernels, {
-        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "OUT": "*bf16", "POS": "*i64",
-        "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "scale": "fp32"},
-        {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64, "QUANT": False}),
-    "_prefill_attention_kernel": (kernels, {
-        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "OUT": "*bf16",
-        "SLOTS": "*i64", "STARTS": "*i64", "LENGTHS": "*i64", "T": "i32", "stride_cs": "i32", "stride_ch": "i32",
+        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "POS": "*i64", "stride_cs": "i32", "stride_ch": "i32",
         "stride_cl": "i32", "scale": "fp32"},
-        {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64, "QUANT": False}),
+        {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64}),
+    "_prefill_attention_kernel": (kernels, {
+        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "SLOTS": "*i64", "STARTS": "*i64", "LENGTHS": "*i64",
+        "T": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "scale": "fp32"},
+        {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64}),
     "_silu_mul_kernel": (kernels, {"GU": "*bf16", "OUT": "*bf16", "I": "i32"}, {"BLOCK": 1024}),
     "_decode_begin_kernel": (kernels, {
         "TOKENS": "*i64", "POSITIONS": "*i64", "EMBED": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16",
@@ -60,8 +58,8 @@ KERNELS = {
                                     "stride_xm": "i32"},
                              {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
 }
-DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_int8", "_absmax_scale", "_load_kv",
-                    "_kv_scales", "_first_max", "_block_argmax"}  # called from the kernels, not launched
+DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_load_kv", "_first_max",
+                    "_block_argmax"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
 
@@ -100,28 +98,6 @@ def test_with_pdl_each_program_waits_for_the_previous_kernel_before_touching_mem
     assert first_access is not None and wait < first_access.start(), ptx[: first_access.start() + 200]
     off = compile_for_hopper(name, False)
     assert not off.metadata.launch_pdl and "griddepcontrol" not in off.asm["ptx"]
-
-
-@pytest.mark.parametrize("name", ["_qk_norm_rope_store_kernel", "_decode_attention_kernel", "_prefill_attention_kernel"])
-def test_the_int8_kv_cache_paths_compile_for_hopper_and_move_bytes(name):
-    """QUANT (an int8 KV cache with float32 scales per vector) on: the kernel compiles for sm_90 with int8 cache
-    pointers, stores (the writer) or loads (the readers) single bytes where the bf16 build moves none, and still waits
-    for the previous kernel first."""
-    module, signature, constexprs = KERNELS[name]
-    caches = ("K_CACHE", "V_CACHE") if "K_CACHE" in signature else ("K", "V")
-
-    def ptx(quant: bool) -> str:
-        sig = signature | ({c: "*i8" for c in caches} if quant else {})
-        flags = constexprs | {"QUANT": quant, "PDL": True}
-        src = ASTSource(fn=getattr(module, name), signature=sig | {c: "constexpr" for c in flags}, constexprs=flags)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, "num_warps": 4}).asm["ptx"]
-
-    access = re.compile(r"\b(st|ld)\.global(\.\w+)*\.b8\b")
-    on, off = ptx(True), ptx(False)
-    assert [m.group(1) for m in access.finditer(on)][:1] == ["st" if name == "_qk_norm_rope_store_kernel" else "ld"]
-    assert not access.search(off)
-    wait = on.find("griddepcontrol.wait")
-    assert 0 <= wait < MEMORY.search(on).start()
 
 
 def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
