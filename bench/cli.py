@@ -50,8 +50,6 @@ def offline_parser() -> argparse.ArgumentParser:
                    help="KV positions per slot: prompt + --tokens must fit (default: %(default)s)")
     p.add_argument("--prefill-tokens", type=int, default=32768,
                    help="prompt tokens prefilled in one admission round (default: %(default)s)")
-    p.add_argument("--kv-cache-int8", action="store_true",
-                   help="qasr's KV cache as int8 with a scale per vector (qasr-server --kv-cache-int8)")
     p.add_argument("--context", type=int, default=200,
                    help="cached tokens per row while the decode step is timed, GPU only (default: %(default)s)")
     p.add_argument("--latency-runs", type=int, default=20,

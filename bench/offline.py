@@ -113,8 +113,7 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     clip = speech_like(args.clip_seconds, seed=1)
     opts = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
-                         repetition_window=0, max_prefill_tokens=args.prefill_tokens,
-                         kv_cache_int8=args.kv_cache_int8)
+                         repetition_window=0, max_prefill_tokens=args.prefill_tokens)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
@@ -210,9 +209,8 @@ def step_floors(engine: Engine, args, bandwidth: float) -> dict[int, float]:
     if dec.lm_head.weight is dec.embed_tokens.weight:  # tied: named_parameters lists it once, as embed_tokens
         weights += dec.lm_head.weight.numel() * elem
     c, cache = dec.cfg, engine.runner.cache
-    # a key and a value vector per layer and KV head (an int8 cache: a byte an element and a float32 scale a vector)
-    vector = c.head_dim * cache.k[0].element_size() + (4 if cache.scales is not None else 0)
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * vector
+    # a key and a value vector per layer and KV head
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * cache.k[0].element_size()
     return {B: (weights + B * args.context * kv_per_token) / bandwidth * 1e3 for B in engine.runner.buckets}
 
 
@@ -309,7 +307,7 @@ def run(args) -> dict:
     device = resolve_device(args.device)
     out: dict = {"size": args.size, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
                  "torch": torch.__version__, "clip_seconds": args.clip_seconds, "tokens": args.tokens,
-                 "kv_cache_int8": args.kv_cache_int8, "date": time.strftime("%Y-%m-%d")}
+                 "date": time.strftime("%Y-%m-%d")}
     with tempfile.TemporaryDirectory() as tmp:
         if args.model:
             model_dir = Path(args.model)

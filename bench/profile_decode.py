@@ -1,10 +1,10 @@
 """Where the GPU's time goes, by kernel, on a random real-shape checkpoint (#15, #16): the decode step's graph replay
 at several buckets, and a live-like admission (partials of streams that kept their earlier chunks, and finals) with the
-operator and input shapes behind each kernel; and the int8 KV cache (EngineOptions.kv_cache_int8) against bf16: step
-time, kernels, token agreement. (Session 9's side-by-side variants of the first conv and of the decode attention's
-tiles, decided and recorded in docs/benchmarks.md, are in `72fa962`.)
+operator and input shapes behind each kernel. (Session 9's side-by-side variants of the first conv and of the decode
+attention's tiles, decided and recorded in docs/benchmarks.md, are in `72fa962`; its int8 KV cache, measured slower
+than bf16 at every bucket and removed in session 10, is in `3dd9d82`.)
 
-    python -m qasr.bench.profile_decode [0.6B|1.7B] [--sections step,admission,int8]    # on CUDA, ~2 min
+    python -m qasr.bench.profile_decode [0.6B|1.7B] [--sections step,admission]    # on CUDA, ~2 min
 
 Prints one JSON object per line, a section each (a time limit leaves the sections that finished), and the admission's
 operator table as text.
@@ -12,7 +12,6 @@ operator table as text.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tempfile
 
@@ -27,7 +26,7 @@ from . import kernel_check
 from .kernel_check import size_and_sections
 from .synthetic import speech_like
 
-SECTIONS = ("step", "admission", "int8")
+SECTIONS = ("step", "admission")
 STEP_BUCKETS = (1, 32, 128, 256)
 CONTEXT = 200  # decode rows' positions: a ~10 s segment's prompt and answer
 
@@ -46,34 +45,15 @@ def kernel_times(prof, replays: int, top: int = 14) -> dict:
 
 
 def fill_cache(cache) -> None:
-    """Random keys and values (an int8 cache: random integers and scales)."""
+    """Random keys and values."""
     gen = torch.Generator(device=cache.k[0].device).manual_seed(0)
     for t in cache.tensors:
-        if t.dtype == torch.int8:
-            t.random_(-127, 128, generator=gen)
-        elif t.dim() == 3:  # an int8 cache's scales
-            t.uniform_(0.001, 0.05, generator=gen)
-        else:
-            t.normal_(generator=gen)
+        t.normal_(generator=gen)
 
 
 def step_ms(engine: Engine, runs: int = 30) -> dict:
     """Each bucket's graphed decode step, every row live at CONTEXT: median GPU ms a replay."""
     return {B: round(kernel_check.step_ms(engine.runner, B, CONTEXT, runs), 4) for B in STEP_BUCKETS}
-
-
-def int8_section(bf16: Engine, int8: Engine, requests: int = 32, tokens: int = 40) -> dict:
-    """The int8 KV cache against the model's dtype: the step's replay time at the buckets (the same weights), its
-    kernels, and the tokens of the same forced-length requests (random weights: how often int8's rounding of K and V
-    changes the argmax)."""
-    fill_cache(int8.runner.cache)
-    out = {"step_ms": {"bf16": step_ms(bf16), "int8": step_ms(int8)}, "int8_step_kernels_us": step_section(int8)}
-    reqs = [DecodeRequest(audio=speech_like(3 + i % 8, seed=500 + i), max_new_tokens=tokens) for i in range(requests)]
-    a, b = ([r.token_ids for r in engine.transcribe(reqs)] for engine in (bf16, int8))
-    out["first_tokens_identical"] = sum(x[0] == y[0] for x, y in zip(a, b)) / requests
-    out["tokens_identical"] = sum(u == v for x, y in zip(a, b) for u, v in zip(x, y)) / (requests * tokens)
-    out["requests_identical"] = sum(x == y for x, y in zip(a, b)) / requests
-    return out
 
 
 def step_section(engine: Engine, replays: int = 20) -> dict:
@@ -133,9 +113,6 @@ def main(argv=None) -> None:
         # the stream bench's server: 256 decode rows, 640 positions, streams' prefixes retained
         opts = EngineOptions(num_slots=256, max_len=640, num_retained=64, ignore_eos=True, repetition_window=0)
         engine = Engine.from_pretrained(str(d), device="cuda", dtype="bfloat16", options=opts)
-        int8 = (Engine.from_pretrained(str(d), device="cuda", dtype="bfloat16",
-                                       options=dataclasses.replace(opts, kv_cache_int8=True))
-                if "int8" in sections else None)
 
     def emit(section: str, value) -> None:
         print(json.dumps({section: value}), flush=True)
@@ -145,8 +122,6 @@ def main(argv=None) -> None:
         emit("decode_step_kernels_us", step_section(engine))
     if "admission" in sections:
         emit("admission_kernels_us", admission_section(engine))
-    if int8 is not None:
-        emit("kv_cache_int8", int8_section(engine, int8))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,6 @@ class EngineOptions:
     fused_kernels: bool | None = None  # Triton kernels for the decoder (None: on CUDA when Triton is installed)
     repetition_window: int = 64  # stop a sequence whose last tokens are one short pattern repeated (0: off)
     ignore_eos: bool = False  # benchmarks only: decode exactly the token budget
-    kv_cache_int8: bool = False  # keys and values stored as int8 with a float32 scale per vector: about half the bytes
-    # the decode step's attention reads (its largest kernel at 128-256 rows on the H200, session 9); fused kernels only
     rollback_tokens: int = 5  # a partial continues its stream's previous partial minus this many last tokens (the
     # least settled ones, re-decoded); 0: partials decode from the audio alone
     aligner: str | None = None  # a Qwen3-ForcedAligner checkpoint (directory or Hugging Face id), loaded beside the

@@ -191,7 +191,6 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         fused_kernels: bool | None = None,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
-        kv_int8: bool = False,
     ):
         self.model = model
         self.device = model.device
@@ -223,9 +222,7 @@ class ModelRunner:
         self.fused_kernels = kernels.available(self.device) if fused_kernels is None else fused_kernels
         if self.fused_kernels and not kernels.available(self.device):
             raise ValueError(f"fused kernels need Triton and a CUDA device (got {self.device})")
-        if kv_int8 and not self.fused_kernels:
-            raise ValueError("an int8 KV cache needs the fused kernels (the plain attention reads the cache as it is)")
-        self.cache = model.new_cache(num_slots + num_retained, max_len, int8=kv_int8)
+        self.cache = model.new_cache(num_slots + num_retained, max_len)
         # the decoder's layer ops, chosen once: every prefill and decode step (and so every graph) runs on them
         self.layer_ops = (FusedLayerOps(model.decoder.rope_table(self.cache.length)) if self.fused_kernels
                           else PlainLayerOps())

@@ -175,22 +175,11 @@ if triton is not None:
         return o1, o2
 
     @triton.jit
-    def _int8(x, scale):
-        # float32 x [rows, cols] / scale [rows] to the nearest int8 (halves away from zero); |x| <= 127 scale
-        q = x / scale[:, None]
-        return tl.where(q >= 0, tl.floor(q + 0.5), -tl.floor(0.5 - q)).to(tl.int8)
-
-    @triton.jit
-    def _absmax_scale(absmax):
-        # a vector's int8 scale: its largest magnitude maps to 127 (an all-zero vector gets a tiny one, not 0)
-        return tl.maximum(absmax, 1e-30) / 127.0
-
-    @triton.jit
     def _qk_norm_rope_store_kernel(
-        QKV, Q, K_CACHE, V_CACHE, K_SCALE, V_SCALE, QW, KW, COS, SIN, ROPE_POS, SLOT, WRITE_POS,
+        QKV, Q, K_CACHE, V_CACHE, QW, KW, COS, SIN, ROPE_POS, SLOT, WRITE_POS,
         stride_qkv, stride_cs, stride_ch, stride_cl, eps, split_stride,
         H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
-        QUANT: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # program (token n, group j of HEADS heads; HEADS divides H and KVH): a group j < H / HEADS is query heads
         # (-> Q[n, heads]), the others KV heads, whose normed and rotated keys and plain values go to the cache at
@@ -219,38 +208,20 @@ if triton is not None:
             full = tl.arange(0, HD)[None, :]
             v = _load_input(QKV, n * stride_qkv + (H + KVH + kvh) * HD + full, (kvh >= 0) & (full < HD), split_stride,
                             SPLITS, Q).to(Q.dtype.element_ty)
-            if QUANT:  # int8 with a float32 scale per vector at SCALE[its offset // HD] (a contiguous cache), of the
-                # values the plain cache would hold
-                k1, k2 = o1.to(tl.float32), o2.to(tl.float32)
-                scale = _absmax_scale(tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1)))
-                tl.store(K_CACHE + at + half[None, :], _int8(k1, scale))
-                tl.store(K_CACHE + at + HD // 2 + half[None, :], _int8(k2, scale))
-                tl.store(K_SCALE + at // HD, scale[:, None])
-                v = v.to(tl.float32)
-                scale = _absmax_scale(tl.max(tl.abs(v), axis=1))
-                tl.store(V_CACHE + at + full, _int8(v, scale))
-                tl.store(V_SCALE + at // HD, scale[:, None])
-            else:
-                tl.store(K_CACHE + at + half[None, :], o1)
-                tl.store(K_CACHE + at + HD // 2 + half[None, :], o2)
-                tl.store(V_CACHE + at + full, v)
+            tl.store(K_CACHE + at + half[None, :], o1)
+            tl.store(K_CACHE + at + HD // 2 + half[None, :], o2)
+            tl.store(V_CACHE + at + full, v)
 
     @triton.jit
     def _load_kv(CACHE, offs, kmask, q):
-        # a block of keys or values [BLOCK_N, HD] in q's dtype (an int8 cache's integers are exact in it)
+        # a block of keys or values [BLOCK_N, HD] in q's dtype
         return tl.load(CACHE + offs, mask=kmask[:, None], other=0).to(q.dtype)
 
     @triton.jit
-    def _kv_scales(SCALE, base, keys, kmask, HD: tl.constexpr):
-        # an int8 cache's scales of a block of keys or values [1, BLOCK_N]: a vector's scale is at its cache offset // HD
-        # (a contiguous cache, kernels._checked_scales), here base // HD + key, as the writer stores it
-        return tl.load(SCALE + base // HD + keys, mask=kmask, other=0.0)[None, :]
-
-    @triton.jit
     def _decode_attention_kernel(
-        Q, K, V, K_SCALE, V_SCALE, OUT, POS, stride_cs, stride_ch, stride_cl, scale,
+        Q, K, V, OUT, POS, stride_cs, stride_ch, stride_cl, scale,
         H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
-        QUANT: tl.constexpr, PDL: tl.constexpr,
+        PDL: tl.constexpr,
     ):
         # program (row b, kv head): the G query heads sharing that KV head attend over positions 0 .. POS[b] of slot b
         # (a padding row, POS < 0, attends to position 0 only). The G heads are padded to a G_BLOCK >= 16 tile so
@@ -275,17 +246,12 @@ if triton is not None:
             offs = base + keys[:, None] * stride_cl + d[None, :]
             k = _load_kv(K, offs, kmask, q)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # [G_BLOCK, BLOCK_N]
-            if QUANT:
-                s = s * _kv_scales(K_SCALE, base, keys, kmask, HD)
             s = tl.where(kmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             v = _load_kv(V, offs, kmask, q)
-            w = p  # the weights of the values: times their scales with an int8 cache (the softmax's sum stays p's)
-            if QUANT:
-                w = p * _kv_scales(V_SCALE, base, keys, kmask, HD)
-            acc = acc * alpha[:, None] + tl.dot(w.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
         out = acc / l[:, None]
@@ -293,9 +259,9 @@ if triton is not None:
 
     @triton.jit
     def _prefill_attention_kernel(
-        Q, K, V, K_SCALE, V_SCALE, OUT, SLOTS, STARTS, LENGTHS, T, stride_cs, stride_ch, stride_cl, scale,
+        Q, K, V, OUT, SLOTS, STARTS, LENGTHS, T, stride_cs, stride_ch, stride_cl, scale,
         H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
     ):
         # program (sequence b, block of BLOCK_M of its new tokens, kv head): token t (at position starts[b] + t)
         # attends over positions 0 .. its own of slot slots[b], whose K/V (cached prefix and the new tokens) are
@@ -326,17 +292,12 @@ if triton is not None:
             kmask = keys < tile_keys
             k = _load_kv(K, offs, kmask, q)
             s = tl.dot(q, tl.trans(k)) * qk_scale
-            if QUANT:
-                s = s * _kv_scales(K_SCALE, base, keys, kmask, HD)
             s = tl.where(keys[None, :] < n_keys[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
             v = _load_kv(V, offs, kmask, q)
-            w = p  # the weights of the values: times their scales with an int8 cache (the softmax's sum stays p's)
-            if QUANT:
-                w = p * _kv_scales(V_SCALE, base, keys, kmask, HD)
-            acc = acc * alpha[:, None] + tl.dot(w.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
         out = acc / l[:, None]
@@ -416,6 +377,23 @@ class BlockMaxima:
     index: torch.Tensor
 
 
+@dataclass(frozen=True)
+class PendingNorm:
+    """norm(h) * weight of the residual stream h, left for the GEMV that consumes it to take as it loads h
+    (gemv.partial_products, gemv.gate_up_silu: no launch of its own). gemv.add_products, which added the product
+    before into h, left each row's sum of squares per block of its output columns in ssq. materialize() is the
+    norm as kernels.rms_norm computes it, for a consumer that cannot take it on load.
+    residual: [N, D]; ssq: float32 [N, blocks]; weight: [D]."""
+
+    residual: torch.Tensor
+    ssq: torch.Tensor
+    weight: torch.Tensor
+    eps: float
+
+    def materialize(self) -> torch.Tensor:
+        return rms_norm(self.residual, self.weight, self.eps)
+
+
 def pdl_options(device: torch.device, rows: int) -> dict:
     """The launch arguments of a kernel here or in gemv.py over `rows` rows (tokens): its PDL constexpr and Triton's
     launch_pdl, both on (use_pdl, and at most PDL_MAX_ROWS rows) or both off."""
@@ -466,14 +444,13 @@ def qk_heads_per_program(num_heads: int, num_kv_heads: int, tokens: int) -> int:
 
 
 def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos, k_cache, v_cache,
-                       num_heads: int, num_kv_heads: int, eps: float, scales=None) -> torch.Tensor:
+                       num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
     """The attention's input side in one kernel.
 
     qkv: [N, (H + 2 KVH) hd] projections of N tokens (or their float32 split-K partial sums [S, N, ...], summed and
     rounded to the weights' dtype first); cos/sin: [P, hd] tables; rope_pos, slots, write_pos: [N].
     Writes each token's normed, rotated key and its value into k_cache/v_cache [S, KVH, L, hd] at
     [slots[n], :, write_pos[n]] and returns the normed, rotated queries [N, H, hd] (in the weights' dtype).
-    scales: an int8 cache's (k_scale, v_scale) [S, KVH, L] float32: each vector is stored as int8 with its absmax / 127.
     """
     dtype = q_weight.dtype
     splits = _splits(qkv, dtype)
@@ -483,44 +460,27 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write
     rope_pos, slots, write_pos = rope_pos.contiguous(), slots.contiguous(), write_pos.contiguous()
     assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert not splits or qkv.is_contiguous()
-    k_scale, v_scale = _checked_scales(k_cache, v_cache, scales)
+    _check_cache(k_cache, v_cache)
     q = torch.empty((N, num_heads, hd), dtype=dtype, device=qkv.device)
     sc, sh, sl, _ = k_cache.stride()
     heads = qk_heads_per_program(num_heads, num_kv_heads, N)
     _qk_norm_rope_store_kernel[(N, (num_heads + num_kv_heads) // heads)](
-        qkv, q, k_cache, v_cache, k_scale, v_scale, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos,
+        qkv, q, k_cache, v_cache, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos,
         qkv.stride(-2), sc, sh, sl, eps, N * qkv.shape[-1], H=num_heads, KVH=num_kv_heads, HD=hd, HEADS=heads,
-        SPLITS=splits, QUANT=scales is not None, num_warps=max(1, heads // 2), **pdl_options(qkv.device, N))
+        SPLITS=splits, num_warps=max(1, heads // 2), **pdl_options(qkv.device, N))
     return q
 
 
-def _checked_scales(k_cache: torch.Tensor, v_cache: torch.Tensor, scales) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' K_SCALE and V_SCALE: an int8 cache's scales (checked against it), or the cache itself for a plain
-    one (never read: QUANT off)."""
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     if k_cache.dtype != v_cache.dtype:
         raise ValueError(f"keys and values of one cache in one dtype, got {k_cache.dtype} and {v_cache.dtype}")
-    if scales is None:
-        if k_cache.dtype == torch.int8:
-            raise ValueError("an int8 KV cache needs its scales")
-        return k_cache, k_cache
-    k_scale, v_scale = scales
-    S, KVH, L, _ = k_cache.shape
-    if k_cache.dtype != torch.int8:
-        raise ValueError(f"scales go with an int8 cache, got a {k_cache.dtype} one")
-    if not k_cache.is_contiguous():  # a vector's scale is found at its offset // head_dim
-        raise ValueError(f"an int8 cache must be contiguous, got strides {k_cache.stride()}")
-    for scale in (k_scale, v_scale):
-        if scale.shape != (S, KVH, L) or scale.dtype != torch.float32 or not scale.is_contiguous():
-            raise ValueError(f"expected contiguous float32 scales {(S, KVH, L)}, got {tuple(scale.shape)} {scale.dtype}")
-    return k_scale, v_scale
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
-                     scales=None) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
     """Row b (= slot b) attends over cache positions 0 .. positions[b] (position 0 only when it is -1).
 
     q: [B, H, hd]; caches [S >= B, KVH, L, hd]; positions: [B] -> [B, H * hd]. Reads only the live keys of each row.
-    scales: an int8 cache's (k_scale, v_scale), as qk_norm_rope_store writes them.
     """
     B, H, hd = q.shape
     kvh = k_cache.shape[1]
@@ -529,20 +489,20 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = H // kvh
     out = torch.empty((B, H * hd), dtype=q.dtype, device=q.device)
     sc, sh, sl, _ = k_cache.stride()
-    k_scale, v_scale = _checked_scales(k_cache, v_cache, scales)
+    _check_cache(k_cache, v_cache)
     _decode_attention_kernel[(B, kvh)](
-        q, k_cache, v_cache, k_scale, v_scale, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
-        H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, QUANT=scales is not None,
-        num_warps=4, **pdl_options(q.device, B))
+        q, k_cache, v_cache, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
+        H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, num_warps=4,
+        **pdl_options(q.device, B))
     return out
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                      starts: torch.Tensor, lengths: torch.Tensor, scales=None) -> torch.Tensor:
+                      starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Causal attention of new tokens over their slot's cache (the cached prefix and the new tokens' own K/V).
 
     q: [B * T, H, hd], row b * T + t = token t of sequence b, at position starts[b] + t of slot slots[b] (valid for
-    t < lengths[b]); caches [S, KVH, L, hd] -> [B * T, H * hd]. scales: an int8 cache's, as decode_attention's.
+    t < lengths[b]); caches [S, KVH, L, hd] -> [B * T, H * hd].
     """
     B = slots.shape[0]
     N, H, hd = q.shape
@@ -555,10 +515,10 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     sc, sh, sl, _ = k_cache.stride()
     g_block = triton.next_power_of_2(group)
     block_m = max(1, 32 // g_block)  # 32 tile rows: (token, query head) pairs
-    k_scale, v_scale = _checked_scales(k_cache, v_cache, scales)
+    _check_cache(k_cache, v_cache)
     _prefill_attention_kernel[(B, triton.cdiv(T, block_m), kvh)](
-        q, k_cache, v_cache, k_scale, v_scale, out, slots, starts, lengths, T, sc, sh, sl, 1.0 / math.sqrt(hd),
-        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, QUANT=scales is not None, num_warps=4,
+        q, k_cache, v_cache, out, slots, starts, lengths, T, sc, sh, sl, 1.0 / math.sqrt(hd),
+        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, num_warps=4,
         **pdl_options(q.device, N))
     return out
 

@@ -103,10 +103,6 @@ def build_parser() -> argparse.ArgumentParser:
                              "which it decodes again (0: every partial decodes from the audio alone)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
-    parser.add_argument("--kv-cache-int8", action="store_true",
-                        help="keep keys and values as int8 with a scale per vector: half the cache's memory and about "
-                             "half the bytes a decode step reads (GPU fused kernels only; experimental: not yet "
-                             "measured against bf16 on a GPU)")
     parser.add_argument("--workers", type=int, default=1,
                         help="front-end processes (WebSockets, sessions, VAD) sharing the port (SO_REUSEPORT), each "
                              "feeding every engine process (one per device of --devices) over connections of its "
@@ -203,7 +199,6 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
     return EngineOptions(num_slots=slots, max_len=args.max_len, num_retained=retained,
                          base_tokens=args.base_tokens,
                          tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
-                         kv_cache_int8=args.kv_cache_int8,
                          admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
                          max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner)
 

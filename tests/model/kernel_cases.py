@@ -134,71 +134,6 @@ def test_prefill_attention_is_causal_over_each_slots_cache(heads, kv_heads):
     assert torch.equal(alone.view(T, -1)[:37], out[1, :37])
 
 
-# -- the int8 KV cache: vectors stored as int8 with a float32 scale each (absmax / 127) -----------------------------
-
-
-def int8_cache(k: torch.Tensor, v: torch.Tensor):
-    """A float cache pair quantized as the kernels store it -> (k int8, v int8, (k_scale, v_scale), and the
-    dequantized k, v the kernels' results must match)."""
-    out = []
-    for x in (k, v):
-        scale = x.abs().amax(-1).clamp(min=1e-30) / 127
-        q = torch.round(x / scale[..., None]).to(torch.int8)  # ties aside (random floats never tie), to nearest
-        out.append((q, scale.float()))
-    (kq, ks), (vq, vs) = out
-    return kq, vq, (ks, vs), kq.float() * ks[..., None], vq.float() * vs[..., None]
-
-
-@pytest.mark.parametrize("H,KVH,N", [(4, 2, 7), (4, 2, 40)])  # a head a program, and groups of 2
-def test_qk_norm_rope_store_into_an_int8_cache_stores_each_vector_to_its_scale(H, KVH, N):
-    hd, S, L = 16, 6, 48
-    qkv = torch.randn(N, (H + 2 * KVH) * hd)
-    qkv[0, (H + KVH) * hd :] = 0  # token 0's values all zero: a vector with no magnitude to scale
-    qw, kw = torch.randn(hd), torch.randn(hd)
-    cos, sin = rope_tables(L, hd)
-    rope_pos, slots, write_pos = torch.randint(0, L, (N,)), torch.randint(0, S, (N,)), torch.randperm(L)[:N]
-    plain_k, plain_v = torch.zeros(S, KVH, L, hd), torch.zeros(S, KVH, L, hd)
-    q_plain = kernels.qk_norm_rope_store(qkv, qw, kw, cos, sin, rope_pos, slots, write_pos, plain_k, plain_v, H, KVH,
-                                         1e-6)
-    k8, v8 = torch.zeros(S, KVH, L, hd, dtype=torch.int8), torch.zeros(S, KVH, L, hd, dtype=torch.int8)
-    scales = (torch.zeros(S, KVH, L), torch.zeros(S, KVH, L))
-    q8 = kernels.qk_norm_rope_store(qkv, qw, kw, cos, sin, rope_pos, slots, write_pos, k8, v8, H, KVH, 1e-6,
-                                    scales=scales)
-    assert torch.equal(q8, q_plain)  # the queries do not depend on the cache
-    for got, scale, plain in ((k8, scales[0], plain_k), (v8, scales[1], plain_v)):
-        written = plain.transpose(1, 2)[slots, write_pos]  # [N, KVH, hd]
-        expected_scale = written.abs().amax(-1).clamp(min=1e-30) / 127
-        assert torch.allclose(scale[slots, :, write_pos], expected_scale, rtol=1e-6)
-        stored = got.transpose(1, 2)[slots, write_pos]
-        nonzero = written.abs().amax(-1) > 0
-        assert stored.abs().amax(-1)[nonzero].eq(127).all()  # each vector's largest magnitude maps to 127
-        assert torch.equal(stored, torch.round(written / expected_scale[..., None]).to(torch.int8))
-        untouched = torch.ones(S, L, dtype=torch.bool)
-        untouched[slots, write_pos] = False
-        assert not got.transpose(1, 2)[untouched].any() and not scale.transpose(1, 2)[untouched].any()
-    zero = scales[1][slots[0], :, write_pos[0]]  # token 0's values: stored as zeros, to a tiny scale (not 0: no 0 / 0)
-    assert not v8[slots[0], :, write_pos[0]].any() and (zero > 0).all() and (zero < 1e-30).all()
-    with pytest.raises(ValueError, match="needs its scales"):
-        kernels.qk_norm_rope_store(qkv, qw, kw, cos, sin, rope_pos, slots, write_pos, k8, v8, H, KVH, 1e-6)
-
-
-def test_decode_and_prefill_attention_over_an_int8_cache_equal_attention_over_its_dequantized_values():
-    heads, kv_heads, hd, S, L = 4, 2, 16, 7, 80
-    k8, v8, scales, k, v = int8_cache(torch.randn(S, kv_heads, L, hd), torch.randn(S, kv_heads, L, hd))
-    positions = torch.tensor([0, 5, -1, 70, 63, 64])
-    q = torch.randn(len(positions), heads, hd)
-    got = kernels.decode_attention(q, k8, v8, positions, scales=scales)
-    assert torch.allclose(got, kernels.decode_attention(q, k, v, positions), atol=TOL, rtol=TOL)
-    slots, starts, lengths = torch.tensor([3, 0]), torch.tensor([0, 40]), torch.tensor([20, 37])
-    qp = torch.randn(2 * 37, heads, hd)
-    got = kernels.prefill_attention(qp, k8, v8, slots, starts, lengths, scales=scales).view(2, 37, -1)
-    expected = kernels.prefill_attention(qp, k, v, slots, starts, lengths).view(2, 37, -1)
-    for b in range(2):
-        assert torch.allclose(got[b, : lengths[b]], expected[b, : lengths[b]], atol=TOL, rtol=TOL), b
-    with pytest.raises(ValueError, match="float32 scales"):
-        kernels.decode_attention(q, k8, v8, positions, scales=(scales[0][:, :1], scales[1]))
-
-
 # -- the small-batch matrix products (model/gemv.py) -------------------------------------------------------------
 
 GEMV_CONFIGS = [gemv.GemvConfig(32, 64), gemv.GemvConfig(32, 64, split=3), gemv.GemvConfig(16, 16, split=4)]
@@ -259,6 +194,61 @@ def test_add_rms_norm_sums_split_partial_products_in_order():
     assert torch.equal(r1, r2)
     with pytest.raises(ValueError, match="partial sums"):
         kernels.rms_norm(parts.double(), nw, 1e-6, residual.clone())
+
+
+# -- the decode step's add+RMSNorm fused into its GEMVs (gemv.add_products, kernels.PendingNorm) ---------------------
+
+ADD_CONFIGS = [gemv.GemvConfig(16, 16, split=3), gemv.GemvConfig(32, 16), gemv.GemvConfig(16, 8, split=5)]
+
+
+@pytest.mark.parametrize("config", ADD_CONFIGS, ids=str)
+@pytest.mark.parametrize("rows", [1, 3, 18])  # one row, a few, and two row tiles
+def test_add_products_adds_into_the_residual_as_the_unfused_add_rms_norm_does(config, rows):
+    x, w, residual, nw = torch.randn(rows, 40), torch.randn(48, 40), torch.randn(rows, 48), torch.randn(48)
+    unfused = residual.clone()
+    expected = kernels.rms_norm(gemv.partial_products(x, w, config), nw, 1e-6, unfused)
+    counters = torch.zeros(gemv.counters_needed(rows, 48), dtype=torch.int32)
+    fused = residual.clone()
+    ssq = gemv.add_products(x, w, fused, counters, config)
+    assert torch.equal(fused, unfused)  # the residual stream bit for bit
+    assert not counters.any()  # left at zero for the next launch
+    blocks = -(-48 // config.block_n)
+    assert ssq.shape == (rows, blocks)
+    per_block = torch.stack([(fused[:, j * config.block_n:(j + 1) * config.block_n] ** 2).sum(1) for j in range(blocks)], 1)
+    assert torch.allclose(ssq, per_block, rtol=1e-5)
+    normed = kernels.PendingNorm(fused, ssq, nw, 1e-6)
+    assert torch.equal(normed.materialize(), expected)  # the norm taken apart: the unfused norm's bits
+    # the consumers norm their rows on load: within float32 rounding of the unfused norm's output (the sum of squares
+    # is added in another order: per column block, then the blocks)
+    w2, w3 = torch.randn(20, 48), torch.randn(2 * 24, 48)
+    for got, want in ((gemv.partial_products(normed, w2, config), gemv.partial_products(expected, w2, config)),
+                      (gemv.gate_up_silu(normed, w3, config), gemv.gate_up_silu(expected, w3, config))):
+        assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), float((got - want).abs().max())
+
+
+def test_fused_norms_keep_a_rows_bits_whatever_its_batch():
+    x, w, residual, nw, w2 = torch.randn(18, 40), torch.randn(48, 40), torch.randn(18, 48), torch.randn(48), \
+        torch.randn(32, 48)
+    config = gemv.GemvConfig(16, 16, split=3)
+
+    def fused(n: int):
+        r = residual[:n].clone()
+        ssq = gemv.add_products(x[:n], w, r, torch.zeros(64, dtype=torch.int32), config)
+        normed = kernels.PendingNorm(r, ssq, nw, 1e-6)
+        return r, ssq, gemv.partial_products(normed, w2, config), gemv.gate_up_silu(normed, w2, gemv.GemvConfig(16, 16))
+
+    batch = fused(18)
+    for n in (1, 5):
+        for got, whole in zip(fused(n), batch):
+            assert torch.equal(got, (whole[:, :n] if got.dim() == 3 else whole[:n])), n
+
+
+def test_add_products_refuses_a_residual_or_counters_it_cannot_use():
+    x, w = torch.randn(2, 16), torch.randn(32, 16)
+    with pytest.raises(ValueError, match="residual"):
+        gemv.add_products(x, w, torch.zeros(2, 31), torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="counters"):
+        gemv.add_products(x, w, torch.zeros(2, 32), torch.zeros(1, dtype=torch.int32), gemv.GemvConfig(16, 16))
 
 
 def test_qk_norm_rope_store_sums_split_partial_products():
@@ -426,15 +416,15 @@ def test_engine_on_kernels_gives_the_plain_engines_tokens(engines):
 def test_decode_streams_small_products_through_gemv_and_larger_ones_through_cublas(engines, monkeypatch):
     fused, plain = engines
     calls = []
-    for name in ("partial_products", "linear", "linear_argmax", "gate_up_silu"):
+    for name in ("partial_products", "add_products", "linear", "linear_argmax", "gate_up_silu"):
         real = getattr(gemv, name)
-        monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name: calls.append((name, x.shape[0])) or
-                            real(x, *a))
+        monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name: calls.append((name, gemv._rows(x).shape[0]))
+                            or real(x, *a))
     reqs = [DecodeRequest(audio=speech(s, seed=40 + i), max_new_tokens=5) for i, s in enumerate([0.6, 1.4, 2.0])]
     expected = [r.token_ids for r in plain.transcribe(reqs)]
     assert [r.token_ids for r in fused.transcribe(reqs)] == expected
     names = {name for name, _ in calls}
-    assert {"partial_products", "gate_up_silu"} <= names and names & {"linear", "linear_argmax"}
+    assert {"partial_products", "add_products", "gate_up_silu"} <= names and names & {"linear", "linear_argmax"}
     # the lm_head of the 4-row decode bucket: linear_argmax where the runner's step takes the greedy tokens from it
     # (decode_greedy), linear where it takes the logits' argmax
     assert 4 in {rows for name, rows in calls if name in ("linear", "linear_argmax")}
@@ -465,46 +455,18 @@ def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines
     assert [padded.transcribe([r])[0].token_ids for r in reqs] == [r.token_ids for r in plain.transcribe(reqs)]
 
 
-def test_an_int8_kv_cache_engine_keeps_rows_independent_and_close_to_the_plain_cache(tiny_model_dir, engines):
-    fused, _ = engines
-    int8 = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
-        num_slots=4, max_len=256, num_retained=2, fused_kernels=True, kv_cache_int8=True))
-    assert int8.runner.cache.k[0].dtype == torch.int8 and int8.runner.cache.scales is not None
-    clips = [speech(s, seed=40 + i) for i, s in enumerate([0.9, 2.2, 1.4])]
-    reqs = [DecodeRequest(audio=c, max_new_tokens=6) for c in clips] + [DecodeRequest(audio=clips[0], max_new_tokens=6)]
-    batch = [r.token_ids for r in int8.transcribe(reqs)]
-    assert batch[0] == batch[3] and all(len(t) == 6 for t in batch)  # identical inputs, identical rows
-    assert [int8.transcribe([r])[0].token_ids for r in reqs[:3]] == batch[:3]  # a row does not depend on its batch
-    # the same prefill into an int8 and a plain cache: hidden states within int8's rounding of K and V
-    decoder, ops = int8.model.decoder, int8.runner.layer_ops
-    x = torch.randn(2, 30, int8.model.cfg.text.hidden_size)
-    meta = [torch.tensor(v) for v in ([0, 1], [0, 0], [30, 17])]
-    got = decoder.prefill(x, *meta, int8.runner.cache, ops)
-    expected = decoder.prefill(x, *meta, fused.model.new_cache(2, 256), fused.runner.layer_ops)  # not the fixture's
-    for b, n in enumerate((30, 17)):
-        error = (got[b, :n] - expected[b, :n]).norm() / expected[b, :n].norm()
-        assert 0 < error < 0.01, (b, float(error))  # int8 rounds (not 0): 0.37% on the tiny model
-
-
-def test_an_int8_runners_prefix_copy_takes_the_scales_along(tiny_model_dir):
-    """A stream's retained prefix (copy_prefix) in an int8 cache: the integers without their scales would read back
-    as other values."""
+def test_a_runners_prefix_copy_copies_every_layers_keys_and_values(tiny_model_dir):
+    """A stream's retained prefix (copy_prefix): the first `length` positions of every cache tensor, nothing past."""
     runner = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
-        num_slots=2, max_len=64, num_retained=1, fused_kernels=True, kv_cache_int8=True)).runner
+        num_slots=2, max_len=64, num_retained=1, fused_kernels=True)).runner
     cache = runner.cache
     tensors = cache.tensors
-    assert len(tensors) == 4 * len(cache.k)  # keys, values and their two scales, per layer
+    assert len(tensors) == 2 * len(cache.k)  # keys and values, per layer
     for t in tensors:
-        t[0] = torch.randint(-127, 128, t[0].shape) if t.dtype == torch.int8 else torch.rand(t[0].shape)
+        t[0] = torch.rand(t[0].shape)
     runner.copy_prefix(0, 2, 20)
     for t in tensors:
         assert torch.equal(t[2, :, :20], t[0, :, :20]) and not t[2, :, 20:].any()
-
-
-def test_an_int8_kv_cache_needs_the_fused_kernels(tiny_model_dir):
-    with pytest.raises(ValueError, match="int8 KV cache needs the fused kernels"):
-        Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
-            num_slots=2, max_len=128, num_retained=0, fused_kernels=False, kv_cache_int8=True))
 
 
 def test_an_admission_larger_than_the_largest_bucket_is_prefilled_in_chunks(tiny_model_dir, engines, monkeypatch):
@@ -700,19 +662,39 @@ def test_the_kernels_step_is_the_plain_pytorch_step(step_runner, B):
     assert torch.equal(after[3][0, :B][~live], torch.full_like(after[3][0, :B][~live], -1))  # idle rows: no token
 
 
+@pytest.mark.parametrize("B", [1, 4, 6])
+def test_the_fused_norms_step_is_the_unfused_step(step_runner, B):
+    # logits and the cache to float32 rounding (a norm's sum of squares in another order; as the plain step's
+    # tolerance), the same tokens and state
+    table = step_runner.model.decoder.rope_table(step_runner.cache.length)
+    logits, after = run_step(step_runner, B, FusedLayerOps(table, fuse_norms=True))
+    apart_logits, apart_after = run_step(step_runner, B, FusedLayerOps(table, fuse_norms=False))
+    assert torch.allclose(logits, apart_logits, atol=1e-4, rtol=1e-4), float((logits - apart_logits).abs().max())
+    assert all(torch.allclose(a.float(), b.float(), atol=1e-4, rtol=1e-4) for a, b in zip(after, apart_after))
+    assert all(torch.equal(a, b) for a, b in zip(after[:4], apart_after[:4]))
+
+
 def test_the_step_launches_no_pytorch_op_where_its_products_are_gemv(step_runner):
     runner = step_runner
     layers = runner.model.cfg.text.num_hidden_layers
-    cublas = FusedLayerOps(runner.model.decoder.rope_table(runner.cache.length), gemv_rows=0)  # as above 32 rows
+    table = runner.model.decoder.rope_table(runner.cache.length)
+    cublas = FusedLayerOps(table, gemv_rows=0)  # as above 32 rows
+    apart = FusedLayerOps(table, fuse_norms=False)  # $QASR_FUSE_NORMS=0
+    fused = FusedLayerOps(table, fuse_norms=True)
     counts = {}
-    for name, ops in (("gemv", runner.layer_ops), ("cublas", cublas)):
+    for name, ops in (("gemv", fused), ("gemv_norms_apart", apart), ("cublas", cublas)):
+        run_step(runner, 4, ops)  # first use: the fused norms' counters are made (outside a graph, as its warm-up)
         with recorded_launches() as launched:
             greedy_step(runner, 4, ops)
         counts[name] = launch_summary(launched)
         assert launched[-1] == "_advance_rows_kernel"
-    # per layer: add+RMSNorm, qkv, q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up+SiLU, down;
-    # then the step's start, the lm_head, the bookkeeping: one chain of Triton kernels
-    assert counts["gemv"] == {"launches": 8 * layers + 3, "triton": 8 * layers + 3, "torch_ops": {}, "chain_breaks": 0}
+    # per layer: qkv (norming its rows on load), q/k-norm+RoPE+KV write, attention, o_proj (adding into the residual
+    # stream), gate_up+SiLU (norming on load), down (adding); then the step's start, the final norm, the lm_head, the
+    # bookkeeping: one chain of Triton kernels
+    assert counts["gemv"] == {"launches": 6 * layers + 4, "triton": 6 * layers + 4, "torch_ops": {}, "chain_breaks": 0}
+    # the norms apart: add+RMSNorm, qkv, q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up+SiLU, down
+    assert counts["gemv_norms_apart"] == {"launches": 8 * layers + 3, "triton": 8 * layers + 3, "torch_ops": {},
+                                          "chain_breaks": 0}
     # with the products on cuBLAS (the step above 32 rows) they are PyTorch ops, and so is the argmax: the recording
     # sees each, and the Triton kernel after each is a break (qkv, o_proj, gate_up and down a layer; the lm_head)
     assert counts["cublas"] == {"launches": 9 * layers + 4, "triton": 5 * layers + 2,

@@ -30,20 +30,18 @@ KERNELS = {
                                    "split_stride": "i32"},
                          {"SPLITS": 2, "HAS_RESIDUAL": True, "BLOCK": 1024}),
     "_qk_norm_rope_store_kernel": (kernels, {
-        "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "K_SCALE": "*fp32", "V_SCALE": "*fp32",
-        "QW": "*bf16", "KW": "*bf16",
+        "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "QW": "*bf16", "KW": "*bf16",
         "COS": "*bf16", "SIN": "*bf16", "ROPE_POS": "*i64", "SLOT": "*i64", "WRITE_POS": "*i64", "stride_qkv": "i32",
         "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "eps": "fp32", "split_stride": "i32"},
-        {"H": 16, "KVH": 8, "HD": 128, "HEADS": 8, "SPLITS": 2, "QUANT": False}),
+        {"H": 16, "KVH": 8, "HD": 128, "HEADS": 8, "SPLITS": 2}),
     "_decode_attention_kernel": (kernels, {
-        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "OUT": "*bf16", "POS": "*i64",
-        "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "scale": "fp32"},
-        {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64, "QUANT": False}),
-    "_prefill_attention_kernel": (kernels, {
-        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "K_SCALE": "*fp32", "V_SCALE": "*fp32", "OUT": "*bf16",
-        "SLOTS": "*i64", "STARTS": "*i64", "LENGTHS": "*i64", "T": "i32", "stride_cs": "i32", "stride_ch": "i32",
+        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "POS": "*i64", "stride_cs": "i32", "stride_ch": "i32",
         "stride_cl": "i32", "scale": "fp32"},
-        {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64, "QUANT": False}),
+        {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64}),
+    "_prefill_attention_kernel": (kernels, {
+        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "SLOTS": "*i64", "STARTS": "*i64", "LENGTHS": "*i64",
+        "T": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "scale": "fp32"},
+        {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64}),
     "_silu_mul_kernel": (kernels, {"GU": "*bf16", "OUT": "*bf16", "I": "i32"}, {"BLOCK": 1024}),
     "_decode_begin_kernel": (kernels, {
         "TOKENS": "*i64", "POSITIONS": "*i64", "EMBED": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16",
@@ -52,16 +50,28 @@ KERNELS = {
     "_advance_rows_kernel": (kernels, {  # the argmax of the lm_head's block maxima too
         "NXT": "*i32", "VALUES": "*fp32", "TOKENS": "*i64", "POSITIONS": "*i64", "COUNTS": "*i64", "BUDGETS": "*i64",
         "EOS": "*i64", "OUT": "*i64", "W": "i32", "stride_out": "i32"}, {"MAXIMA": True, "NUM_EOS": 2, "BLOCK": 1024}),
-    "_gemv_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "MAX_V": "*fp32", "MAX_I": "*i32", "M": "i32",
-                            "N": "i32", "K": "i32", "stride_xm": "i32"},  # the lm_head's, with its block maxima
+    "_gemv_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "MAX_V": "*fp32", "MAX_I": "*i32",
+                            "NW": "*bf16", "SSQ_IN": "*fp32", "R": "*bf16", "SSQ": "*fp32", "COUNT": "*i32", "M": "i32",
+                            "N": "i32", "K": "i32", "stride_xm": "i32", "NB_IN": "i32", "eps": "fp32"},
+                     # the lm_head's, with its block maxima
                      {"K_SPLIT": 1024, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None,
-                      "ARGMAX": True}),
-    "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "M": "i32", "I": "i32", "K": "i32",
-                                    "stride_xm": "i32"},
-                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
+                      "ARGMAX": True, "NORM": False, "NB_BLOCK": 1, "ADD": False}),
+    "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "NW": "*bf16", "SSQ_IN": "*fp32",
+                                    "M": "i32", "I": "i32", "K": "i32", "stride_xm": "i32", "NB_IN": "i32",
+                                    "eps": "fp32"},
+                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None, "NORM": False,
+                              "NB_BLOCK": 1}),
 }
-DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_int8", "_absmax_scale", "_load_kv",
-                    "_kv_scales", "_first_max", "_block_argmax"}  # called from the kernels, not launched
+# the decode step's fused add+RMSNorm (gemv.add_products, kernels.PendingNorm): o_proj's and down's products added
+# into the residual stream (ADD), qkv's and gate_up's rows normed on load (NORM), at the 0.6B shapes
+FUSED_NORMS = {
+    "_gemv_kernel": {"K_SPLIT": 128, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None, "ARGMAX": False,
+                     "NORM": True, "NB_BLOCK": 16, "ADD": True},
+    "_gate_up_silu_kernel": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None, "NORM": True,
+                             "NB_BLOCK": 16},
+}
+DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_load_kv", "_first_max",
+                    "_block_argmax", "_row_rstd", "_x_tile", "_add_into_residual"}  # called from the kernels
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
 
@@ -74,10 +84,10 @@ def launched_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
     return found
 
 
-def compile_for_hopper(name: str, pdl: bool):
+def compile_for_hopper(name: str, pdl: bool, flags: dict | None = None):
     module, signature, constexprs = KERNELS[name]
     fn = getattr(module, name)
-    constexprs = constexprs | {"PDL": pdl}
+    constexprs = (flags or constexprs) | {"PDL": pdl}
     src = ASTSource(fn=fn, signature=signature | {c: "constexpr" for c in constexprs}, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl, "num_warps": 4})
 
@@ -102,26 +112,19 @@ def test_with_pdl_each_program_waits_for_the_previous_kernel_before_touching_mem
     assert not off.metadata.launch_pdl and "griddepcontrol" not in off.asm["ptx"]
 
 
-@pytest.mark.parametrize("name", ["_qk_norm_rope_store_kernel", "_decode_attention_kernel", "_prefill_attention_kernel"])
-def test_the_int8_kv_cache_paths_compile_for_hopper_and_move_bytes(name):
-    """QUANT (an int8 KV cache with float32 scales per vector) on: the kernel compiles for sm_90 with int8 cache
-    pointers, stores (the writer) or loads (the readers) single bytes where the bf16 build moves none, and still waits
-    for the previous kernel first."""
-    module, signature, constexprs = KERNELS[name]
-    caches = ("K_CACHE", "V_CACHE") if "K_CACHE" in signature else ("K", "V")
-
-    def ptx(quant: bool) -> str:
-        sig = signature | ({c: "*i8" for c in caches} if quant else {})
-        flags = constexprs | {"QUANT": quant, "PDL": True}
-        src = ASTSource(fn=getattr(module, name), signature=sig | {c: "constexpr" for c in flags}, constexprs=flags)
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": True, "num_warps": 4}).asm["ptx"]
-
-    access = re.compile(r"\b(st|ld)\.global(\.\w+)*\.b8\b")
-    on, off = ptx(True), ptx(False)
-    assert [m.group(1) for m in access.finditer(on)][:1] == ["st" if name == "_qk_norm_rope_store_kernel" else "ld"]
-    assert not access.search(off)
-    wait = on.find("griddepcontrol.wait")
-    assert 0 <= wait < MEMORY.search(on).start()
+@pytest.mark.parametrize("name", sorted(FUSED_NORMS))
+def test_the_fused_norm_paths_compile_for_hopper_and_wait_first(name):
+    """NORM (rows normed on load) and, for the products, ADD (split-K's last program adds the tile into the residual
+    stream): compiled for sm_90 they still wait for the previous kernel before any memory access; the products take a
+    ticket with an acquire-release atomic after a CTA barrier (every thread's partial stored before the release) and
+    read the other programs' partials past L1 (.cg)."""
+    ptx = compile_for_hopper(name, True, FUSED_NORMS[name]).asm["ptx"]
+    wait = ptx.find("griddepcontrol.wait")
+    assert 0 <= wait < MEMORY.search(ptx).start()
+    if FUSED_NORMS[name].get("ADD"):
+        atom = re.search(r"\batom\.global\.gpu\.acq_rel\.add", ptx)
+        assert atom is not None, re.findall(r"atom\S*", ptx)
+        assert "bar.sync" in ptx[:atom.start()] and re.search(r"ld\.global\.cg", ptx[atom.start():])
 
 
 def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
