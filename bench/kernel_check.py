@@ -8,11 +8,7 @@ QASR_PDL=0 and =1, timed at each bucket (graph replay), its logits compared bit 
 kernels per step counted by kind (Triton, whose launches PDL can overlap, and the rest: cuBLAS, PyTorch, copies).
 Run the whole check with QASR_PDL=1 and every kernel comparison after it runs with PDL on too.
 
-Then (section `norms`) the same for $QASR_FUSE_NORMS: the step with its add+RMSNorms fused into the GEMVs (=1) and
-apart (=0), replay ms per bucket (norms0 / norms1), logits compared (a normed element may differ by a bf16 rounding:
-`logits_identical` is then below 1, `logits_max_abs` says how far), and launches per step at 1 and 64 rows.
-
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,norms,kernels,gemv,steps]` on a CUDA machine; prints one
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,steps]` on a CUDA machine; prints one
 JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
 """
 
@@ -37,7 +33,7 @@ from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
 
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "norms", "kernels", "gemv", "steps")
+SECTIONS = ("pdl", "kernels", "gemv", "steps")
 PDL_BUCKETS = (1, 8, 32, 64, 256)
 
 
@@ -235,12 +231,10 @@ def replay_ms(graph, reset, runs: int = 50) -> float:
     return statistics.median(samples[3:])
 
 
-def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200, env: str = kernels.PDL_ENV,
-              label: str = "pdl") -> dict:
+def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     """The decode step with QASR_PDL=0 and =1 on one runner (one cache, one graph pool): ms per graph replay at each
     bucket, the logits of the two bit for bit (the same kernels and configs; a missing wait would show as a race),
-    and the kernels of a step by kind at 1 and 64 rows. `env`: another 0/1 switch read as a step is captured
-    ($QASR_FUSE_NORMS: label "norms", its logits then compared to a rounding), `label` its step_ms keys' prefix."""
+    and the kernels of a step by kind at 1 and 64 rows."""
     S = max(buckets)
     runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
                          buckets=tuple(b for b in buckets if b < S))
@@ -267,7 +261,7 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200, env: str =
     pool = None
     with torch.inference_mode():
         for value in ("0", "1"):
-            with mock.patch.dict(os.environ, {env: value}), capture_stream() as stream:
+            with mock.patch.dict(os.environ, {kernels.PDL_ENV: value}), capture_stream() as stream:
                 if value == "1":
                     out["use_pdl_when_on"] = kernels.use_pdl(device)
                 for B in reversed(buckets):
@@ -287,14 +281,12 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200, env: str =
             out["logits_identical"][B] = float((got["0"] == got["1"]).float().mean())
             out["logits_max_abs"][B] = float((got["0"] - got["1"]).abs().max())
             for value in ("0", "1"):
-                out["step_ms"].setdefault(f"{label}{value}", {})[B] = replay_ms(graphs[("step", value, B)][0],
-                                                                              lambda: reset(B))
+                out["step_ms"].setdefault(f"pdl{value}", {})[B] = replay_ms(graphs[("step", value, B)][0],
+                                                                          lambda: reset(B))
         for B in (1, 64):
-            for value in ("0", "1") if env != kernels.PDL_ENV else ("1",):
-                if B in buckets:  # rows stay live for the few replays profiled (each moves them on by one position)
-                    reset(B)
-                    kinds = kernel_kinds(graphs[("step", value, B)][0].replay)
-                    out["kinds"][B if env == kernels.PDL_ENV else f"{label}{value}_{B}"] = kinds
+            if B in buckets:  # rows stay live for the few replays profiled (each moves them on by one position)
+                reset(B)
+                out["kinds"][B] = kernel_kinds(graphs[("step", "1", B)][0].replay)
     runner.positions.fill_(-1)
     del graphs, runner
     torch.cuda.empty_cache()
@@ -333,11 +325,6 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         emit("decode_step_pdl", pdl_steps(model, device))
         emit("decode_step_pdl_s", time.perf_counter() - t)
-    if "norms" in sections:  # the add+RMSNorms fused into the GEMVs ($QASR_FUSE_NORMS) against apart, one runner
-        t = time.perf_counter()
-        emit("decode_step_fused_norms", pdl_steps(model, device, buckets=(1, 8, 16, 32, 64), env=gemv.FUSE_NORMS_ENV,
-                                                  label="norms"))
-        emit("decode_step_fused_norms_s", time.perf_counter() - t)
     if "kernels" in sections:
         emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
     if "gemv" in sections:

@@ -377,23 +377,6 @@ class BlockMaxima:
     index: torch.Tensor
 
 
-@dataclass(frozen=True)
-class PendingNorm:
-    """norm(h) * weight of the residual stream h, left for the GEMV that consumes it to take as it loads h
-    (gemv.partial_products, gemv.gate_up_silu: no launch of its own). gemv.add_products, which added the product
-    before into h, left each row's sum of squares per block of its output columns in ssq. materialize() is the
-    norm as kernels.rms_norm computes it, for a consumer that cannot take it on load.
-    residual: [N, D]; ssq: float32 [N, blocks]; weight: [D]."""
-
-    residual: torch.Tensor
-    ssq: torch.Tensor
-    weight: torch.Tensor
-    eps: float
-
-    def materialize(self) -> torch.Tensor:
-        return rms_norm(self.residual, self.weight, self.eps)
-
-
 def pdl_options(device: torch.device, rows: int) -> dict:
     """The launch arguments of a kernel here or in gemv.py over `rows` rows (tokens): its PDL constexpr and Triton's
     launch_pdl, both on (use_pdl, and at most PDL_MAX_ROWS rows) or both off."""

@@ -10,7 +10,6 @@ kernels of kernels.py).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -357,7 +356,7 @@ class TextDecoder(nn.Module):
                                        layer.post_attention_layernorm)
             following = self.layers[i + 1].input_layernorm if i + 1 < len(self.layers) else self.norm
             h, residual = ops.add_norm(ops.mlp(layer.mlp, h), residual, following)
-        return h.materialize() if isinstance(h, kernels.PendingNorm) else h  # the final norm (FusedLayerOps' own)
+        return h
 
     def prefill(self, embeds, slots, starts, lengths, cache: KVCache, ops: "LayerOps",
                 num_keys: int | None = None) -> torch.Tensor:
@@ -480,24 +479,6 @@ class PlainLayerOps:
         return attention
 
 
-@dataclass(frozen=True)
-class _Product:
-    """x @ weight.T not launched yet: FusedLayerOps.add_norm launches it, as the add of the add+RMSNorm after it
-    where that norm is fused (gemv.add_products), else as gemv.partial_products."""
-
-    x: torch.Tensor | kernels.PendingNorm
-    weight: torch.Tensor
-
-
-@dataclass(frozen=True)
-class _FusingResidual:
-    """The decode step's residual stream where its add+RMSNorms are fused into the GEMVs, and the int32 counters
-    its gemv.add_products launches take turns with (one stream's: the decode step's)."""
-
-    stream: torch.Tensor
-    counters: torch.Tensor
-
-
 class FusedLayerOps:
     """The decoder's per-layer ops on the fused Triton kernels (model/kernels.py, model/gemv.py).
 
@@ -515,80 +496,35 @@ class FusedLayerOps:
     lookup, the position arithmetic, the residual copy and the first RMSNorm) and, where the lm_head is a GEMV, the
     argmax is taken by it and the bookkeeping kernel after it (`greedy`). With the GEMV products a step is then one
     unbroken chain of Triton kernels (programmatic dependent launch overlaps each with the one before).
-
-    In a decode step on the GEMV products (and $QASR_FUSE_NORMS=1, the default; `fuse_norms` overrides it) the
-    add+RMSNorms have no launches of their own but the final norm's (#16): o_proj's and down's product is added
-    into the residual stream by its own kernel (gemv.add_products: split-K's last program of each tile sums the
-    partials), which leaves each row's sums of squares, and the next qkv or gate_up GEMV norms its rows as it loads
-    them (kernels.PendingNorm): six launches a layer. The residual stream is bit for bit the unfused one; a norm's
-    scale sums its squares in another order (per column block), so a normed element may differ from the unfused
-    one by a rounding of the activation dtype.
     """
 
-    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None,
-                 fuse_norms: bool | None = None):
+    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None):
         self.cos, self.sin = rope_table
         self.gemv_rows = gemv.max_rows() if gemv_rows is None else gemv_rows
-        self.fuse_norms = fuse_norms  # None: $QASR_FUSE_NORMS, read as each step is built
-        self._counters: dict[tuple, torch.Tensor] = {}
 
-    def _small(self, x, weight: torch.Tensor) -> bool:
-        rows = x.residual if isinstance(x, kernels.PendingNorm) else x
-        return rows.shape[0] <= self.gemv_rows and gemv.supports(rows, weight)
-
-    @staticmethod
-    def _normed(h) -> torch.Tensor:
-        """h as rows: a pending norm taken by a kernel of its own (for a product that cannot take it on load)."""
-        return h.materialize() if isinstance(h, kernels.PendingNorm) else h
-
-    def _fusing(self, decoder: TextDecoder, residual: torch.Tensor):
-        """The decode step's residual stream, as a _FusingResidual where its norms are fused (see the class)."""
-        fuse = gemv.fuse_norms() if self.fuse_norms is None else self.fuse_norms
-        weight = decoder.layers[0].self_attn.o_proj.weight
-        if not fuse or not self._small(residual, weight):
-            return residual
-        B, D = residual.shape
-        key = (residual.device, D)
-        if key not in self._counters:  # made outside graph capture (a capture's warm-up runs first), zeros once
-            if residual.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the fused norms' counters must be made before a graph capture")
-            self._counters[key] = torch.zeros(gemv.counters_needed(max(self.gemv_rows, B), D), dtype=torch.int32,
-                                              device=residual.device)
-        return _FusingResidual(residual, self._counters[key])
+    def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return x.shape[0] <= self.gemv_rows and gemv.supports(x, weight)
 
     def begin(self, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         residual = x.contiguous().clone()
         return kernels.rms_norm(residual, norm.weight, norm.eps), residual
 
-    def add_norm(self, x, residual, norm: RMSNorm):
-        """x: [N, D], a product's float32 split-K partial sums [S, N, D], or a _Product; residual: [N, D] or the
-        decode step's _FusingResidual -> (norm of the sum: a tensor, or a kernels.PendingNorm; the residual)."""
-        if isinstance(residual, _FusingResidual) and isinstance(x, _Product):
-            ssq = gemv.add_products(x.x, x.weight, residual.stream, residual.counters)
-            return kernels.PendingNorm(residual.stream, ssq, norm.weight, norm.eps), residual
-        if isinstance(x, _Product):
-            x = gemv.partial_products(x.x, x.weight)
-        stream = residual.stream if isinstance(residual, _FusingResidual) else residual
-        return kernels.rms_norm(x, norm.weight, norm.eps, stream), residual
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, D] or a product's float32 split-K partial sums [S, N, D]."""
+        return kernels.rms_norm(x, norm.weight, norm.eps, residual), residual
 
-    def project(self, linear: nn.Linear, x: torch.Tensor):
-        """x @ W.T for add_norm (o_proj): a _Product where it is a GEMV, else [N, out]."""
-        return _Product(x, linear.weight) if self._small(x, linear.weight) else linear(x)
+    def project(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for a kernel that sums partial products itself (add+RMSNorm, q/k-norm+RoPE): [N, out] or
+        float32 [S, N, out]."""
+        return gemv.partial_products(x, linear.weight) if self._small(x, linear.weight) else linear(x)
 
-    def _products(self, linear: nn.Linear, h) -> torch.Tensor:
-        """h @ W.T for a kernel that sums partial products itself (q/k-norm+RoPE): [N, out] or float32 [S, N, out].
-        h may be a kernels.PendingNorm (a GEMV takes it as it loads the rows)."""
-        return gemv.partial_products(h, linear.weight) if self._small(h, linear.weight) else linear(self._normed(h))
-
-    def logits(self, lm_head: nn.Linear, h) -> torch.Tensor:
-        h = self._normed(h)
+    def logits(self, lm_head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         return gemv.linear(h, lm_head.weight) if self._small(h, lm_head.weight) else lm_head(h)
 
     def greedy(self, lm_head: nn.Linear,
                h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | kernels.BlockMaxima]:
         """-> (logits, their argmax): [B] long, or the GEMV lm_head's kernels.BlockMaxima (kernels.advance_rows
         finishes that argmax in its own launch, bit for bit torch.argmax's)."""
-        h = self._normed(h)
         if self._small(h, lm_head.weight):
             return gemv.linear_argmax(h, lm_head.weight)
         logits = self.logits(lm_head, h)
@@ -601,13 +537,13 @@ class FusedLayerOps:
         h, residual, rope_pos, slots, write_pos = kernels.decode_begin(
             tokens, positions, decoder.embed_tokens.weight, norm.weight, norm.eps, cache.scratch)
         attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
-        return (h, self._fusing(decoder, residual)), self._attention(rope_pos, slots, write_pos, attend, cache)
+        return (h, residual), self._attention(rope_pos, slots, write_pos, attend, cache)
 
-    def mlp(self, mlp: MLP, h):
-        """-> [N, D], or down's _Product (for add_norm). h may be a kernels.PendingNorm."""
+    def mlp(self, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
+        """-> [N, D], or down's float32 split-K partial sums [S, N, D] (for add_norm)."""
         if self._small(h, mlp.gate_up_proj.weight):
-            return _Product(gemv.gate_up_silu(h, mlp.gate_up_proj.weight), mlp.down_proj.weight)
-        return mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(self._normed(h))))
+            return gemv.partial_products(gemv.gate_up_silu(h, mlp.gate_up_proj.weight), mlp.down_proj.weight)
+        return mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h)))
 
     def prefill_attention(self, decoder: TextDecoder, x, positions, slots, starts, lengths, write_pos,
                           cache: KVCache, num_keys: int | None):
@@ -621,8 +557,8 @@ class FusedLayerOps:
     def _attention(self, rope_pos, slots, write_pos, attend, cache: KVCache):
         # rope_pos, slots, write_pos: [N]; attend(layer, q [N, H, hd]) -> [N, H * hd]
         def attention(i: int, attn: DecoderAttention, h: torch.Tensor) -> torch.Tensor:
-            q = kernels.qk_norm_rope_store(self._products(attn.qkv_proj, h), attn.q_norm.weight, attn.k_norm.weight,
-                                           self.cos, self.sin, rope_pos, slots, write_pos, cache.k[i], cache.v[i],
+            q = kernels.qk_norm_rope_store(self.project(attn.qkv_proj, h), attn.q_norm.weight, attn.k_norm.weight, self.cos,
+                                           self.sin, rope_pos, slots, write_pos, cache.k[i], cache.v[i],
                                            attn.num_heads, attn.num_kv_heads, attn.q_norm.eps)
             return attend(i, q)
 

@@ -196,61 +196,6 @@ def test_add_rms_norm_sums_split_partial_products_in_order():
         kernels.rms_norm(parts.double(), nw, 1e-6, residual.clone())
 
 
-# -- the decode step's add+RMSNorm fused into its GEMVs (gemv.add_products, kernels.PendingNorm) ---------------------
-
-ADD_CONFIGS = [gemv.GemvConfig(16, 16, split=3), gemv.GemvConfig(32, 16), gemv.GemvConfig(16, 8, split=5)]
-
-
-@pytest.mark.parametrize("config", ADD_CONFIGS, ids=str)
-@pytest.mark.parametrize("rows", [1, 3, 18])  # one row, a few, and two row tiles
-def test_add_products_adds_into_the_residual_as_the_unfused_add_rms_norm_does(config, rows):
-    x, w, residual, nw = torch.randn(rows, 40), torch.randn(48, 40), torch.randn(rows, 48), torch.randn(48)
-    unfused = residual.clone()
-    expected = kernels.rms_norm(gemv.partial_products(x, w, config), nw, 1e-6, unfused)
-    counters = torch.zeros(gemv.counters_needed(rows, 48), dtype=torch.int32)
-    fused = residual.clone()
-    ssq = gemv.add_products(x, w, fused, counters, config)
-    assert torch.equal(fused, unfused)  # the residual stream bit for bit
-    assert not counters.any()  # left at zero for the next launch
-    blocks = -(-48 // config.block_n)
-    assert ssq.shape == (rows, blocks)
-    per_block = torch.stack([(fused[:, j * config.block_n:(j + 1) * config.block_n] ** 2).sum(1) for j in range(blocks)], 1)
-    assert torch.allclose(ssq, per_block, rtol=1e-5)
-    normed = kernels.PendingNorm(fused, ssq, nw, 1e-6)
-    assert torch.equal(normed.materialize(), expected)  # the norm taken apart: the unfused norm's bits
-    # the consumers norm their rows on load: within float32 rounding of the unfused norm's output (the sum of squares
-    # is added in another order: per column block, then the blocks)
-    w2, w3 = torch.randn(20, 48), torch.randn(2 * 24, 48)
-    for got, want in ((gemv.partial_products(normed, w2, config), gemv.partial_products(expected, w2, config)),
-                      (gemv.gate_up_silu(normed, w3, config), gemv.gate_up_silu(expected, w3, config))):
-        assert torch.allclose(got, want, atol=1e-4, rtol=1e-5), float((got - want).abs().max())
-
-
-def test_fused_norms_keep_a_rows_bits_whatever_its_batch():
-    x, w, residual, nw, w2 = torch.randn(18, 40), torch.randn(48, 40), torch.randn(18, 48), torch.randn(48), \
-        torch.randn(32, 48)
-    config = gemv.GemvConfig(16, 16, split=3)
-
-    def fused(n: int):
-        r = residual[:n].clone()
-        ssq = gemv.add_products(x[:n], w, r, torch.zeros(64, dtype=torch.int32), config)
-        normed = kernels.PendingNorm(r, ssq, nw, 1e-6)
-        return r, ssq, gemv.partial_products(normed, w2, config), gemv.gate_up_silu(normed, w2, gemv.GemvConfig(16, 16))
-
-    batch = fused(18)
-    for n in (1, 5):
-        for got, whole in zip(fused(n), batch):
-            assert torch.equal(got, (whole[:, :n] if got.dim() == 3 else whole[:n])), n
-
-
-def test_add_products_refuses_a_residual_or_counters_it_cannot_use():
-    x, w = torch.randn(2, 16), torch.randn(32, 16)
-    with pytest.raises(ValueError, match="residual"):
-        gemv.add_products(x, w, torch.zeros(2, 31), torch.zeros(8, dtype=torch.int32))
-    with pytest.raises(ValueError, match="counters"):
-        gemv.add_products(x, w, torch.zeros(2, 32), torch.zeros(1, dtype=torch.int32), gemv.GemvConfig(16, 16))
-
-
 def test_qk_norm_rope_store_sums_split_partial_products():
     H, KVH, hd, S, L, N = 4, 2, 16, 3, 24, 5
     x, w = torch.randn(N, 48), torch.randn((H + 2 * KVH) * hd, 48)
@@ -416,15 +361,15 @@ def test_engine_on_kernels_gives_the_plain_engines_tokens(engines):
 def test_decode_streams_small_products_through_gemv_and_larger_ones_through_cublas(engines, monkeypatch):
     fused, plain = engines
     calls = []
-    for name in ("partial_products", "add_products", "linear", "linear_argmax", "gate_up_silu"):
+    for name in ("partial_products", "linear", "linear_argmax", "gate_up_silu"):
         real = getattr(gemv, name)
-        monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name: calls.append((name, gemv._rows(x).shape[0]))
-                            or real(x, *a))
+        monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name: calls.append((name, x.shape[0])) or
+                            real(x, *a))
     reqs = [DecodeRequest(audio=speech(s, seed=40 + i), max_new_tokens=5) for i, s in enumerate([0.6, 1.4, 2.0])]
     expected = [r.token_ids for r in plain.transcribe(reqs)]
     assert [r.token_ids for r in fused.transcribe(reqs)] == expected
     names = {name for name, _ in calls}
-    assert {"partial_products", "add_products", "gate_up_silu"} <= names and names & {"linear", "linear_argmax"}
+    assert {"partial_products", "gate_up_silu"} <= names and names & {"linear", "linear_argmax"}
     # the lm_head of the 4-row decode bucket: linear_argmax where the runner's step takes the greedy tokens from it
     # (decode_greedy), linear where it takes the logits' argmax
     assert 4 in {rows for name, rows in calls if name in ("linear", "linear_argmax")}
@@ -662,39 +607,19 @@ def test_the_kernels_step_is_the_plain_pytorch_step(step_runner, B):
     assert torch.equal(after[3][0, :B][~live], torch.full_like(after[3][0, :B][~live], -1))  # idle rows: no token
 
 
-@pytest.mark.parametrize("B", [1, 4, 6])
-def test_the_fused_norms_step_is_the_unfused_step(step_runner, B):
-    # logits and the cache to float32 rounding (a norm's sum of squares in another order; as the plain step's
-    # tolerance), the same tokens and state
-    table = step_runner.model.decoder.rope_table(step_runner.cache.length)
-    logits, after = run_step(step_runner, B, FusedLayerOps(table, fuse_norms=True))
-    apart_logits, apart_after = run_step(step_runner, B, FusedLayerOps(table, fuse_norms=False))
-    assert torch.allclose(logits, apart_logits, atol=1e-4, rtol=1e-4), float((logits - apart_logits).abs().max())
-    assert all(torch.allclose(a.float(), b.float(), atol=1e-4, rtol=1e-4) for a, b in zip(after, apart_after))
-    assert all(torch.equal(a, b) for a, b in zip(after[:4], apart_after[:4]))
-
-
 def test_the_step_launches_no_pytorch_op_where_its_products_are_gemv(step_runner):
     runner = step_runner
     layers = runner.model.cfg.text.num_hidden_layers
-    table = runner.model.decoder.rope_table(runner.cache.length)
-    cublas = FusedLayerOps(table, gemv_rows=0)  # as above 32 rows
-    apart = FusedLayerOps(table, fuse_norms=False)  # $QASR_FUSE_NORMS=0
-    fused = FusedLayerOps(table, fuse_norms=True)
+    cublas = FusedLayerOps(runner.model.decoder.rope_table(runner.cache.length), gemv_rows=0)  # as above 32 rows
     counts = {}
-    for name, ops in (("gemv", fused), ("gemv_norms_apart", apart), ("cublas", cublas)):
-        run_step(runner, 4, ops)  # first use: the fused norms' counters are made (outside a graph, as its warm-up)
+    for name, ops in (("gemv", runner.layer_ops), ("cublas", cublas)):
         with recorded_launches() as launched:
             greedy_step(runner, 4, ops)
         counts[name] = launch_summary(launched)
         assert launched[-1] == "_advance_rows_kernel"
-    # per layer: qkv (norming its rows on load), q/k-norm+RoPE+KV write, attention, o_proj (adding into the residual
-    # stream), gate_up+SiLU (norming on load), down (adding); then the step's start, the final norm, the lm_head, the
-    # bookkeeping: one chain of Triton kernels
-    assert counts["gemv"] == {"launches": 6 * layers + 4, "triton": 6 * layers + 4, "torch_ops": {}, "chain_breaks": 0}
-    # the norms apart: add+RMSNorm, qkv, q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up+SiLU, down
-    assert counts["gemv_norms_apart"] == {"launches": 8 * layers + 3, "triton": 8 * layers + 3, "torch_ops": {},
-                                          "chain_breaks": 0}
+    # per layer: add+RMSNorm, qkv, q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up+SiLU, down;
+    # then the step's start, the lm_head, the bookkeeping: one chain of Triton kernels
+    assert counts["gemv"] == {"launches": 8 * layers + 3, "triton": 8 * layers + 3, "torch_ops": {}, "chain_breaks": 0}
     # with the products on cuBLAS (the step above 32 rows) they are PyTorch ops, and so is the argmax: the recording
     # sees each, and the Triton kernel after each is a break (qkv, o_proj, gate_up and down a layer; the lm_head)
     assert counts["cublas"] == {"launches": 9 * layers + 4, "triton": 5 * layers + 2,

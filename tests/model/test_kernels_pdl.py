@@ -50,28 +50,16 @@ KERNELS = {
     "_advance_rows_kernel": (kernels, {  # the argmax of the lm_head's block maxima too
         "NXT": "*i32", "VALUES": "*fp32", "TOKENS": "*i64", "POSITIONS": "*i64", "COUNTS": "*i64", "BUDGETS": "*i64",
         "EOS": "*i64", "OUT": "*i64", "W": "i32", "stride_out": "i32"}, {"MAXIMA": True, "NUM_EOS": 2, "BLOCK": 1024}),
-    "_gemv_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "MAX_V": "*fp32", "MAX_I": "*i32",
-                            "NW": "*bf16", "SSQ_IN": "*fp32", "R": "*bf16", "SSQ": "*fp32", "COUNT": "*i32", "M": "i32",
-                            "N": "i32", "K": "i32", "stride_xm": "i32", "NB_IN": "i32", "eps": "fp32"},
-                     # the lm_head's, with its block maxima
+    "_gemv_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "MAX_V": "*fp32", "MAX_I": "*i32", "M": "i32",
+                            "N": "i32", "K": "i32", "stride_xm": "i32"},  # the lm_head's, with its block maxima
                      {"K_SPLIT": 1024, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None,
-                      "ARGMAX": True, "NORM": False, "NB_BLOCK": 1, "ADD": False}),
-    "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "NW": "*bf16", "SSQ_IN": "*fp32",
-                                    "M": "i32", "I": "i32", "K": "i32", "stride_xm": "i32", "NB_IN": "i32",
-                                    "eps": "fp32"},
-                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None, "NORM": False,
-                              "NB_BLOCK": 1}),
-}
-# the decode step's fused add+RMSNorm (gemv.add_products, kernels.PendingNorm): o_proj's and down's products added
-# into the residual stream (ADD), qkv's and gate_up's rows normed on load (NORM), at the 0.6B shapes
-FUSED_NORMS = {
-    "_gemv_kernel": {"K_SPLIT": 128, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None, "ARGMAX": False,
-                     "NORM": True, "NB_BLOCK": 16, "ADD": True},
-    "_gate_up_silu_kernel": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None, "NORM": True,
-                             "NB_BLOCK": 16},
+                      "ARGMAX": True}),
+    "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "M": "i32", "I": "i32", "K": "i32",
+                                    "stride_xm": "i32"},
+                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
 }
 DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_load_kv", "_first_max",
-                    "_block_argmax", "_row_rstd", "_x_tile", "_add_into_residual"}  # called from the kernels
+                    "_block_argmax"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
 
@@ -84,10 +72,10 @@ def launched_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
     return found
 
 
-def compile_for_hopper(name: str, pdl: bool, flags: dict | None = None):
+def compile_for_hopper(name: str, pdl: bool):
     module, signature, constexprs = KERNELS[name]
     fn = getattr(module, name)
-    constexprs = (flags or constexprs) | {"PDL": pdl}
+    constexprs = constexprs | {"PDL": pdl}
     src = ASTSource(fn=fn, signature=signature | {c: "constexpr" for c in constexprs}, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl, "num_warps": 4})
 
@@ -110,21 +98,6 @@ def test_with_pdl_each_program_waits_for_the_previous_kernel_before_touching_mem
     assert first_access is not None and wait < first_access.start(), ptx[: first_access.start() + 200]
     off = compile_for_hopper(name, False)
     assert not off.metadata.launch_pdl and "griddepcontrol" not in off.asm["ptx"]
-
-
-@pytest.mark.parametrize("name", sorted(FUSED_NORMS))
-def test_the_fused_norm_paths_compile_for_hopper_and_wait_first(name):
-    """NORM (rows normed on load) and, for the products, ADD (split-K's last program adds the tile into the residual
-    stream): compiled for sm_90 they still wait for the previous kernel before any memory access; the products take a
-    ticket with an acquire-release atomic after a CTA barrier (every thread's partial stored before the release) and
-    read the other programs' partials past L1 (.cg)."""
-    ptx = compile_for_hopper(name, True, FUSED_NORMS[name]).asm["ptx"]
-    wait = ptx.find("griddepcontrol.wait")
-    assert 0 <= wait < MEMORY.search(ptx).start()
-    if FUSED_NORMS[name].get("ADD"):
-        atom = re.search(r"\batom\.global\.gpu\.acq_rel\.add", ptx)
-        assert atom is not None, re.findall(r"atom\S*", ptx)
-        assert "bar.sync" in ptx[:atom.start()] and re.search(r"ld\.global\.cg", ptx[atom.start():])
 
 
 def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
