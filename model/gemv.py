@@ -320,10 +320,12 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def candidates(kind: str, N: int, K: int, device: torch.device, rows: int = SMALL_ROWS) -> list[GemvConfig]:
-    """The few configs tried for a shape and row class (`row_class`); the first is the heuristic one. In the CPU
-    interpreter a program is a Python call: there the blocks are as large as the shape, so tests of real-vocabulary
-    heads stay fast (above SMALL_ROWS rows in 64-row tiles of the unswapped orientation, as on the GPU)."""
+def candidates(kind: str, N: int, K: int, device: torch.device, rows: int = SMALL_ROWS,
+               sms: int | None = None) -> list[GemvConfig]:
+    """The few configs tried for a shape and row class (`row_class`) on a GPU of `sms` SMs (default: the device's);
+    the first is the heuristic one. In the CPU interpreter a program is a Python call: there the blocks are as large
+    as the shape, so tests of real-vocabulary heads stay fast (above SMALL_ROWS rows in 64-row tiles of the unswapped
+    orientation, as on the GPU)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     rows = row_class(rows)
@@ -331,8 +333,8 @@ def candidates(kind: str, N: int, K: int, device: torch.device, rows: int = SMAL
         big = {} if rows == SMALL_ROWS else {"block_m": 64, "swap": False}
         return [GemvConfig(block_n=_pow2_at_most(N, 4096), block_k=_pow2_at_most(K, 256), **big)]
     if rows > SMALL_ROWS:
-        return _large_candidates(kind, N, K, rows, _sm_count(device))
-    programs = 2 * _sm_count(device)
+        return _large_candidates(kind, N, K, rows, sms or _sm_count(device))
+    programs = 2 * (sms or _sm_count(device))
     block_k = _pow2_at_most(K, 128)
     out = []
     widths = (64, 128, 32) if kind == "linear" else (64, 32, 128) if kind == "products" else (32, 16, 64)
