@@ -8,14 +8,7 @@ QASR_PDL=0 and =1, timed at each bucket (graph replay), its logits compared bit 
 kernels per step counted by kind (Triton, whose launches PDL can overlap, and the rest: cuBLAS, PyTorch, copies).
 Run the whole check with QASR_PDL=1 and every kernel comparison after it runs with PDL on too.
 
-`gemm` (#16: the products at 64-256 rows on gemv.py's larger row classes instead of cuBLAS): per product and row
-class the config the first-use tuning chose, its ms against F.linear's (cuBLAS), both results' max |diff| from a
-float32 product of the same bf16 inputs, and whether identical rows anywhere in the bucket got identical bits; then
-the decode step's graph replay at 64/128/256 rows (context 200) with QASR_DECODE_GEMV=32 (cuBLAS there, as today),
-=256 (gemv.py), and =256 with PDL past 32 rows too (kernels.PDL_MAX_ROWS raised: the chain is all Triton then).
-Alone: `python -m qasr.bench.kernel_check 0.6B --sections gemm`.
-
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,gemm,steps]` on a CUDA machine; prints one
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,steps]` on a CUDA machine; prints one
 JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
 """
 
@@ -40,8 +33,7 @@ from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
 
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "kernels", "gemv", "gemm", "steps")
-GEMM_ROWS = (64, 128, 256)
+SECTIONS = ("pdl", "kernels", "gemv", "steps")
 PDL_BUCKETS = (1, 8, 32, 64, 256)
 
 
@@ -194,97 +186,6 @@ def gemv_cases(cfg, device) -> dict:
     return out
 
 
-def gemm_cases(cfg, device, rows=GEMM_ROWS) -> dict:
-    """Each decode-step product at its real shape in the row classes above 32 rows: the chosen config (the tuning
-    runs here, at first use), ms of gemv.py's kernel and of cuBLAS's (the same work: F.linear, + silu_mul for
-    gate_up, + argmax for the lm_head), max |diff| of each bf16 result from the float32 product of the same inputs,
-    and identical rows (at row 0, the middle and the last) with identical bits."""
-    torch.manual_seed(3)
-    bf = torch.bfloat16
-    D, I = cfg.hidden_size, cfg.intermediate_size
-    q_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
-    shapes = {"qkv": (q_out, D), "o_proj": (D, cfg.num_attention_heads * cfg.head_dim), "gate_up_silu": (2 * I, D),
-              "down": (D, I), "lm_head": (cfg.vocab_size, D)}
-    out = {}
-    for name, (N, K) in shapes.items():
-        w = (torch.randn(N, K, device=device) / K ** 0.5).to(bf)
-        wf = w.float()
-        for M in rows:
-            x = torch.randn(M, K, device=device, dtype=bf)
-            x[M // 2] = x[M - 1] = x[0]
-            xf = x.float()
-            if name == "gate_up_silu":
-                kind, n = "gate_up_silu", N // 2
-                run = lambda a: gemv.gate_up_silu(a, w)  # noqa: E731
-                ref = lambda a: kernels.silu_mul(F.linear(a, w))  # noqa: E731
-                exact = F.silu(F.linear(xf, wf[: N // 2])) * F.linear(xf, wf[N // 2 :])
-            elif name == "lm_head":
-                kind, n = "linear", N
-                run = lambda a: gemv.linear_argmax(a, w)  # noqa: E731
-                ref = lambda a: (lambda y: (y, y.argmax(dim=-1)))(F.linear(a, w))  # noqa: E731
-                exact = F.linear(xf, wf)
-            else:
-                kind, n = "products", N
-                run = lambda a: gemv.product(a, w)  # noqa: E731
-                ref = lambda a: F.linear(a, w)  # noqa: E731
-                exact = F.linear(xf, wf)
-            t0 = time.perf_counter()
-            config = gemv.config_for(kind, n, K, x)  # tunes now (first use)
-            tune_s = time.perf_counter() - t0
-            got = run(x)
-            if name == "lm_head":
-                got = got[0]
-            elif got.dim() == 3:
-                got = summed(got, bf)
-            expected = ref(x)
-            expected = expected[0] if name == "lm_head" else expected
-            out[f"{name} {M}"] = {
-                "config": str(config), "tune_s": round(tune_s, 2),
-                "ms_gemm": gemv.time_ms(lambda: run(x)), "ms_cublas": gemv.time_ms(lambda: ref(x)),
-                "max_abs_gemm": float((got.float() - exact).abs().max()),
-                "max_abs_cublas": float((expected.float() - exact).abs().max()),
-                "identical_to_cublas": float((got == expected).float().mean()),
-                "identical_rows_identical_bits": bool(torch.equal(got[0], got[M // 2]) and torch.equal(got[0], got[M - 1]))}
-    return out
-
-
-def gemm_steps(model, rows=GEMM_ROWS, context: int = 200) -> dict:
-    """The decode step's graph replay (ms, median) at `rows` with the products on cuBLAS (QASR_DECODE_GEMV=32, today's
-    default), on gemv.py (=256), and on gemv.py with PDL past 32 rows (kernels.PDL_MAX_ROWS=256; PDL needs QASR_PDL
-    on, the default), each on its own runner; and the chosen configs."""
-    out = {}
-    S = max(rows)
-    tokens = torch.randint(0, model.cfg.text.vocab_size, (S,), device=model.device,
-                           generator=torch.Generator(device=model.device).manual_seed(7))
-    first_tokens = {}
-    variants = (("cublas", "32", kernels.PDL_MAX_ROWS), ("gemm", "256", kernels.PDL_MAX_ROWS), ("gemm_pdl", "256", S))
-    for label, gemv_rows, pdl_rows in variants:
-        t0 = time.perf_counter()
-        with mock.patch.dict(os.environ, {gemv.MAX_ROWS_ENV: gemv_rows}), \
-                mock.patch.object(kernels, "PDL_MAX_ROWS", pdl_rows):  # read as the graphs are captured
-            runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
-                                 buckets=tuple(b for b in rows if b < S))
-            runner.capture_graphs()  # the decode step's graphs only
-        out[f"capture_s_{label}"] = round(time.perf_counter() - t0, 1)
-        for B in rows:  # one step from the same tokens on a zeroed cache: its greedy tokens, for the agreement
-            runner.tokens.copy_(tokens)
-            runner.positions[:B] = context
-            runner.budgets[:B] = 1 << 30
-            runner.graphs[B].replay()
-            first_tokens[(label, B)] = runner.out[0, :B].clone()
-            runner.positions.fill_(-1)
-        out[f"step_ms_{label}"] = {B: step_ms(runner, B, context) for B in rows}
-        del runner
-        torch.cuda.empty_cache()
-    out["gemm_vs_cublas"] = {B: round(out["step_ms_gemm"][B] / out["step_ms_cublas"][B], 3) for B in rows}
-    out["tokens_identical_to_cublas"] = {
-        label: {B: float((first_tokens[(label, B)] == first_tokens[("cublas", B)]).float().mean()) for B in rows}
-        for label in ("gemm", "gemm_pdl")}
-    out["tokens_pdl_identical"] = all(torch.equal(first_tokens[("gemm", B)], first_tokens[("gemm_pdl", B)])
-                                      for B in rows)
-    return out
-
-
 def triton_kernel_names() -> set[str]:
     """The names the profiler gives the launches of kernels.py's and gemv.py's Triton kernels."""
     import triton
@@ -431,14 +332,6 @@ def main(argv=None) -> None:
         emit("gemv_bf16_vs_cublas", gemv_cases(model.cfg.text, device))
         emit("gemv_cases_s", time.perf_counter() - t)
         emit("gemv_configs", gemv.chosen_configs())
-    if "gemm" in sections:
-        t = time.perf_counter()
-        emit("gemm_bf16_vs_cublas", gemm_cases(model.cfg.text, device))
-        emit("gemm_cases_s", time.perf_counter() - t)
-        t = time.perf_counter()
-        emit("gemm_decode_step", gemm_steps(model))
-        emit("gemm_steps_s", time.perf_counter() - t)
-        emit("gemm_configs", {k: v for k, v in gemv.chosen_configs().items() if not k.endswith("rows 1-32")})
     if "steps" not in sections:
         return
     for name, fused, rows in (("fused_gemv", True, gemv.max_rows()), ("fused_cublas", True, 0), ("pytorch", False, 0)):

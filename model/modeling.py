@@ -486,11 +486,10 @@ class FusedLayerOps:
     is updated in place); attention reads the cache in place. rope_table: `TextDecoder.rope_table`, cos and sin
     [positions, head_dim] computed as the plain path's rope, so both rotate by identical values.
 
-    Products of up to `gemv_rows` rows (the decode step's buckets up to it; default gemv.max_rows(),
-    $QASR_DECODE_GEMV: 32, and up to 256 its configs per row class are gemv.py's too) stream their weights through
-    gemv.py, larger ones run on cuBLAS: that row count is the one place the choice is made. With gemv a layer is
-    eight launches (add+RMSNorm, qkv, q/k-norm+RoPE+KV write, attention, o_proj, add+RMSNorm, gate_up+SiLU*mul, down;
-    o_proj, qkv and down hand split-K partial sums, or an unsplit product, to the kernel after them: gemv.product),
+    Products of up to `gemv_rows` rows (the decode step's small buckets; default gemv.max_rows(), $QASR_DECODE_GEMV)
+    stream their weights through gemv.py, larger ones run on cuBLAS: that row count is the one place the choice is
+    made. With gemv a layer is eight launches (add+RMSNorm, qkv, q/k-norm+RoPE+KV write, attention, o_proj,
+    add+RMSNorm, gate_up+SiLU*mul, down; o_proj, qkv and down hand split-K partial sums to the kernel after them),
     with cuBLAS nine (SiLU*mul apart).
 
     The decode step's ends are kernels too (#16): its start is one launch (kernels.decode_begin: the embedding
@@ -517,7 +516,7 @@ class FusedLayerOps:
     def project(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T for a kernel that sums partial products itself (add+RMSNorm, q/k-norm+RoPE): [N, out] or
         float32 [S, N, out]."""
-        return gemv.product(x, linear.weight) if self._small(x, linear.weight) else linear(x)
+        return gemv.partial_products(x, linear.weight) if self._small(x, linear.weight) else linear(x)
 
     def logits(self, lm_head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         return gemv.linear(h, lm_head.weight) if self._small(h, lm_head.weight) else lm_head(h)
@@ -543,7 +542,7 @@ class FusedLayerOps:
     def mlp(self, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
         """-> [N, D], or down's float32 split-K partial sums [S, N, D] (for add_norm)."""
         if self._small(h, mlp.gate_up_proj.weight):
-            return gemv.product(gemv.gate_up_silu(h, mlp.gate_up_proj.weight), mlp.down_proj.weight)
+            return gemv.partial_products(gemv.gate_up_silu(h, mlp.gate_up_proj.weight), mlp.down_proj.weight)
         return mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h)))
 
     def prefill_attention(self, decoder: TextDecoder, x, positions, slots, starts, lengths, write_pos,

@@ -184,89 +184,6 @@ def test_gemv_refuses_mismatched_operands():
         gemv.linear(torch.randn(2, 8), torch.randn(4, 8, dtype=torch.float64))
 
 
-# the larger row classes (33-256 rows): each config tried on the GPU, as candidates() makes them for an H200
-
-LARGE_SHAPES = [("products", 4096, 1024), ("products", 1024, 2048), ("products", 1024, 3072),
-                ("gate_up_silu", 3072, 1024), ("linear", 151936, 1024)]  # the 0.6B decoder's (gate_up: its I)
-
-
-def large_candidates(kind: str, N: int, K: int) -> list:
-    """Every config candidates() tries on an H200 (132 SMs) for this shape in the classes of 64, 128 and 256 rows."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(gemv, "_sm_count", lambda device: 132)
-        found = [c for rows in (64, 128, 256) for c in gemv.candidates(kind, N, K, torch.device("cuda"), rows)]
-    return list(dict.fromkeys(found))
-
-
-@pytest.mark.parametrize("kind,N,K", LARGE_SHAPES, ids=lambda v: str(v))
-def test_every_larger_class_candidate_computes_the_product(kind, N, K):
-    # the real K (so each split's reduction range is the GPU's), fewer columns (interpreted programs are slow), 70
-    # rows: tiles of 32/64 rows cut with a partial last one, a 128-row tile padded
-    configs = large_candidates(kind, N, K)
-    assert configs
-    cols = 150 if kind == "gate_up_silu" else 300  # not a multiple of any block_n
-    x = torch.randn(70, K)
-    w = torch.randn(2 * cols if kind == "gate_up_silu" else cols, K) / K ** 0.5
-    for config in configs:
-        if kind == "gate_up_silu":
-            expected = F.silu(F.linear(x, w[:cols])) * F.linear(x, w[cols:])
-            assert torch.allclose(gemv.gate_up_silu(x, w, config), expected, atol=1e-4, rtol=1e-4), config
-        elif kind == "linear":
-            logits, maxima = gemv.linear_argmax(x, w, config)
-            assert torch.allclose(logits, F.linear(x, w), atol=1e-4, rtol=1e-4), config
-            assert torch.equal(logits, gemv.linear(x, w, config))
-            best = maxima.values.argmax(dim=1)
-            assert torch.equal(maxima.index.gather(1, best[:, None])[:, 0].long(), logits.argmax(dim=1)), config
-        else:
-            parts = gemv.partial_products(x, w, config)
-            assert parts.shape == (config.splits(K), 70, cols)
-            assert torch.allclose(parts.sum(0), F.linear(x, w), atol=1e-4, rtol=1e-4), config
-
-
-@pytest.mark.parametrize("config", [gemv.GemvConfig(64, 64, 3, block_m=64, swap=False),
-                                    gemv.GemvConfig(32, 64, 2, block_m=32, swap=True),
-                                    gemv.GemvConfig(64, 32, block_m=128, swap=False, num_warps=8)], ids=str)
-def test_in_a_larger_class_a_rows_bits_depend_only_on_the_row(config):
-    # a 64-row bucket always runs 64 rows, row i being slot i's: row 3 among others, alone in the bucket with padding
-    # rows (zeros, or another step's leftovers), and in a 40-row product on the same config gets the same bits, from
-    # every kernel. (Two identical rows at different positions of a tile wider than 16 rows do not always get the
-    # same bits here: the interpreter's tl.dot is numpy's matmul, whose float32 sums depend on an element's position;
-    # kernel_check's `gemm` section asserts that on the GPU.)
-    K, N = 200, 90
-    x, w, gu = torch.randn(64, K), torch.randn(N, K), torch.randn(2 * N, K)
-    alone, stale = torch.zeros(64, K), torch.randn(64, K)
-    alone[3] = stale[3] = x[3]
-    unsplit = gemv.GemvConfig(config.block_n, config.block_k, block_m=config.block_m, swap=config.swap)
-    runs = {"parts": lambda a: gemv.partial_products(a, w, config),
-            "product": lambda a: gemv.product(a, w, unsplit)[None],  # [M, N]: unsplit above 32 rows
-            "logits": lambda a: gemv.linear_argmax(a, w, unsplit)[0][None],
-            "row_max": lambda a: gemv.linear_argmax(a, w, unsplit)[1].values[None],
-            "gate_up": lambda a: gemv.gate_up_silu(a, gu, unsplit)[None]}
-    for name, run in runs.items():
-        batch = run(x)
-        assert torch.equal(run(alone)[:, 3], batch[:, 3]), name
-        assert torch.equal(run(stale)[:, 3], batch[:, 3]), name
-        assert torch.equal(run(x[:40])[:, 3], batch[:, 3]), name
-        assert not torch.equal(run(stale)[:, 4], batch[:, 4]), name  # the other rows did differ
-
-
-def test_above_32_rows_an_unsplit_product_hands_over_the_rounded_product():
-    # the consumer (add+RMSNorm here) gets the same bits from [M, N] in the activations' dtype as from the one
-    # float32 partial sum; split configs, and every config up to 32 rows, still hand over the partial sums
-    x, w = torch.randn(40, 64, dtype=torch.bfloat16), torch.randn(96, 64, dtype=torch.bfloat16)
-    unsplit = gemv.GemvConfig(32, 32, block_m=64, swap=False)
-    got = gemv.product(x, w, unsplit)
-    assert got.shape == (40, 96) and got.dtype == torch.bfloat16
-    parts = gemv.partial_products(x, w, unsplit)
-    assert parts.shape == (1, 40, 96) and parts.dtype == torch.float32
-    nw, residual = torch.randn(96, dtype=torch.bfloat16), torch.randn(40, 96, dtype=torch.bfloat16)
-    r1, r2 = residual.clone(), residual.clone()
-    assert torch.equal(kernels.rms_norm(got, nw, 1e-6, r1), kernels.rms_norm(parts, nw, 1e-6, r2))
-    assert torch.equal(r1, r2)
-    assert gemv.product(x, w, gemv.GemvConfig(32, 32, 2, block_m=64, swap=False)).shape == (2, 40, 96)
-    assert gemv.product(x[:32], w, unsplit).shape == (1, 32, 96)
-
-
 def test_add_rms_norm_sums_split_partial_products_in_order():
     x, w, residual = torch.randn(6, 64), torch.randn(96, 64), torch.randn(6, 96)
     parts = gemv.partial_products(x, w, gemv.GemvConfig(32, 16, split=4))
@@ -444,7 +361,7 @@ def test_engine_on_kernels_gives_the_plain_engines_tokens(engines):
 def test_decode_streams_small_products_through_gemv_and_larger_ones_through_cublas(engines, monkeypatch):
     fused, plain = engines
     calls = []
-    for name in ("product", "linear", "linear_argmax", "gate_up_silu"):
+    for name in ("partial_products", "linear", "linear_argmax", "gate_up_silu"):
         real = getattr(gemv, name)
         monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name: calls.append((name, x.shape[0])) or
                             real(x, *a))
@@ -452,7 +369,7 @@ def test_decode_streams_small_products_through_gemv_and_larger_ones_through_cubl
     expected = [r.token_ids for r in plain.transcribe(reqs)]
     assert [r.token_ids for r in fused.transcribe(reqs)] == expected
     names = {name for name, _ in calls}
-    assert {"product", "gate_up_silu"} <= names and names & {"linear", "linear_argmax"}
+    assert {"partial_products", "gate_up_silu"} <= names and names & {"linear", "linear_argmax"}
     # the lm_head of the 4-row decode bucket: linear_argmax where the runner's step takes the greedy tokens from it
     # (decode_greedy), linear where it takes the logits' argmax
     assert 4 in {rows for name, rows in calls if name in ("linear", "linear_argmax")}
@@ -708,30 +625,6 @@ def test_the_step_launches_no_pytorch_op_where_its_products_are_gemv(step_runner
     assert counts["cublas"] == {"launches": 9 * layers + 4, "triton": 5 * layers + 2,
                                 "torch_ops": {"aten.mm": 4 * layers + 1, "aten.argmax": 1},
                                 "chain_breaks": 4 * layers + 1}, counts["cublas"]
-
-
-def test_a_40_row_step_on_the_larger_class_is_the_plain_step_in_one_triton_chain(engines):
-    # $QASR_DECODE_GEMV=256: the 64-row class's configs (interpreter: 64-row tiles, x first) for a step of 40 rows
-    model = engines[0].model
-    runner = runner_module.ModelRunner(model, num_slots=40, max_len=64, fused_kernels=True, cuda_graphs=False,
-                                       eos_ids=(5,))
-    for layer in (*runner.cache.k, *runner.cache.v):
-        layer.normal_()
-    runner.tokens.copy_(torch.randint(0, model.cfg.text.vocab_size, (40,)))
-    runner.positions.copy_(torch.randint(-1, 50, (40,)))
-    runner.budgets.fill_(20)
-    ops = FusedLayerOps(model.decoder.rope_table(runner.cache.length), gemv_rows=256)
-    logits, after = run_step(runner, 40, ops)
-    plain_logits, plain_after = run_step(runner, 40, PlainLayerOps())
-    assert torch.allclose(logits, plain_logits, atol=1e-4, rtol=1e-4)
-    assert all(torch.equal(a, b) for a, b in zip(after[:4], plain_after[:4]))
-    with recorded_launches() as launched:
-        greedy_step(runner, 40, ops)
-    layers = model.cfg.text.num_hidden_layers
-    # as at 32 rows and below: eight Triton kernels a layer and the step's three, no PyTorch op between
-    assert launch_summary(launched) == {"launches": 8 * layers + 3, "triton": 8 * layers + 3, "torch_ops": {},
-                                        "chain_breaks": 0}
-    assert any(k.startswith("products") and k.endswith("rows 33-64") for k in gemv.chosen_configs())
 
 
 def test_partials_reusing_a_prefix_on_kernels_match_the_plain_engine(engines):
