@@ -101,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollback-tokens", type=int, default=engine.rollback_tokens,
                         help="a partial continues its segment's previous partial minus this many last tokens, "
                              "which it decodes again (0: every partial decodes from the audio alone)")
+    parser.add_argument("--decode-steps-ahead", type=int, default=engine.decode_steps_ahead,
+                        help="decode steps queued at once beside an admission's host work, at most (as many as fit "
+                             "in the time it has been taking; 1: one step)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--workers", type=int, default=1,
@@ -200,6 +203,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          base_tokens=args.base_tokens,
                          tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
                          admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
+                         decode_steps_ahead=args.decode_steps_ahead,
                          max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner)
 
 
@@ -234,6 +238,14 @@ async def serve(args: argparse.Namespace, config: ServerConfig, *, build=None, r
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+
+
+def check_engine_flags(args: argparse.Namespace) -> None:
+    """The engine flags EngineOptions validates, checked here (a usage error, not a traceback from the engine process
+    once the model has loaded); the device-dependent ones (slots) are engine_options'."""
+    EngineOptions(max_len=args.max_len, base_tokens=args.base_tokens, tokens_per_second=args.tokens_per_second,
+                  admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
+                  decode_steps_ahead=args.decode_steps_ahead)
 
 
 def engine_factory(args: argparse.Namespace, **serving):
@@ -279,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = build_config(args)
+        check_engine_flags(args)
     except (ValueError, FileNotFoundError) as error:
         parser.error(str(error))
     logs.configure(args.log_level, args.log_format)  # only once it will serve: it takes over the process's logging

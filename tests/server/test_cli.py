@@ -45,6 +45,7 @@ def test_options_become_limits_and_defaults():
     [], ["--model", "m", "--max-sessions", "0"], ["--model", "m", "--partial-interval-ms", "10"],
     ["--model", "m", "--vad-aggressiveness", "5"], ["--model", "m", "--port", "70000"],
     ["--model", "m", "--dtype", "int8"], ["--model", "m", "--web-root", "/nonexistent"],
+    ["--model", "m", "--decode-steps-ahead", "0"], ["--model", "m", "--rollback-tokens", "-1"],
 ])
 def test_bad_options_exit_with_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
