@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 IDLE_ALIGNMENT_WAIT_S = 0.002  # an idle engine waits this long for an alignment in flight, then looks for new work
 
 
+def _moving_average(average: float | None, value: float, weight: float = 0.2) -> float:
+    return value if average is None else average + weight * (value - average)
+
+
 @dataclass
 class _Prepared:
     """An admission's host work, done while a decode step ran: the sequences that fit (their prompts built), their
@@ -120,6 +124,10 @@ class Engine:
         self.recent_batch_sizes: collections.deque[int] = collections.deque(maxlen=64)  # for metrics
         self.steps = 0
         self._last_admission = -math.inf
+        # how long (s) a decode step alone and an admission's host work beside one have been taking (moving
+        # averages): how many steps to queue beside the next admission (_steps_beside_admission)
+        self._step_s: float | None = None
+        self._admission_host_s: float | None = None
         self._first_unread: list[Sequence] = []  # admitted, their first token on the device: read with the next step
         self._scheduled: list[Sequence] = []  # taken from the queue by an admission not done yet (fail_all's too)
         # cumulative work, to measure what partials reuse: prompt positions prefilled vs copied from a retained
@@ -483,15 +491,18 @@ class Engine:
     # -- decode and postprocess ------------------------------------------------------------------------------------
 
     def _decode(self, admitting: bool = False) -> None:
-        """One decode step; admitting: an admission is due, its host work done while the step runs (see step)."""
+        """Decode steps; admitting: an admission is due, its host work done while they run (see step), beside as many
+        steps as it has been taking time for (the graphs feed themselves), so that the decode stream does not idle
+        through the rest of it."""
         running = self.scheduler.running
+        steps = self._steps_beside_admission() if admitting else 1
         self.recent_batch_sizes.append(len(running))
-        self.counters["decode_rows"] += len(running)
+        self.counters["decode_rows"] += len(running) * steps
         during = admitting and self.admit_during_step
         # what the decode stream queued so far (rows started and stopped): the admission waits for that, not the step
         before_step = self._record_event(self.stream) if during else None
         t0 = time.perf_counter()
-        self.runner.launch_decode(max(running) + 1, read_tokens=bool(self._first_unread))
+        self.runner.launch_decode(max(running) + 1, read_tokens=bool(self._first_unread), steps=steps)
         t1 = time.perf_counter()
         seqs, prepared = self._prepare_admission() if admitting else ([], None)
         self._scheduled = seqs  # neither waiting nor running until admitted: if the step fails, fail_all finishes them
@@ -502,14 +513,28 @@ class Engine:
         t3 = time.perf_counter()
         self.seconds["decode_gpu"] += (t1 - t0) + (t3 - t2)
         self.seconds["admit"] += t2 - t1
-        self.steps += 1
+        self.steps += steps
+        if admitting:
+            self._admission_host_s = _moving_average(self._admission_host_s, t2 - t1)
+        else:
+            self._step_s = _moving_average(self._step_s, t3 - t0)
         self._take_first_tokens(fed)
-        self._postprocess(out.numpy())
+        for step_out in out.numpy():  # in order: a row finished by one step is not running in the next ones
+            self._postprocess(step_out)
         t4 = time.perf_counter()
         self.seconds["decode_host"] += t4 - t3
         if admitting and not during:
             self._admit_scheduled(seqs, prepared)
             self.seconds["admit"] += self._last_admission - t4
+
+    def _steps_beside_admission(self) -> int:
+        """Steps to queue beside the next admission's host work: about as many as fit in the time that has been
+        taking (1 until both are measured), at most options.decode_steps_ahead. Rows that end in an early one idle
+        on the device through the rest (it finishes them itself, or they had budget for more)."""
+        most = self.options.decode_steps_ahead
+        if most == 1 or not self._step_s or self._admission_host_s is None:
+            return 1
+        return max(1, min(most, round(self._admission_host_s / self._step_s)))
 
     def _admit_scheduled(self, seqs: list[Sequence], prepared: _Prepared | None, after=None) -> None:
         """Admit what `_prepare_admission` scheduled. after: a decode-stream event the admission's device work

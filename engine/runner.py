@@ -204,7 +204,8 @@ class ModelRunner:
         self.counts = torch.zeros(S, dtype=torch.long, device=self.device)
         self.budgets = torch.zeros(S, dtype=torch.long, device=self.device)
         self.out = torch.zeros(2, S, dtype=torch.long, device=self.device)  # [token or -1, finished] per row
-        self.out_host = torch.zeros(2, S, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.out_host = torch.zeros(1, 2, S, dtype=torch.long, pin_memory=self.device.type == "cuda")  # per step
+        # launched together (launch_decode's steps; grown when more are asked)
         self.tokens_host = torch.zeros(S, dtype=torch.long, pin_memory=self.device.type == "cuda")  # the tokens fed
         # to a step, read with its output when asked (the first tokens of rows admitted since the last read)
         self._launched: tuple[int, bool] | None = None  # (rows, tokens asked) of the decode step launched, not read
@@ -267,36 +268,40 @@ class ModelRunner:
     def decode(self, rows: int) -> torch.Tensor:
         """Run one step over the first `rows` slots (padded up to a bucket) -> host [2, rows] (token|-1, finished)."""
         self.launch_decode(rows)
-        return self.read_decode()[0]
+        return self.read_decode()[0][0]
 
     @torch.inference_mode()
-    def launch_decode(self, rows: int, read_tokens: bool = False) -> None:
-        """Queue one step over the first `rows` slots and the copy of its [2, B] output to the host, and return at
-        once on CUDA (a graph's replay is asynchronous): the host works on while the step runs; `read_decode` waits
-        for it. read_tokens: also copy the tokens the step is fed, as they are before it (first tokens of rows
-        started since the last step), in the same read."""
+    def launch_decode(self, rows: int, read_tokens: bool = False, steps: int = 1) -> None:
+        """Queue `steps` steps over the first `rows` slots, each feeding on the one before on the device, with the
+        copy of each one's [2, B] output to the host, and return at once on CUDA (a graph's replay is asynchronous):
+        the host works on while they run; `read_decode` waits for them. read_tokens: also copy the tokens the first
+        step is fed, as they are before it (first tokens of rows started since the last step), in the same read."""
         if self._launched is not None:
             raise RuntimeError("a decode step is already launched and not read")
+        if steps > self.out_host.shape[0]:
+            self.out_host = torch.zeros(steps, *self.out_host.shape[1:], dtype=torch.long,
+                                        pin_memory=self.device.type == "cuda")
         B = self.bucket_for(rows)
         if read_tokens:
             self.tokens_host[:B].copy_(self.tokens[:B], non_blocking=True)
-        if B in self.graphs:
-            self.graphs[B].replay()
-        else:
-            self._step(B)
-        self.out_host[:, :B].copy_(self.out[:, :B], non_blocking=True)
-        self._launched = (rows, read_tokens)
+        for i in range(steps):
+            if B in self.graphs:
+                self.graphs[B].replay()
+            else:
+                self._step(B)
+            self.out_host[i, :, :B].copy_(self.out[:, :B], non_blocking=True)
+        self._launched = (rows, read_tokens, steps)
 
     def read_decode(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Wait for the step launched -> host [2, rows] (token|-1, finished) and, if asked at the launch, the tokens
-        it was fed [rows] (else None). One wait for both."""
+        """Wait for the steps launched -> host [steps, 2, rows] (token|-1, finished per step, in order) and, if asked
+        at the launch, the tokens the first was fed [rows] (else None). One wait for all."""
         if self._launched is None:
             raise RuntimeError("no decode step launched")
-        (rows, read_tokens), self._launched = self._launched, None
+        (rows, read_tokens, steps), self._launched = self._launched, None
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
         self.host_reads += 1
-        return self.out_host[:, :rows], self.tokens_host[:rows] if read_tokens else None
+        return self.out_host[:steps, :, :rows], self.tokens_host[:rows] if read_tokens else None
 
     def to_device(self, values, dtype=torch.long) -> torch.Tensor:
         """A small host list (or CPU tensor) on the device without waiting: on CUDA, through pinned memory and

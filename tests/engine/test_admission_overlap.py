@@ -148,3 +148,32 @@ def test_requests_taken_for_an_admission_are_failed_with_the_rest_if_the_step_fa
     assert len(engine.scheduler) == 0 and "b" not in results
     engine.fail_all(RuntimeError("engine failed"))  # what AsyncEngine does when its loop raises
     assert isinstance(results["a"], RuntimeError) and isinstance(results["b"], RuntimeError)
+
+
+def test_steps_queued_beside_an_admission_give_the_tokens_of_one_step_at_a_time(tiny_model_dir, monkeypatch):
+    """Several decode steps launched at once beside an admission's host work (each feeding on the one before on the
+    device) are read in order: rows that end in an early one are finished there and their later outputs ignored; the
+    tokens are those of one step at a time."""
+    single = workload(make_engine(tiny_model_dir, admission_interval_ms=0, decode_steps_ahead=1))
+    engine = make_engine(tiny_model_dir, admission_interval_ms=0)
+    launched = []
+    launch = engine.runner.launch_decode
+    monkeypatch.setattr(engine.runner, "launch_decode",
+                        lambda rows, read_tokens=False, steps=1: launched.append(steps) or launch(rows, read_tokens, steps))
+    monkeypatch.setattr(engine, "_steps_beside_admission", lambda: 3)
+    steps_before = engine.steps
+    assert workload(engine) == single and len(single) == 10
+    assert launched.count(3) >= 5 and set(launched) == {1, 3}  # several admissions came while rows decoded
+    assert engine.steps - steps_before == sum(launched)
+    assert np.all(engine.runner.positions.numpy() == -1)
+
+
+def test_the_steps_beside_an_admission_are_as_many_as_fit_in_its_host_time(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, decode_steps_ahead=4)
+    assert engine._steps_beside_admission() == 1  # nothing measured yet
+    for step_s, admission_s, steps in ((0.002, 0.0066, 3), (0.002, 0.02, 4), (0.002, 0.0009, 1), (0.003, 0.0032, 1)):
+        engine._step_s, engine._admission_host_s = step_s, admission_s
+        assert engine._steps_beside_admission() == steps
+    one = make_engine(tiny_model_dir, decode_steps_ahead=1)
+    one._step_s, one._admission_host_s = 0.002, 0.02
+    assert one._steps_beside_admission() == 1
