@@ -29,11 +29,11 @@ ENCODER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # window), so a partial's window in progress (a few 13-position chunks, mostly 13 k + 1 positions) is not run at 104.
 # Its positions past n are never read by its real ones: their keys are masked, and positions are added per chunk
 # before the encoder (the encoder is block-diagonal per window, per-position elsewhere)
-ENCODER_LENGTH_BUCKETS = (32, 56, 104)
+ENCODER_LENGTH_BUCKETS = (32, 56, 104)  # multiples of 8 (aligned attention masks); 13 k + 1 -> 32 or 56
 # chunks (100 mel frames) per graphed run of the encoder's conv front end; more replay the largest graph several times.
-# Eagerly every new chunk count is a new shape to cuDNN, and planning one held the engine thread 18% of its time at
-# 1,000 streams (native py-spy, session 10: get_configs_from_heuristics under conv2d)
-CONV_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # multiples of 8 (aligned attention masks); 13 k + 1 -> 32 or 56
+# Eagerly every new chunk count is a new shape to cuDNN, whose plan search held the engine thread 18% of its samples
+# in a (perturbed) native py-spy run at 1,000 streams (session 10: get_configs_from_heuristics under conv2d)
+CONV_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # prefills graphed per (sequences, padded tokens): eagerly, ~250 launches from Python cost more than the GPU work (a
 # 10.9 s clip: 8.4 ms eager, measured on the H200); more sequences replay several graphs
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
@@ -208,7 +208,7 @@ class ModelRunner:
         # launched together (launch_decode's steps; grown when more are asked)
         self.tokens_host = torch.zeros(S, dtype=torch.long, pin_memory=self.device.type == "cuda")  # the tokens fed
         # to a step, read with its output when asked (the first tokens of rows admitted since the last read)
-        self._launched: tuple[int, bool] | None = None  # (rows, tokens asked) of the decode step launched, not read
+        self._launched: tuple[int, bool, int] | None = None  # (rows, tokens asked, steps) launched, not read
         self.encoder_positions_run = 0  # encoder positions computed: windows padded to a length bucket, and their
         # number to a graph bucket
         self.conv_chunks_run = 0  # chunks the conv front end computed (their number padded to a graph bucket)
