@@ -198,10 +198,11 @@ class Engine:
     @torch.inference_mode()
     @on_own_stream
     def step(self) -> None:
-        """Admit (when due) and decode one step. While rows decode, an admission overlaps the step: the step is
-        launched first (a graph's replay returns at once), the admission's host work (scheduling, prompts, the audio
-        front end's bookkeeping and staging) runs while the device decodes, and its device work is queued (on CUDA
-        during the step, on the admission stream; elsewhere after the step's read). Its rows decode from the first
+        """Admit (when due) and decode. While rows decode, an admission overlaps the decode steps (_decode: one, or
+        as many as fit in its host work's time): they are launched first (a graph's replay returns at once), the
+        admission's host work (scheduling, prompts, the audio front end's bookkeeping and staging) runs while the
+        device decodes, and its device work is queued (on CUDA during the steps, on the admission stream; elsewhere
+        after their read). Its rows decode from the first
         step after that work is done (`_start_admitted`). Each row's tokens depend only on its own inputs (identical
         inputs give identical rows), so the order changes when rows run, not what they say. With nothing decoding,
         the admission runs whole and its rows decode in this step."""
@@ -496,8 +497,7 @@ class Engine:
         through the rest of it."""
         running = self.scheduler.running
         steps = self._steps_beside_admission() if admitting else 1
-        self.recent_batch_sizes.append(len(running))
-        self.counters["decode_rows"] += len(running) * steps
+        self._count_rows(len(running))
         during = admitting and self.admit_during_step
         # what the decode stream queued so far (rows started and stopped): the admission waits for that, not the step
         before_step = self._record_event(self.stream) if during else None
@@ -519,7 +519,9 @@ class Engine:
         else:
             self._step_s = _moving_average(self._step_s, t3 - t0)
         self._take_first_tokens(fed)
-        for step_out in out.numpy():  # in order: a row finished by one step is not running in the next ones
+        for i, step_out in enumerate(out.numpy()):  # in order: a row finished by one step is not running in the next
+            if i:
+                self._count_rows(len(self.scheduler.running))
             self._postprocess(step_out)
         t4 = time.perf_counter()
         self.seconds["decode_host"] += t4 - t3
@@ -527,12 +529,19 @@ class Engine:
             self._admit_scheduled(seqs, prepared)
             self.seconds["admit"] += self._last_admission - t4
 
+    def _count_rows(self, rows: int) -> None:
+        """A decode step's rows, for the mean batch (decode_rows / steps) and the pool's headroom."""
+        self.recent_batch_sizes.append(rows)
+        self.counters["decode_rows"] += rows
+
     def _steps_beside_admission(self) -> int:
         """Steps to queue beside the next admission's host work: about as many as fit in the time that has been
-        taking (1 until both are measured), at most options.decode_steps_ahead. Rows that end in an early one idle
-        on the device through the rest (it finishes them itself, or they had budget for more)."""
+        taking (1 until both are measured), at most options.decode_steps_ahead; 1 off CUDA, where a step runs
+        whole before the host goes on. A row that ends in an early one is finished there: the device idles rows at
+        their EOS or budget itself; one the host stops (repetition) decodes on, unread, until the stop queued after
+        the steps. Its time counts the host's waits inside the admission (the mel's extremes) too."""
         most = self.options.decode_steps_ahead
-        if most == 1 or not self._step_s or self._admission_host_s is None:
+        if most == 1 or self.runner.device.type != "cuda" or not self._step_s or self._admission_host_s is None:
             return 1
         return max(1, min(most, round(self._admission_host_s / self._step_s)))
 

@@ -156,24 +156,42 @@ def test_steps_queued_beside_an_admission_give_the_tokens_of_one_step_at_a_time(
     tokens are those of one step at a time."""
     single = workload(make_engine(tiny_model_dir, admission_interval_ms=0, decode_steps_ahead=1))
     engine = make_engine(tiny_model_dir, admission_interval_ms=0)
-    launched = []
-    launch = engine.runner.launch_decode
-    monkeypatch.setattr(engine.runner, "launch_decode",
-                        lambda rows, read_tokens=False, steps=1: launched.append(steps) or launch(rows, read_tokens, steps))
+    launched, read, ended = [], [0], []  # steps of each launch; outputs read of the last; (output, of steps) at an end
+    launch, postprocess, complete = engine.runner.launch_decode, engine._postprocess, engine._complete
+
+    def counting_launch(rows, read_tokens=False, steps=1):
+        launched.append(steps)
+        read[0] = 0
+        return launch(rows, read_tokens, steps)
+
+    def counting_postprocess(out):
+        read[0] += 1
+        return postprocess(out)
+
+    monkeypatch.setattr(engine.runner, "launch_decode", counting_launch)
+    monkeypatch.setattr(engine, "_postprocess", counting_postprocess)
+    monkeypatch.setattr(engine, "_complete", lambda seq, reason: ended.append((read[0], launched[-1]))
+                        or complete(seq, reason))
     monkeypatch.setattr(engine, "_steps_beside_admission", lambda: 3)
     steps_before = engine.steps
     assert workload(engine) == single and len(single) == 10
     assert launched.count(3) >= 5 and set(launched) == {1, 3}  # several admissions came while rows decoded
     assert engine.steps - steps_before == sum(launched)
+    assert any(of == 3 and 0 < at < 3 for at, of in ended)  # a row ended in a launch's first or second step
     assert np.all(engine.runner.positions.numpy() == -1)
 
 
-def test_the_steps_beside_an_admission_are_as_many_as_fit_in_its_host_time(tiny_model_dir):
+def test_the_steps_beside_an_admission_are_as_many_as_fit_in_its_host_time(tiny_model_dir, monkeypatch):
     engine = make_engine(tiny_model_dir, decode_steps_ahead=4)
+    engine._step_s, engine._admission_host_s = 0.002, 0.02
+    assert engine._steps_beside_admission() == 1  # on the CPU a step runs whole at its launch: nothing to overlap
+    monkeypatch.setattr(engine.runner, "device", torch.device("cuda"))  # only read here: no step runs
+    engine._step_s = engine._admission_host_s = None
     assert engine._steps_beside_admission() == 1  # nothing measured yet
     for step_s, admission_s, steps in ((0.002, 0.0066, 3), (0.002, 0.02, 4), (0.002, 0.0009, 1), (0.003, 0.0032, 1)):
         engine._step_s, engine._admission_host_s = step_s, admission_s
         assert engine._steps_beside_admission() == steps
     one = make_engine(tiny_model_dir, decode_steps_ahead=1)
+    monkeypatch.setattr(one.runner, "device", torch.device("cuda"))
     one._step_s, one._admission_host_s = 0.002, 0.02
     assert one._steps_beside_admission() == 1
