@@ -73,7 +73,8 @@ def read(path):
     for what in ("sum", "count"):
         m = re.search(rf"^qasr_final_latency_seconds_{what} (\S+)$", text, re.M)
         out[f"final {what}"] = float(m.group(1)) if m else 0.0
-    for kind in ("prefill_tokens", "prefill_computed_tokens", "encoder_tokens", "encoder_computed_tokens"):
+    for kind in ("prefill_tokens", "prefill_computed_tokens", "encoder_tokens", "encoder_computed_tokens",
+                 "conv_computed_chunks"):
         m = re.search(rf'^qasr_engine_counters\{{kind="{kind}"\}} (\S+)$', text, re.M)
         out[kind] = float(m.group(1)) if m else 0.0
     for kind in ("device_allocs", "device_frees", "alloc_retries", "reserved_bytes"):  # the CUDA caching allocator
@@ -108,7 +109,8 @@ if d["prefill_computed_tokens"] and d["encoder_computed_tokens"]:  # what the bu
     print(f"admissions' device work per second: prefill {d['prefill_tokens'] / wall:.0f} positions"
           f" ({d['prefill_computed_tokens'] / wall:.0f} computed, {1 - d['prefill_tokens'] / d['prefill_computed_tokens']:.0%} padding),"
           f" encoder {d['encoder_tokens'] / wall:.0f} ({d['encoder_computed_tokens'] / wall:.0f} computed,"
-          f" {1 - d['encoder_tokens'] / d['encoder_computed_tokens']:.0%} padding)")
+          f" {1 - d['encoder_tokens'] / d['encoder_computed_tokens']:.0%} padding),"
+          f" conv {d['conv_computed_chunks'] / wall:.0f} chunks computed (graph buckets' padding included)")
 if b["reserved_bytes"]:
     print(f"CUDA allocator in the run: {d['device_allocs']:.0f} cudaMalloc, {d['device_frees']:.0f} cudaFree, "
           f"{d['alloc_retries']:.0f} retries after freeing the cache; {b['reserved_bytes'] / 2**30:.1f} GiB reserved")

@@ -61,6 +61,7 @@ class AudioFrontEnd:
         counters.setdefault("floor_moves", 0)  # partials whose rising maximum dropped kept chunks
         counters.setdefault("encoder_tokens", 0)  # encoder positions of real audio, and those it computed
         counters.setdefault("encoder_computed_tokens", 0)  # (windows padded to whole windows and graph buckets)
+        counters.setdefault("conv_computed_chunks", 0)  # batched conv chunks run, padded to graph buckets
 
     def embed(self, clips: list[np.ndarray], states: list[StreamState | None]) -> list[AudioEmbedding]:
         """Audio embeddings of each clip; states[i]: its stream's kept front-end work (updated here), None for none."""
@@ -140,8 +141,11 @@ class AudioFrontEnd:
     def _conv_tokens(self, work: list[_Clip], features: list[torch.Tensor]) -> list[torch.Tensor]:
         """Each clip's conv tokens from its first kept window on: the kept chunks' tokens, then the new chunks'."""
         todo = [i for i, clip in enumerate(work) if clip.num_new_frames or not (clip.state and clip.state.num_chunks)]
+        run_before = self.runner.conv_chunks_run
         new = self.runner.embed_chunks([features[i] for i in todo], [work[i].first_frame > 0 for i in todo])
         self.counters["conv_chunks"] += sum(-(-work[i].num_new_frames // qaudio.CHUNK_FRAMES) for i in todo)
+        # the batched chunks the convolutions ran, padded to a graph bucket (clips under a chunk run apart: uncounted)
+        self.counters["conv_computed_chunks"] += self.runner.conv_chunks_run - run_before
         tokens = [None] * len(work)
         for i, t in zip(todo, new):
             tokens[i] = t

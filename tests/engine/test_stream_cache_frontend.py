@@ -103,6 +103,8 @@ def test_the_encoder_counts_its_real_positions_and_those_it_computed(engine, mon
     last = real - 2 * T
     assert work["encoder_tokens"] == real and last < runner.encoder_lengths[0] < T
     assert work["encoder_computed_tokens"] == 2 * T + runner.encoder_lengths[0]
+    # without graphs (the CPU) the conv runs the clip's chunks as they are: 17 s, 1,700 frames, 17 chunks
+    assert work["conv_computed_chunks"] == work["conv_chunks"] == -(-qaudio.num_frames(audio.size) // qaudio.CHUNK_FRAMES)
     # CUDA's graph buckets pad the window count of each length's group: stand-ins for graphs of 1, 2 and 4 windows
     monkeypatch.setattr(runner_module, "ENCODER_BUCKETS", (1, 2, 4))
     replay = type("Graph", (), {"replay": lambda self: None})()
