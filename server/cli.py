@@ -241,11 +241,14 @@ async def serve(args: argparse.Namespace, config: ServerConfig, *, build=None, r
 
 
 def check_engine_flags(args: argparse.Namespace) -> None:
-    """The engine flags EngineOptions validates, checked here (a usage error, not a traceback from the engine process
-    once the model has loaded); the device-dependent ones (slots) are engine_options'."""
-    EngineOptions(max_len=args.max_len, base_tokens=args.base_tokens, tokens_per_second=args.tokens_per_second,
-                  admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
-                  decode_steps_ahead=args.decode_steps_ahead)
+    """The engine's flags checked before serving: a usage error naming the flag, not a traceback from the engine
+    process once the model has loaded."""
+    for flag, value, least in (("--slots", args.slots, 1), ("--retained-slots", args.retained_slots, 0),
+                               ("--max-len", args.max_len, 64), ("--admission-interval-ms", args.admission_interval_ms, 0),
+                               ("--rollback-tokens", args.rollback_tokens, 0),
+                               ("--decode-steps-ahead", args.decode_steps_ahead, 1)):
+        if value is not None and value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value:g}")
 
 
 def engine_factory(args: argparse.Namespace, **serving):

@@ -45,13 +45,21 @@ def test_options_become_limits_and_defaults():
     [], ["--model", "m", "--max-sessions", "0"], ["--model", "m", "--partial-interval-ms", "10"],
     ["--model", "m", "--vad-aggressiveness", "5"], ["--model", "m", "--port", "70000"],
     ["--model", "m", "--dtype", "int8"], ["--model", "m", "--web-root", "/nonexistent"],
-    ["--model", "m", "--decode-steps-ahead", "0"], ["--model", "m", "--rollback-tokens", "-1"],
 ])
 def test_bad_options_exit_with_a_usage_error(argv, capsys):
     with pytest.raises(SystemExit) as caught:
         cli.main(argv)
     assert caught.value.code == 2
     assert "qasr-server" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag, value", [("--decode-steps-ahead", "0"), ("--rollback-tokens", "-1"),
+                                         ("--slots", "0"), ("--retained-slots", "-2"), ("--max-len", "10")])
+def test_a_bad_engine_flag_is_named_in_the_usage_error(flag, value, capsys):
+    with pytest.raises(SystemExit) as caught:
+        cli.main(["--model", "m", flag, value])
+    assert caught.value.code == 2
+    assert f"{flag} must be >=" in capsys.readouterr().err
 
 
 def test_sigterm_finalises_open_streams_closes_1001_and_exits_0(monkeypatch):
