@@ -9,7 +9,8 @@ next `--per-admission` of `--streams` streams ask for a partial whose audio is o
 `Engine.overlap_admissions` off (admit, then decode: the order before the overlap) and on, alternating for
 `--rounds`. Per run: decode steps per second, where the engine thread's time went (engine.seconds: admit,
 decode_gpu = launching and waiting for the step, decode_host), the host's waits for the device per step
-(runner.host_reads) and the partials' engine latency (timings engine_ms, submit to result) p50/p90. Writes
+(runner.host_reads; one read takes all the steps of a launch, so on CUDA, with steps queued beside admissions
+(--decode-steps-ahead), it falls below 1 by design) and the partials' engine latency (timings engine_ms, submit to result) p50/p90. Writes
 OUT/admission_overlap.json. Random weights: the transcripts are meaningless, the work is real.
 
 `--sync-audit` (CUDA): the runs with the overlap on also run under torch's sync debug mode, and every call that made
