@@ -464,12 +464,13 @@ class ModelRunner:
 
     def _embed_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
         """The conv front end over chunks [N, mels, chunk_frames] -> [N, tokens_per_chunk, D]: on CUDA in pieces of at
-        most the largest graph bucket, each replaying its bucket's graph (valid until that graph's next replay)."""
+        most the largest graph bucket, each replaying its bucket's graph (one piece: the graph's output itself, valid
+        until its next replay; more: copied into one tensor as they come)."""
         if not self.conv_graphs:
             self.conv_chunks_run += chunks.shape[0]
             return self.model.encoder.embed_chunks(chunks)
-        top, out = CONV_BUCKETS[-1], []
-        for first in range(0, chunks.shape[0], top):
+        N, top, out = chunks.shape[0], CONV_BUCKETS[-1], None
+        for first in range(0, N, top):
             piece = chunks[first : first + top]
             n, bucket = piece.shape[0], bucket_of(piece.shape[0], CONV_BUCKETS)
             # rows past n keep an earlier call's chunks: the convolutions are per chunk, and their outputs unread
@@ -477,8 +478,11 @@ class ModelRunner:
             graph, y = self.conv_graphs[bucket]
             graph.replay()
             self.conv_chunks_run += bucket
-            out.append(y[:n] if chunks.shape[0] <= top else y[:n].clone())  # a copy when the graph replays again
-        return out[0] if len(out) == 1 else torch.cat(out)
+            if N <= top:
+                return y[:n]
+            out = y.new_empty(N, *y.shape[1:]) if out is None else out
+            out[first : first + n] = y[:n]
+        return out
 
     @torch.inference_mode()
     def encode(self, clips: list[torch.Tensor]) -> list[list[torch.Tensor]]:
