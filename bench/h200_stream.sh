@@ -74,7 +74,7 @@ def read(path):
         m = re.search(rf"^qasr_final_latency_seconds_{what} (\S+)$", text, re.M)
         out[f"final {what}"] = float(m.group(1)) if m else 0.0
     for kind in ("prefill_tokens", "prefill_computed_tokens", "encoder_tokens", "encoder_computed_tokens",
-                 "conv_computed_chunks"):
+                 "conv_computed_chunks", "decode_launches"):
         m = re.search(rf'^qasr_engine_counters\{{kind="{kind}"\}} (\S+)$', text, re.M)
         out[kind] = float(m.group(1)) if m else 0.0
     for kind in ("device_allocs", "device_frees", "alloc_retries", "reserved_bytes"):  # the CUDA caching allocator
@@ -96,7 +96,9 @@ wall = sum(d[k] for k in kinds) or 1.0
 engines = int(b["engines"])  # DEVICES: the engine rows are summed over the engines: per second, per engine
 run_s = wall / engines
 print(f"engine thread over {wall:.1f} s:", ", ".join(f"{k} {d[k] / wall:.0%}" for k in kinds),
-      f"| steps/s {d['qasr_engine_steps'] / wall:.0f} | CPU/s: engine thread {d['qasr_engine_thread_cpu_seconds'] / wall:.2f},"
+      f"| steps/s {d['qasr_engine_steps'] / wall:.0f}"
+      + (f" ({d['qasr_engine_steps'] / d['decode_launches']:.2f} a launch)" if d["decode_launches"] else "")
+      + f" | CPU/s: engine thread {d['qasr_engine_thread_cpu_seconds'] / wall:.2f},"
       f" engine process {d['qasr_engine_process_cpu_seconds'] / wall:.2f}, server process {d['process_cpu_seconds_total'] / run_s:.2f}"
       + (f" | {engines} engines, per engine" if engines > 1 else ""))
 for prio in ("final", "partial"):

@@ -134,7 +134,8 @@ class Engine:
         # prefix, encoder windows computed vs kept from a stream's earlier partial
         # decode_rows / steps is the mean decode batch
         self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0,
-                         "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0, "prefill_computed_tokens": 0}
+                         "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0, "prefill_computed_tokens": 0,
+                         "decode_launches": 0}  # steps / decode_launches: the steps queued together, on average
         self.frontend = AudioFrontEnd(self.runner, self.counters)  # mel + encoder, a partial's only for what is new
         # where the engine thread's time goes (wall seconds): admissions (encode + prefill), decode steps (launch and
         # wait for the GPU), the host's per-row work after each step, and (AsyncEngine) waiting for work. Their
@@ -514,6 +515,7 @@ class Engine:
         self.seconds["decode_gpu"] += (t1 - t0) + (t3 - t2)
         self.seconds["admit"] += t2 - t1
         self.steps += steps
+        self.counters["decode_launches"] += 1
         if admitting:
             self._admission_host_s = _moving_average(self._admission_host_s, t2 - t1)
         else:

@@ -173,10 +173,11 @@ def test_steps_queued_beside_an_admission_give_the_tokens_of_one_step_at_a_time(
     monkeypatch.setattr(engine, "_complete", lambda seq, reason: ended.append((read[0], launched[-1]))
                         or complete(seq, reason))
     monkeypatch.setattr(engine, "_steps_beside_admission", lambda: 3)
-    steps_before = engine.steps
+    steps_before, launches_before = engine.steps, engine.counters["decode_launches"]
     assert workload(engine) == single and len(single) == 10
     assert launched.count(3) >= 5 and set(launched) == {1, 3}  # several admissions came while rows decoded
     assert engine.steps - steps_before == sum(launched)
+    assert engine.counters["decode_launches"] - launches_before == len(launched)
     assert any(of == 3 and 0 < at < 3 for at, of in ended)  # a row ended in a launch's first or second step
     assert np.all(engine.runner.positions.numpy() == -1)
 
