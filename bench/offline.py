@@ -208,9 +208,8 @@ def step_floors(engine: Engine, args, bandwidth: float) -> dict[int, float]:
     weights = sum(p.numel() for n, p in dec.named_parameters() if not n.startswith("embed_tokens")) * elem
     if dec.lm_head.weight is dec.embed_tokens.weight:  # tied: named_parameters lists it once, as embed_tokens
         weights += dec.lm_head.weight.numel() * elem
-    c, cache = dec.cfg, engine.runner.cache
-    # a key and a value vector per layer and KV head
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * cache.k[0].element_size()
+    c = dec.cfg
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
     return {B: (weights + B * args.context * kv_per_token) / bandwidth * 1e3 for B in engine.runner.buckets}
 
 

@@ -196,6 +196,7 @@ class ModelRunner:
         self.device = model.device
         self.num_slots = num_slots  # decode rows; slots [num_slots, num_slots + num_retained) hold retained prefixes
         self.max_len = max_len
+        self.cache = model.new_cache(num_slots + num_retained, max_len)
         self.eos = torch.tensor(eos_ids or (-1,), device=self.device)  # -1: no token is EOS
         # per-slot decode state (device): the token to feed, its position (-1 = idle), tokens made, token budget
         S = num_slots
@@ -223,7 +224,6 @@ class ModelRunner:
         self.fused_kernels = kernels.available(self.device) if fused_kernels is None else fused_kernels
         if self.fused_kernels and not kernels.available(self.device):
             raise ValueError(f"fused kernels need Triton and a CUDA device (got {self.device})")
-        self.cache = model.new_cache(num_slots + num_retained, max_len)
         # the decoder's layer ops, chosen once: every prefill and decode step (and so every graph) runs on them
         self.layer_ops = (FusedLayerOps(model.decoder.rope_table(self.cache.length)) if self.fused_kernels
                           else PlainLayerOps())

@@ -213,11 +213,6 @@ if triton is not None:
             tl.store(V_CACHE + at + full, v)
 
     @triton.jit
-    def _load_kv(CACHE, offs, kmask, q):
-        # a block of keys or values [BLOCK_N, HD] in q's dtype
-        return tl.load(CACHE + offs, mask=kmask[:, None], other=0).to(q.dtype)
-
-    @triton.jit
     def _decode_attention_kernel(
         Q, K, V, OUT, POS, stride_cs, stride_ch, stride_cl, scale,
         H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -244,13 +239,13 @@ if triton is not None:
             keys = start + tl.arange(0, BLOCK_N)
             kmask = keys < n_keys
             offs = base + keys[:, None] * stride_cl + d[None, :]
-            k = _load_kv(K, offs, kmask, q)
+            k = tl.load(K + offs, mask=kmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale  # [G_BLOCK, BLOCK_N]
             s = tl.where(kmask[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
-            v = _load_kv(V, offs, kmask, q)
+            v = tl.load(V + offs, mask=kmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
@@ -290,13 +285,13 @@ if triton is not None:
             keys = key0 + tl.arange(0, BLOCK_N)
             offs = base + keys[:, None] * stride_cl + d[None, :]
             kmask = keys < tile_keys
-            k = _load_kv(K, offs, kmask, q)
+            k = tl.load(K + offs, mask=kmask[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             s = tl.where(keys[None, :] < n_keys[:, None], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             alpha = tl.exp2(m - m_new)
             p = tl.exp2(s - m_new[:, None])
-            v = _load_kv(V, offs, kmask, q)
+            v = tl.load(V + offs, mask=kmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             l = l * alpha + tl.sum(p, axis=1)
             m = m_new
@@ -431,20 +426,18 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write
     """The attention's input side in one kernel.
 
     qkv: [N, (H + 2 KVH) hd] projections of N tokens (or their float32 split-K partial sums [S, N, ...], summed and
-    rounded to the weights' dtype first); cos/sin: [P, hd] tables; rope_pos, slots, write_pos: [N].
+    rounded to the cache's dtype first); cos/sin: [P, hd] tables; rope_pos, slots, write_pos: [N].
     Writes each token's normed, rotated key and its value into k_cache/v_cache [S, KVH, L, hd] at
-    [slots[n], :, write_pos[n]] and returns the normed, rotated queries [N, H, hd] (in the weights' dtype).
+    [slots[n], :, write_pos[n]] and returns the normed, rotated queries [N, H, hd].
     """
-    dtype = q_weight.dtype
-    splits = _splits(qkv, dtype)
+    splits = _splits(qkv, k_cache.dtype)
     N = qkv.shape[-2]
     hd = k_cache.shape[-1]
     # the kernel indexes these as plain [N] arrays: an expanded index tensor (stride 0) would be read past its end
     rope_pos, slots, write_pos = rope_pos.contiguous(), slots.contiguous(), write_pos.contiguous()
     assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert not splits or qkv.is_contiguous()
-    _check_cache(k_cache, v_cache)
-    q = torch.empty((N, num_heads, hd), dtype=dtype, device=qkv.device)
+    q = torch.empty((N, num_heads, hd), dtype=k_cache.dtype, device=qkv.device)
     sc, sh, sl, _ = k_cache.stride()
     heads = qk_heads_per_program(num_heads, num_kv_heads, N)
     _qk_norm_rope_store_kernel[(N, (num_heads + num_kv_heads) // heads)](
@@ -454,13 +447,7 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write
     return q
 
 
-def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"keys and values of one cache in one dtype, got {k_cache.dtype} and {v_cache.dtype}")
-
-
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     positions: torch.Tensor) -> torch.Tensor:
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Row b (= slot b) attends over cache positions 0 .. positions[b] (position 0 only when it is -1).
 
     q: [B, H, hd]; caches [S >= B, KVH, L, hd]; positions: [B] -> [B, H * hd]. Reads only the live keys of each row.
@@ -472,7 +459,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = H // kvh
     out = torch.empty((B, H * hd), dtype=q.dtype, device=q.device)
     sc, sh, sl, _ = k_cache.stride()
-    _check_cache(k_cache, v_cache)
     _decode_attention_kernel[(B, kvh)](
         q, k_cache, v_cache, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
         H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, num_warps=4,
@@ -498,11 +484,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     sc, sh, sl, _ = k_cache.stride()
     g_block = triton.next_power_of_2(group)
     block_m = max(1, 32 // g_block)  # 32 tile rows: (token, query head) pairs
-    _check_cache(k_cache, v_cache)
     _prefill_attention_kernel[(B, triton.cdiv(T, block_m), kvh)](
         q, k_cache, v_cache, out, slots, starts, lengths, T, sc, sh, sl, 1.0 / math.sqrt(hd),
-        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, num_warps=4,
-        **pdl_options(q.device, N))
+        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, num_warps=4, **pdl_options(q.device, N))
     return out
 
 

@@ -230,9 +230,8 @@ class KVCache:
     def __init__(self, cfg: TextDecoderConfig, num_slots: int, max_len: int, device=None, dtype=None):
         self.length = _round_up(max_len + 1, 16)
         shape = (num_slots, cfg.num_key_value_heads, self.length, cfg.head_dim)
-        layers = range(cfg.num_hidden_layers)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in layers]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in layers]
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
         self.num_slots = num_slots
         self.max_len = max_len
 
