@@ -62,15 +62,21 @@ def bucket_of(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} is past the largest bucket, {buckets[-1]}")
 
 
+def bucketed_pieces(items, buckets: tuple[int, ...]) -> list[tuple[object, int]]:
+    """`items` (a list or range) in pieces of at most the largest bucket, each with the smallest bucket it fits:
+    how a call larger than its largest graph replays graphs."""
+    top = buckets[-1]
+    return [(items[c : c + top], bucket_of(len(items[c : c + top]), buckets)) for c in range(0, len(items), top)]
+
+
 def prefill_replays(lengths: list[int], batch_buckets: tuple[int, ...], length_buckets: tuple[int, ...]
                     ) -> list[tuple[list[int], int, int]]:
     """How a prefill of sequences of these lengths is padded: sorted by length (similar lengths together, less
     padding), in groups of at most the largest batch bucket -> per group (its sequences' indices, the sequences and
     the length it runs at)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    top = batch_buckets[-1]
-    return [(chunk, bucket_of(len(chunk), batch_buckets), bucket_of(max(lengths[i] for i in chunk), length_buckets))
-            for chunk in (order[c : c + top] for c in range(0, len(order), top))]
+    return [(chunk, batch, bucket_of(max(lengths[i] for i in chunk), length_buckets))
+            for chunk, batch in bucketed_pieces(order, batch_buckets)]
 
 
 def encoder_replays(sizes: list[int], length_buckets: tuple[int, ...], window_buckets: tuple[int, ...] | None
@@ -81,10 +87,8 @@ def encoder_replays(sizes: list[int], length_buckets: tuple[int, ...], window_bu
     runs = []
     for length in length_buckets:
         group = [w for w, n in enumerate(sizes) if bucket_of(n, length_buckets) == length]
-        top = window_buckets[-1] if window_buckets else len(group)
-        for c in range(0, len(group), max(top, 1)):
-            piece = group[c : c + top]
-            runs.append((length, piece, bucket_of(len(piece), window_buckets) if window_buckets else len(piece)))
+        pieces = bucketed_pieces(group, window_buckets) if window_buckets else [(group, len(group))] if group else []
+        runs += [(length, piece, windows) for piece, windows in pieces]
     return runs
 
 
@@ -469,19 +473,17 @@ class ModelRunner:
         if not self.conv_graphs:
             self.conv_chunks_run += chunks.shape[0]
             return self.model.encoder.embed_chunks(chunks)
-        N, top, out = chunks.shape[0], CONV_BUCKETS[-1], None
-        for first in range(0, N, top):
-            piece = chunks[first : first + top]
-            n, bucket = piece.shape[0], bucket_of(piece.shape[0], CONV_BUCKETS)
-            # rows past n keep an earlier call's chunks: the convolutions are per chunk, and their outputs unread
-            self._conv_chunks[:n].copy_(piece)
+        pieces, out = bucketed_pieces(range(chunks.shape[0]), CONV_BUCKETS), None
+        for piece, bucket in pieces:
+            # rows past the piece keep an earlier call's chunks: convolutions are per chunk, their outputs unread
+            self._conv_chunks[: len(piece)].copy_(chunks[piece.start : piece.stop])
             graph, y = self.conv_graphs[bucket]
             graph.replay()
             self.conv_chunks_run += bucket
-            if N <= top:
-                return y[:n]
-            out = y.new_empty(N, *y.shape[1:]) if out is None else out
-            out[first : first + n] = y[:n]
+            if len(pieces) == 1:
+                return y[: len(piece)]
+            out = y.new_empty(chunks.shape[0], *y.shape[1:]) if out is None else out
+            out[piece.start : piece.stop] = y[: len(piece)]
         return out
 
     @torch.inference_mode()
