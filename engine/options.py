@@ -52,10 +52,15 @@ class EngineOptions:
     # thread's default stream, as before (benchmarks compare)
 
     def __post_init__(self):
-        if (self.num_slots < 1 or self.max_len < 64 or self.num_retained < 0 or self.max_prefill_tokens < 1
-                or self.admission_interval_ms < 0 or self.rollback_tokens < 0 or self.decode_steps_ahead < 1
-                or self.aligner_max_batch < 1 or self.aligner_min_batch < 1 or self.aligner_max_wait_ms < 0):
-            raise ValueError(f"invalid engine options: {self}")
+        for name, least in MINIMUMS.items():
+            if getattr(self, name) < least:
+                raise ValueError(f"invalid engine options: {name} must be >= {least}, got {getattr(self, name):g}")
+
+
+# the least value of each numeric option (qasr-server checks its flags against these before it loads a model)
+MINIMUMS = {"num_slots": 1, "max_len": 64, "num_retained": 0, "max_prefill_tokens": 1, "admission_interval_ms": 0,
+            "rollback_tokens": 0, "decode_steps_ahead": 1, "aligner_max_batch": 1, "aligner_min_batch": 1,
+            "aligner_max_wait_ms": 0}
 
 
 def display_name(model: str) -> str:

@@ -28,7 +28,7 @@ from qasr.server import logs, security, telephony
 from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits
 from qasr.streaming.settings import StreamLimits, StreamSettings, VadSettings
-from qasr.engine.options import EngineOptions
+from qasr.engine.options import MINIMUMS, EngineOptions
 from qasr.engine.restart_budget import RestartBudget
 from qasr.engine.pool import LoadPolicy
 from qasr.server import engine_load
@@ -240,13 +240,17 @@ async def serve(args: argparse.Namespace, config: ServerConfig, *, build=None, r
             loop.remove_signal_handler(signum)
 
 
+# the engine options the server's flags set, checked before a model loads (engine.options.MINIMUMS)
+ENGINE_FLAGS = {"num_slots": "--slots", "num_retained": "--retained-slots", "max_len": "--max-len",
+                "admission_interval_ms": "--admission-interval-ms", "rollback_tokens": "--rollback-tokens",
+                "decode_steps_ahead": "--decode-steps-ahead"}
+
+
 def check_engine_flags(args: argparse.Namespace) -> None:
     """The engine's flags checked before serving: a usage error naming the flag, not a traceback from the engine
     process once the model has loaded."""
-    for flag, value, least in (("--slots", args.slots, 1), ("--retained-slots", args.retained_slots, 0),
-                               ("--max-len", args.max_len, 64), ("--admission-interval-ms", args.admission_interval_ms, 0),
-                               ("--rollback-tokens", args.rollback_tokens, 0),
-                               ("--decode-steps-ahead", args.decode_steps_ahead, 1)):
+    for option, flag in ENGINE_FLAGS.items():
+        value, least = getattr(args, flag[2:].replace("-", "_")), MINIMUMS[option]
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value:g}")
 
