@@ -2,7 +2,7 @@
 
 Driven through `Engine.frontend` on the tiny random model (CPU, fp32). A growing clip is embedded with the stream's
 state after each append, and compared with the model's own offline encoder (`AudioEncoder.forward` over `log_mel`) of
-the same audio: equal to ~1e-6 (the pieces are batched differently, so float rounding may differ). The engine's
+the same audio: equal to ~1e-5 (the pieces are batched differently, so float rounding may differ). The engine's
 counters say what each partial computed: mel frames, conv chunks, encoder windows.
 """
 
@@ -20,7 +20,8 @@ from qasr.engine.stream_cache import StreamState
 from qasr.model import audio as qaudio
 
 SR = qaudio.SAMPLE_RATE
-ATOL = 1e-6  # fp32 on the CPU (the embeddings are O(1)); in practice they come out equal
+ATOL = 1e-5  # fp32 on the CPU (the embeddings are O(1)): a few ulp apart at most. Mostly equal, but a clean clone
+# on a 2-core machine once gave 1.19e-6 at one element of 6,656 (8.0 s: a window boundary)
 
 
 @pytest.fixture(scope="module")
