@@ -12,11 +12,12 @@ class EngineOptions:
     max_len: int = 1024  # prompt + generated tokens per sequence (a 30 s segment is ~410 prompt tokens)
     num_retained: int = 64  # extra KV slots keeping streams' reusable prefixes for their next partial
     max_prefill_tokens: int = 16384  # prompt tokens prefilled in one admission round
-    admission_interval_ms: float = 20.0  # while sequences decode, they decode this long between two admissions: an
-    # admission has a fixed cost (~8 ms at 0.6B on an H200) that, paid between every decode step under a steady
-    # stream of partials, would leave decoding a fraction of the GPU; and under load one admission takes longer than
-    # the interval, so counting it from the admission's start left finals one decode step per admission
-    # (docs/benchmarks.md)
+    admission_interval_ms: float = 10.0  # while sequences decode, they decode this long between two admissions: an
+    # admission has a fixed cost (~7 ms of host work at 0.6B on an H200) that, paid between every decode step under a
+    # steady stream of partials, would leave decoding a fraction of the GPU; counted from the admission's end, so
+    # decoding gets it whole. 10 ms, not 20: at 1,000 streams on one H200 lease (session 12, docs/benchmarks.md) 10
+    # gave p95 finals of 257 / 271 / 239 ms against 20's 399 / 257 / 432 (30: 383 / 345 / 281): a longer interval
+    # gathers larger admissions, and a final that arrives behind one waits for all of it
     decode_steps_ahead: int = 4  # decode steps queued at once beside an admission's host work, at most: as many as
     # fit in the time it has been taking (graphs feed themselves). One step alone leaves the decode stream idle once
     # it is done: at 1,000 streams on an H200 an admission's host work is ~7 ms against a 2-3 ms step (session 10).
