@@ -24,6 +24,8 @@ live (start + stream time / speed):
   audio end); partial cadence: gaps between a segment's partials (OpenAI: deltas);
 - final latency (endpoint ->): native, twilio: the final's `latency_ms`, from the endpoint decision to sending;
   openai: the item's `speech_stopped` to its `completed` arriving; deepgram: none (its wire says no endpoint time);
+  also by the segment's length (0-2, 2-4, 4-6, 6-8, 8+ s: "by_segment_length"), where a final carries its start and
+  end: a final decodes tokens in proportion to its audio, so this shows whether the tail is the long segments;
 - end of speech to final: the segment's end to the final arriving (includes the VAD's end silence);
 - send lag: how far each chunk's send finished behind its real-time schedule (backpressure or an overloaded client);
 - finals per segment: each segment must get exactly one (missing and duplicate finals are counted);
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import collections
 import dataclasses
 import json
@@ -277,6 +280,25 @@ def by_words(records: list[ClientRecord], sessions: list[dict]) -> dict:
     return out
 
 
+SEGMENT_LENGTH_BINS_S = (0.0, 2.0, 4.0, 6.0, 8.0)  # lower edges; the last bin is open
+
+
+def by_segment_length(records: list[ClientRecord]) -> list[dict]:
+    """The finals' latencies (endpoint ->) by their segment's length, one entry per bin with finals: a final decodes
+    tokens in proportion to its audio, so this says how much of the tail is long segments (a protocol whose finals
+    carry no start, end or latency adds none)."""
+    edges = SEGMENT_LENGTH_BINS_S
+    samples: list[list[float]] = [[] for _ in edges]
+    for record in records:
+        for _, event in record.events:
+            if event.get("type") != "final" or None in (event.get("start"), event.get("end"), event.get("latency_ms")):
+                continue
+            length = float(event["end"]) - float(event["start"])
+            samples[max(0, bisect.bisect_right(edges, length) - 1)].append(float(event["latency_ms"]))
+    return [{"from_s": edge, "to_s": edges[i + 1] if i + 1 < len(edges) else None, **distribution(values)}
+            for i, (edge, values) in enumerate(zip(edges, samples)) if values]
+
+
 def cpu_costs(cpu: dict | None, audio_seconds: float, clients: int) -> dict | None:
     """The server's CPU with what it costs per second of audio (ms) and per stream (% of one core)."""
     if cpu is None:
@@ -312,6 +334,10 @@ def print_table(summary: dict, out: dict) -> None:
         clients = out["by_words"][group]["clients"]
         line = f"{'final (endpoint ->), ' + label:<44} {clients:>4} clients {stats['n']:>6} finals"
         print(line + ("" if not stats["n"] else " " + " ".join(f"p{p} {stats[f'p{p}']:.1f}" for p in (50, 95, 99))))
+    for row in out.get("by_segment_length", []):
+        span = f"{row['from_s']:g}-{row['to_s']:g} s" if row["to_s"] is not None else f">= {row['from_s']:g} s"
+        print(f"{'final (endpoint ->), segments ' + span:<44} {row['n']:>6} finals "
+              + " ".join(f"p{p} {row[f'p{p}']:.1f}" for p in (50, 95, 99)))
     cpu = out["server_cpu"]
     if cpu:
         print(f"server CPU: {cpu['mean_percent_of_one_core']:.0f}% of one core on average"
@@ -482,6 +508,7 @@ async def bench(args) -> dict:
         "totals": totals,
         "summary": summary,
         **({"by_words": by_words(records, sessions)} if args.words_fraction > 0 else {}),
+        "by_segment_length": by_segment_length(records),
         "server_cpu": cpu_costs(cpu.summary(), totals["audio_seconds"], args.clients),
         "server_cpu_series": cpu.series,
         "sessions": sessions,

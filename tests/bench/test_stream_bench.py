@@ -78,6 +78,7 @@ def test_a_short_run_reports_every_metric_with_sane_values(server_url, tmp_path)
         assert stats["n"] > 0, key
         assert 0 <= stats["p50"] <= stats["p90"] <= stats["p95"] <= stats["p99"] <= stats["max"] < 30_000, key
     assert summary["final_latency_ms"]["n"] == totals["finals"]
+    assert sum(row["n"] for row in result["by_segment_length"]) == totals["finals"]  # every final in one length bin
     assert summary["send_lag_ms"]["n"] >= 3 * 4 * 1.5 * 10 - 3  # one per 100 ms chunk
     cpu = result["server_cpu"]
     assert cpu["source"] == f"/proc/{os.getpid()}/stat and its descendants" and cpu["cpu_seconds"] > 0
@@ -227,3 +228,17 @@ def test_cpu_costs_per_second_of_audio_and_per_stream():
     assert costs["cpu_ms_per_audio_second"] == 5.0 and costs["percent_of_one_core_per_stream"] == 0.5
     assert stream_bench.cpu_costs(None, 400.0, 20) is None
     assert stream_bench.cpu_costs(cpu, 0.0, 20)["cpu_ms_per_audio_second"] is None
+
+
+def test_final_latency_is_also_given_by_segment_length():
+    first, second = ClientRecord(0), ClientRecord(1)
+    first.events = [(1.0, {"type": "final", "segment_id": 0, "start": 0.0, "end": 1.5, "latency_ms": 100.0}),
+                    (5.0, {"type": "final", "segment_id": 1, "start": 2.0, "end": 7.0, "latency_ms": 300.0})]
+    second.events = [(1.0, {"type": "final", "segment_id": 0, "start": 0.5, "end": 2.5, "latency_ms": 140.0}),  # 2 s
+                     (9.0, {"type": "final", "segment_id": 1, "start": 3.0, "end": 12.0, "latency_ms": 500.0}),
+                     (9.5, {"type": "final", "segment_id": 2, "start": 12.0, "end": 13.0, "latency_ms": None}),
+                     (9.6, {"type": "partial", "segment_id": 3, "start": 13.0, "end": 14.0})]
+    rows = stream_bench.by_segment_length([first, second])
+    assert [(row["from_s"], row["to_s"], row["n"]) for row in rows] == [(0.0, 2.0, 1), (2.0, 4.0, 1), (4.0, 6.0, 1),
+                                                                        (8.0, None, 1)]  # 6-8 s had none: left out
+    assert [row["p50"] for row in rows] == [100.0, 140.0, 300.0, 500.0]
