@@ -67,6 +67,9 @@ def offline_parser() -> argparse.ArgumentParser:
                    help="the official backend's batch size (default: %(default)s)")
     p.add_argument("--official-clips", type=int, default=512,
                    help="clips in the official backend's throughput run (default: %(default)s)")
+    p.add_argument("--timeline", action="store_true",
+                   help="run the throughput run once more under torch's profiler: how busy the GPU was, per CUDA "
+                        "stream (decoding, admissions), and its top kernels (default: off)")
     p.add_argument("--out", metavar="JSON", help="also write the results here")
     return p
 

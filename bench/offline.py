@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from qasr.engine import gpu_timeline
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest
 from qasr.model import gemv
@@ -140,9 +141,12 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     e0, t = energy.joules(), time.perf_counter()
     rows0, steps0 = engine.counters["decode_rows"], engine.steps
     engine.recent_batch_sizes = collections.deque()  # every step of this run, for the batch-size histogram
+    seconds0 = dict(engine.seconds)
     results = engine.transcribe(requests(clips, args.tokens))
     _sync(device)
     elapsed = time.perf_counter() - t
+    # where the engine thread's time went (admitting, launching and waiting for steps, reading their tokens)
+    out["qasr_throughput_engine_thread"] = {k: (engine.seconds[k] - seconds0[k]) / elapsed for k in seconds0}
     e1 = energy.joules()
     audio_s = args.num_clips * args.clip_seconds
     out["qasr_throughput_audio_s_per_s"] = audio_s / elapsed
@@ -156,6 +160,8 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     sizes = np.array(engine.recent_batch_sizes)
     out["qasr_decode_batch_percentiles"] = {p: float(np.percentile(sizes, p)) for p in (5, 25, 50, 75, 95)} if sizes.size else {}
     engine.recent_batch_sizes = collections.deque(maxlen=64)
+    if args.timeline:
+        out["qasr_throughput_timeline"] = throughput_timeline(engine, clips, args.tokens)
 
     # decode step per bucket against the bandwidth floor
     out["gemv_rows"] = getattr(engine.runner.layer_ops, "gemv_rows", 0)  # 0: every product on cuBLAS
@@ -171,6 +177,19 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def throughput_timeline(engine: Engine, clips: list[np.ndarray], tokens: int) -> dict:
+    """The throughput run again under torch's profiler (not the timed one: the profiler slows the host) -> what kept
+    the GPU busy, per CUDA stream (engine/gpu_timeline.py's summary): whether the run waited on the GPU's work or
+    on the engine thread's. On the CPU (tests) the same summary of its operators, per thread."""
+    device = engine.runner.device
+    with profile(activities=[ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        engine.transcribe(requests(clips, tokens))
+        _sync(device)
+        window_s = time.perf_counter() - t
+    return gpu_timeline.summarize(gpu_timeline.kernels_of(prof, device.type), window_s)
 
 
 def step_times(engine: Engine, args) -> dict[int, float]:

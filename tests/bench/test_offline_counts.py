@@ -26,3 +26,22 @@ def test_count_kernels_counts_device_kernels_per_replay_only():
     events = [event("_gemv_kernel", 3 * 84), event("_rms_norm_kernel", 3 * 57), event("Memcpy DtoD (Device -> Device)", 3),
               event("Memset (Device)", 6), event("cudaGraphLaunch", 3, device="CPU")]
     assert count_kernels(events, replays=3) == 84 + 57
+
+
+def test_offline_reports_the_throughput_runs_engine_thread_split_and_timeline(tmp_path):
+    """A tiny random model on the CPU: the engine thread's shares of the timed throughput run, and the profiled rerun's
+    summary (on the CPU its operators stand for the GPU's kernels)."""
+    from qasr.bench.cli import offline_parser
+    from qasr.bench.offline import run
+
+    out = run(offline_parser().parse_args([
+        "--size", "tiny", "--device", "cpu", "--num-clips", "3", "--slots", "4", "--tokens", "3", "--clip-seconds", "1.5",
+        "--latency-runs", "1", "--step-runs", "1", "--independence-requests", "2", "--eager-requests", "1",
+        "--timeline", "--out", str(tmp_path / "offline.json")]))
+    split = out["qasr_throughput_engine_thread"]
+    assert set(split) >= {"admit", "decode_gpu", "decode_host", "idle"}
+    assert split["admit"] > 0 and split["decode_gpu"] > 0  # the run admitted its clips and decoded them
+    assert sum(split.values()) <= 1.0 + 1e-6  # shares of the run's wall time, never more than all of it
+    timeline = out["qasr_throughput_timeline"]
+    assert timeline["kernels"] > 0 and 0 < timeline["gpu_busy_fraction"] <= 1.0
+    assert timeline["streams"] and all(s["top_kernels"] for s in timeline["streams"].values())
