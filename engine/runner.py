@@ -8,14 +8,16 @@ The decode step feeds its own argmax back and checks EOS and token budgets on th
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from qasr.model import audio as qaudio
-from qasr.model import kernels
+from qasr.model import conv_kernels, kernels
 from qasr.model.modeling import FusedLayerOps, PlainLayerOps, Qwen3ASR, prefill_keys, window_lengths
 from qasr.model.prompt import Prompt
 
@@ -34,6 +36,7 @@ ENCODER_LENGTH_BUCKETS = (32, 56, 104)  # multiples of 8 (aligned attention mask
 # Eagerly every new chunk count is a new shape to cuDNN, whose plan search held the engine thread 18% of its samples
 # in a (perturbed) native py-spy run at 1,000 streams (session 10: get_configs_from_heuristics under conv2d)
 CONV_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+FUSED_CONV1_ENV = "QASR_FUSED_CONV1"  # "0": the conv front end's first convolution on PyTorch (see __init__)
 # prefills graphed per (sequences, padded tokens): eagerly, ~250 launches from Python cost more than the GPU work (a
 # 10.9 s clip: 8.4 ms eager, measured on the H200); more sequences replay several graphs
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
@@ -228,6 +231,14 @@ class ModelRunner:
         self.fused_kernels = kernels.available(self.device) if fused_kernels is None else fused_kernels
         if self.fused_kernels and not kernels.available(self.device):
             raise ValueError(f"fused kernels need Triton and a CUDA device (got {self.device})")
+        # the conv front end: its first convolution, bias and GELU in one kernel with the fused kernels
+        # ($QASR_FUSED_CONV1=0: PyTorch's, for comparison), the convolutions after it then channels-last
+        fused_conv1 = self.fused_kernels and os.environ.get(FUSED_CONV1_ENV, "1") != "0"
+        self.embed_conv_chunks = functools.partial(model.encoder.embed_chunks,
+                                                   first_conv=conv_kernels.conv1_gelu if fused_conv1 else None)
+        if fused_conv1:  # the layout the channels-last input gets from cuDNN anyway, once instead of every call
+            for conv in (model.encoder.conv2d2, model.encoder.conv2d3):
+                conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
         # the decoder's layer ops, chosen once: every prefill and decode step (and so every graph) runs on them
         self.layer_ops = (FusedLayerOps(model.decoder.rope_table(self.cache.length)) if self.fused_kernels
                           else PlainLayerOps())
@@ -472,7 +483,7 @@ class ModelRunner:
         until its next replay; more: copied into one tensor as they come)."""
         if not self.conv_graphs:
             self.conv_chunks_run += chunks.shape[0]
-            return self.model.encoder.embed_chunks(chunks)
+            return self.embed_conv_chunks(chunks)
         pieces, out = bucketed_pieces(range(chunks.shape[0]), CONV_BUCKETS), None
         for piece, bucket in pieces:
             # rows past the piece keep an earlier call's chunks: convolutions are per chunk, their outputs unread
@@ -585,7 +596,7 @@ class ModelRunner:
         cfg = self.model.encoder.cfg
         self._conv_chunks = torch.zeros(CONV_BUCKETS[-1], cfg.num_mel_bins, cfg.chunk_frames, dtype=self.model.dtype,
                                         device=self.device)
-        embed, pool = self.model.encoder.embed_chunks, None
+        embed, pool = self.embed_conv_chunks, None
         with capture_stream() as stream:
             for n in reversed(CONV_BUCKETS):
                 graph, out = capture_graph(lambda: embed(self._conv_chunks[:n]), stream, pool, warmups=2)

@@ -90,9 +90,11 @@ class AudioEncoder(nn.Module):
         self.proj1 = nn.Linear(cfg.d_model, cfg.d_model)
         self.proj2 = nn.Linear(cfg.d_model, cfg.output_dim)
 
-    def embed_chunks(self, chunks: torch.Tensor) -> torch.Tensor:
-        # chunks: [N, mels, chunk_frames] (the last chunk of a clip zero-padded) -> [N, tokens_per_chunk, D]
-        x = F.gelu(self.conv2d1(chunks.unsqueeze(1)))
+    def embed_chunks(self, chunks: torch.Tensor, first_conv=None) -> torch.Tensor:
+        # chunks: [N, mels, chunk_frames] (the last chunk of a clip zero-padded) -> [N, tokens_per_chunk, D].
+        # first_conv(chunks, conv2d1): the first convolution with its GELU in one kernel (conv_kernels.conv1_gelu,
+        # channels-last, which the next two convolutions then keep); None: PyTorch's
+        x = first_conv(chunks, self.conv2d1) if first_conv else F.gelu(self.conv2d1(chunks.unsqueeze(1)))
         x = F.gelu(self.conv2d2(x))
         x = F.gelu(self.conv2d3(x))
         n, c, f, t = x.shape

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qasr.model import gemv, kernels
+from qasr.model import conv_kernels, gemv, kernels
 from qasr.model.modeling import FusedLayerOps, PlainLayerOps, RMSNorm, rotate_half
 from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
@@ -55,6 +55,22 @@ def test_silu_mul():
     gate_up = torch.randn(3, 2 * 1500)  # more than one column block
     expected = F.silu(gate_up[:, :1500]) * gate_up[:, 1500:]
     assert torch.allclose(kernels.silu_mul(gate_up), expected, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("chunks, height, width", [(3, 128, 100), (2, 9, 7)])  # a real chunk; odd sizes, few positions
+def test_conv1_gelu_is_the_first_convolution_with_its_bias_and_gelu(chunks, height, width):
+    conv = torch.nn.Conv2d(1, 100, 3, 2, padding=1)  # 100 channels: more than one channel block, the last masked
+    x = torch.randn(chunks, height, width)
+    expected = F.gelu(conv(x.unsqueeze(1)))
+    with torch.no_grad():
+        y = conv_kernels.conv1_gelu(x, conv)
+    assert y.shape == expected.shape and y.is_contiguous(memory_format=torch.channels_last)
+    assert torch.allclose(y, expected, atol=TOL, rtol=TOL)
+
+
+def test_conv1_gelu_refuses_another_convolution():
+    with pytest.raises(ValueError, match="3x3 stride-2"):
+        conv_kernels.conv1_gelu(torch.randn(1, 8, 8), torch.nn.Conv2d(1, 4, 3, 1, padding=1))
 
 
 def rope_tables(length: int, hd: int):

@@ -1,0 +1,105 @@
+"""`python -m qasr.bench.conv_front_end [0.6B|1.7B]`: the encoder's conv front end as the engine replays it (a CUDA
+graph per chunk-count bucket), its first convolution on PyTorch against conv_kernels.conv1_gelu (GPU only).
+
+Variants, each captured in a graph per bucket and replayed (median of --replays, CUDA events):
+- pytorch: the three convolutions, bias adds and GELUs as PyTorch runs them (NCHW);
+- channels_last: the same with every convolution's weight channels-last (cuDNN then runs channels-last throughout);
+- fused: conv_kernels.conv1_gelu, the next two convolutions channels-last (the engine's path with the fused kernels).
+Prints JSON: ms a replay, the largest difference from pytorch's tokens, and the kernels one replay runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from qasr.model.config import AudioEncoderConfig
+from qasr.model.conv_kernels import conv1_gelu
+from qasr.model.modeling import AudioEncoder
+
+D_MODEL = {"0.6B": 896, "1.7B": 1024}
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, replays: int) -> float:
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def kernels_of_replay(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    names = Counter(e.name for e in prof.events() if e.device_type.name == "CUDA")
+    return dict(names.most_common())
+
+
+def capture(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def set_layout(encoder: AudioEncoder, convs: tuple[str, ...], layout: torch.memory_format) -> None:
+    for name in convs:
+        conv = getattr(encoder, name)
+        conv.weight.data = conv.weight.data.contiguous(memory_format=layout)
+
+
+@torch.inference_mode()
+def run(size: str, buckets: list[int], replays: int) -> dict:
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(AudioEncoderConfig(), d_model=D_MODEL[size], encoder_layers=0)
+    encoder = AudioEncoder(cfg).to("cuda", torch.bfloat16)
+    chunks = torch.randn(max(buckets), cfg.num_mel_bins, cfg.chunk_frames, device="cuda", dtype=torch.bfloat16)
+    variants = {
+        "pytorch": ((), lambda x: encoder.embed_chunks(x)),
+        "channels_last": (("conv2d1", "conv2d2", "conv2d3"), lambda x: encoder.embed_chunks(x)),
+        "fused": (("conv2d2", "conv2d3"), lambda x: encoder.embed_chunks(x, first_conv=conv1_gelu)),
+    }
+    out: dict = {"size": size, "device": torch.cuda.get_device_name(), "torch": torch.__version__, "buckets": {}}
+    for n in buckets:
+        x = chunks[:n].contiguous()
+        rows, reference = {}, None
+        for name, (channels_last, fn) in variants.items():
+            set_layout(encoder, ("conv2d1", "conv2d2", "conv2d3"), torch.contiguous_format)
+            set_layout(encoder, channels_last, torch.channels_last)
+            graph, y = capture(lambda: fn(x))
+            y = y.float().clone()
+            reference = y if reference is None else reference
+            rows[name] = {"ms": replay_ms(graph, replays), "max_abs_diff": (y - reference).abs().max().item(),
+                          "kernels": kernels_of_replay(graph)}
+        out["buckets"][n] = rows
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m qasr.bench.conv_front_end", description=__doc__.split("\n\n")[0])
+    p.add_argument("size", nargs="?", default="0.6B", choices=sorted(D_MODEL))
+    p.add_argument("--buckets", type=int, nargs="+", default=[8, 24, 64], help="chunks a replay (default: %(default)s)")
+    p.add_argument("--replays", type=int, default=50, help="timed replays per variant (default: %(default)s)")
+    args = p.parse_args(argv)
+    print(json.dumps(run(args.size, args.buckets, args.replays), indent=1))
+
+
+if __name__ == "__main__":
+    main()
