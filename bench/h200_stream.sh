@@ -23,6 +23,8 @@
 # PROFILE=N (the engine's GPU timeline, engine/gpu_timeline.py: a ${PROFILE_S:-2} s window of torch's profiler mid-run
 # in run N only, or every run with PROFILE=all; prints each CUDA stream's busy share and top kernels, JSON in OUTDIR).
 # After each run it prints where the engine's time went and how late the event loop ran (from /metrics).
+# TAR=FILE: at the end, OUTDIR packed into FILE (the device tool brings back at most 8 files from $OUT, and a run
+# leaves ~6 in OUTDIR: point OUTDIR outside $OUT and TAR into it, or the runs' JSON for --plot stays behind).
 set -uo pipefail
 out=${1:?OUTDIR}; mkdir -p "$out"; counts=${2:-"100 400 1000"}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -184,3 +186,4 @@ done
 kill -TERM "$server"; wait "$server"
 # the engine process logs its garbage collection at exit, as a warning when one collection stopped it for 50 ms+
 grep -h "garbage collection" "$out/server.log" || echo "garbage collection: no pause of 50 ms or more in the engine process"
+if [ -n "${TAR:-}" ]; then tar -czf "$TAR" -C "$out" .; fi
