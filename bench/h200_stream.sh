@@ -31,6 +31,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target /tmp/qasr . || exit 1
 export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1 PATH=/tmp/site/bin:$PATH
 [ -d /tmp/m06 ] || python3 -m qasr.model.testmodel /tmp/m06 --size 0.6B --dtype bfloat16 || exit 1
+python3 -m qasr.bench.host_speed  # leases differ (steps/s 87-127 on one, 155-191 on others): this one's host, timed
 aligner=() words=()
 if [ -n "${ALIGNER:-}" ]; then
   [ -d /tmp/a06 ] || python3 -m qasr.model.testmodel /tmp/a06 --aligner --size 0.6B --dtype bfloat16 || exit 1
