@@ -50,6 +50,10 @@ def offline_parser() -> argparse.ArgumentParser:
                    help="KV positions per slot: prompt + --tokens must fit (default: %(default)s)")
     p.add_argument("--prefill-tokens", type=int, default=32768,
                    help="prompt tokens prefilled in one admission round (default: %(default)s)")
+    p.add_argument("--decode-steps-ahead", type=int,
+                   help="decode steps queued beside an admission's host work, at most (default: the engine's)")
+    p.add_argument("--admission-interval-ms", type=float,
+                   help="decoding between two admissions, ms (default: the engine's)")
     p.add_argument("--context", type=int, default=200,
                    help="cached tokens per row while the decode step is timed, GPU only (default: %(default)s)")
     p.add_argument("--latency-runs", type=int, default=20,

@@ -111,13 +111,22 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
     return [DecodeRequest(audio=c, max_new_tokens=tokens) for c in clips]
 
 
+def engine_overrides(args) -> dict:
+    """The engine options the command line set (None: the engine's default)."""
+    names = ("decode_steps_ahead", "admission_interval_ms")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
 def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     clip = speech_like(args.clip_seconds, seed=1)
     opts = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
-                         repetition_window=0, max_prefill_tokens=args.prefill_tokens)
+                         repetition_window=0, max_prefill_tokens=args.prefill_tokens,
+                         **engine_overrides(args))
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
+    out["engine_options"] = {"decode_steps_ahead": opts.decode_steps_ahead,
+                             "admission_interval_ms": opts.admission_interval_ms}
 
     # batch-1 latency, features included: audio array in -> text out
     for _ in range(3):

@@ -45,3 +45,12 @@ def test_offline_reports_the_throughput_runs_engine_thread_split_and_timeline(tm
     timeline = out["qasr_throughput_timeline"]
     assert timeline["kernels"] > 0 and 0 < timeline["gpu_busy_fraction"] <= 1.0
     assert timeline["streams"] and all(s["top_kernels"] for s in timeline["streams"].values())
+
+
+def test_offline_takes_the_engines_admission_options_from_its_command_line():
+    from qasr.bench.cli import offline_parser
+    from qasr.bench.offline import engine_overrides
+
+    assert engine_overrides(offline_parser().parse_args([])) == {}  # the engine's defaults
+    args = offline_parser().parse_args(["--decode-steps-ahead", "16", "--admission-interval-ms", "0"])
+    assert engine_overrides(args) == {"decode_steps_ahead": 16, "admission_interval_ms": 0.0}
