@@ -1,7 +1,8 @@
-"""GPU check of the fused decoder kernels at real shapes: each kernel against the PyTorch reference in bf16, the
-small-batch GEMV kernels (model/gemv.py) against cuBLAS (agreement, row independence across buckets, time), then the
-decode step on three paths (plain PyTorch, fused kernels with cuBLAS products, fused with GEMV: graph replay time,
-kernels per step) and the encoder graphs against eager.
+"""GPU check of the fused kernels at real shapes: each decoder kernel (and the encoder's first convolution,
+conv_kernels.conv1_gelu) against the PyTorch reference in bf16, the small-batch GEMV kernels (model/gemv.py) against
+cuBLAS (agreement, row independence across buckets, time), then the decode step on three paths (plain PyTorch, fused
+kernels with cuBLAS products, fused with GEMV: graph replay time, kernels per step) and the encoder graphs against
+eager.
 
 First, programmatic dependent launch (#16, $QASR_PDL): one runner's decode step captured twice in one process, with
 QASR_PDL=0 and =1, timed at each bucket (graph replay), its logits compared bit for bit between the two, and its
@@ -26,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from qasr.model import gemv, kernels
+from qasr.model.conv_kernels import conv1_gelu
 from qasr.model.modeling import RMSNorm, rotate_half
 from qasr.model.testmodel import make_test_model
 from qasr.engine.engine import Engine, EngineOptions
@@ -138,6 +140,15 @@ def kernel_cases(cfg, device) -> dict:
                              "tokens_identical": float((res_out[0] == expected).float().mean()),
                              "row0_tie_token": int(res_out[0, 0]), "row0_torch": int(expected[0])}
     return out
+
+
+def conv1_case(encoder, device, chunks: int = 24) -> dict:
+    """The encoder's first convolution with its bias and GELU (conv_kernels.conv1_gelu) against PyTorch's, on mel-like
+    chunks of real size."""
+    torch.manual_seed(2)
+    x = torch.randn(chunks, encoder.cfg.num_mel_bins, encoder.cfg.chunk_frames, device=device,
+                    dtype=encoder.conv2d1.weight.dtype)
+    return compare(conv1_gelu(x, encoder.conv2d1), F.gelu(encoder.conv2d1(x.unsqueeze(1))))
 
 
 def step_ms(runner: ModelRunner, B: int, context: int, runs: int = 50) -> float:
@@ -327,6 +338,7 @@ def main(argv=None) -> None:
         emit("decode_step_pdl_s", time.perf_counter() - t)
     if "kernels" in sections:
         emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
+        emit("conv1_gelu_bf16_vs_pytorch", conv1_case(model.encoder, device))
     if "gemv" in sections:
         t = time.perf_counter()
         emit("gemv_bf16_vs_cublas", gemv_cases(model.cfg.text, device))

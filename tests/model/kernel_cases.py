@@ -68,6 +68,18 @@ def test_conv1_gelu_is_the_first_convolution_with_its_bias_and_gelu(chunks, heig
     assert torch.allclose(y, expected, atol=TOL, rtol=TOL)
 
 
+def test_the_gpu_kernel_checks_conv1_case_compares_the_kernel_with_pytorch():
+    from qasr.bench.kernel_check import conv1_case
+    from qasr.model.config import AudioEncoderConfig
+    from qasr.model.modeling import AudioEncoder
+
+    encoder = AudioEncoder(AudioEncoderConfig(d_model=32, encoder_layers=0, encoder_attention_heads=2,
+                                              downsample_hidden_size=72, output_dim=16))
+    with torch.no_grad():
+        r = conv1_case(encoder, torch.device("cpu"), chunks=2)
+    assert r["max_abs"] <= TOL * max(1.0, r["max_ref"]) and r["identical"] > 0.5
+
+
 def test_conv1_gelu_refuses_another_convolution():
     with pytest.raises(ValueError, match="3x3 stride-2"):
         conv_kernels.conv1_gelu(torch.randn(1, 8, 8), torch.nn.Conv2d(1, 4, 3, 1, padding=1))
