@@ -5,7 +5,7 @@ Variants, each captured in a graph per bucket and replayed (median of --replays,
 - pytorch: the three convolutions, bias adds and GELUs as PyTorch runs them (NCHW);
 - channels_last: the same with every convolution's weight channels-last (cuDNN then runs channels-last throughout);
 - fused: conv_kernels.conv1_gelu, the next two convolutions channels-last (the engine's path with the fused kernels).
-Prints JSON: ms a replay, the largest difference from pytorch's tokens, and the kernels one replay runs.
+Prints JSON: ms a replay, the largest difference from pytorch's tokens, and the kernels one replay runs (GPU us each).
 """
 
 from __future__ import annotations
@@ -27,12 +27,17 @@ from .kernel_check import replay_ms
 D_MODEL = {"0.6B": 896, "1.7B": 1024}
 
 
-def kernels_of_replay(graph: torch.cuda.CUDAGraph) -> dict[str, int]:
+def kernels_of_replay(graph: torch.cuda.CUDAGraph) -> dict[str, dict]:
+    """The kernels one replay runs -> {name: {"count", "us"}} (their GPU time summed), the longest first."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    names = Counter(e.name for e in prof.events() if e.device_type.name == "CUDA")
-    return dict(names.most_common())
+    count, us = Counter(), Counter()
+    for e in prof.events():
+        if e.device_type.name == "CUDA":
+            count[e.name] += 1
+            us[e.name] += e.time_range.elapsed_us()
+    return {name: {"count": count[name], "us": total} for name, total in us.most_common()}
 
 
 def capture(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
