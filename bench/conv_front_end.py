@@ -16,41 +16,26 @@ import json
 from collections import Counter
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
+from qasr.engine.runner import capture_graph, capture_stream
 from qasr.model.config import AudioEncoderConfig
 from qasr.model.conv_kernels import conv1_gelu
 from qasr.model.modeling import AudioEncoder
 
 from .kernel_check import replay_ms
+from .offline import profiled
 
 D_MODEL = {"0.6B": 896, "1.7B": 1024}
 
 
 def kernels_of_replay(graph: torch.cuda.CUDAGraph) -> dict[str, dict]:
     """The kernels one replay runs -> {name: {"count", "us"}} (their GPU time summed), the longest first."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
     count, us = Counter(), Counter()
-    for e in prof.events():
+    for e in profiled(graph.replay, replays=1).events():
         if e.device_type.name == "CUDA":
             count[e.name] += 1
             us[e.name] += e.time_range.elapsed_us()
     return {name: {"count": count[name], "us": total} for name, total in us.most_common()}
-
-
-def capture(fn) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    return graph, out
 
 
 def set_layout(encoder: AudioEncoder, convs: tuple[str, ...], layout: torch.memory_format) -> None:
@@ -77,13 +62,14 @@ def run(size: str, buckets: list[int], replays: int) -> dict:
         for name, (channels_last, fn) in variants.items():
             set_layout(encoder, ("conv2d1", "conv2d2", "conv2d3"), torch.contiguous_format)
             set_layout(encoder, channels_last, torch.channels_last)
-            graph, y = capture(lambda: fn(x))
+            with capture_stream() as stream:
+                graph, y = capture_graph(lambda: fn(x), stream, None, warmups=2)
             graph.replay()  # capturing records the kernels without running them: the output is set by a replay
             torch.cuda.synchronize()
             y = y.float().clone()
             reference = y if reference is None else reference
-            rows[name] = {"ms": replay_ms(graph, lambda: None, replays), "max_abs_diff": (y - reference).abs().max().item(),
-                          "kernels": kernels_of_replay(graph)}
+            rows[name] = {"ms": replay_ms(graph, lambda: None, replays),
+                          "max_abs_diff": (y - reference).abs().max().item(), "kernels": kernels_of_replay(graph)}
         out["buckets"][n] = rows
     return out
 

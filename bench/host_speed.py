@@ -1,4 +1,4 @@
-"""`python -m qasr.bench.host_speed [--device cuda]`: how fast this host runs the engine thread's kind of work, one line.
+"""`python -m qasr.bench.host_speed [--device cuda]`: how fast this host runs the engine thread's kind of work.
 
 On the H200 the same code and load gave 87-127 decode steps a second on one lease and 155-191 on others (#15,
 docs/benchmarks.md session 13), and the lease's CPU names itself only "Intel(R) Xeon(R) Processor". The engine thread's

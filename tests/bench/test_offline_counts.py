@@ -35,7 +35,8 @@ def test_offline_reports_the_throughput_runs_engine_thread_split_and_timeline(tm
     from qasr.bench.offline import run
 
     out = run(offline_parser().parse_args([
-        "--size", "tiny", "--device", "cpu", "--num-clips", "3", "--slots", "4", "--tokens", "3", "--clip-seconds", "1.5",
+        "--size", "tiny", "--device", "cpu", "--num-clips", "3", "--slots", "4", "--tokens", "3",
+        "--clip-seconds", "1.5",
         "--latency-runs", "1", "--step-runs", "1", "--independence-requests", "2", "--eager-requests", "1",
         "--timeline", "--out", str(tmp_path / "offline.json")]))
     split = out["qasr_throughput_engine_thread"]
