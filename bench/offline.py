@@ -144,31 +144,8 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
 
     # throughput at the engine's concurrency (all clips queued at once; continuous batching)
     clips = [speech_like(args.clip_seconds, seed=100 + i) for i in range(args.num_clips)]
-    energy = Energy()
     engine.transcribe(requests(clips[: args.slots], args.tokens))  # warm the prefill/encoder shapes
-    _sync(device)
-    e0, t = energy.joules(), time.perf_counter()
-    rows0, steps0 = engine.counters["decode_rows"], engine.steps
-    engine.recent_batch_sizes = collections.deque()  # every step of this run, for the batch-size histogram
-    seconds0 = dict(engine.seconds)
-    results = engine.transcribe(requests(clips, args.tokens))
-    _sync(device)
-    elapsed = time.perf_counter() - t
-    # where the engine thread's time went (admitting, launching and waiting for steps, reading their tokens)
-    out["qasr_throughput_engine_thread"] = {k: (engine.seconds[k] - seconds0[k]) / elapsed for k in seconds0}
-    e1 = energy.joules()
-    audio_s = args.num_clips * args.clip_seconds
-    out["qasr_throughput_audio_s_per_s"] = audio_s / elapsed
-    out["qasr_throughput_tokens_per_s"] = sum(len(r.token_ids) for r in results) / elapsed
-    out["qasr_throughput_clips"] = args.num_clips
-    if e0 is not None:
-        out["qasr_energy_j_per_audio_hour"] = joules_per_audio_hour(e0, e1, audio_s)
-        out["qasr_avg_power_w"] = (e1 - e0) / elapsed
-    steps = engine.steps - steps0
-    out["qasr_mean_decode_batch"] = (engine.counters["decode_rows"] - rows0) / steps if steps else 0.0
-    sizes = np.array(engine.recent_batch_sizes)
-    out["qasr_decode_batch_percentiles"] = {p: float(np.percentile(sizes, p)) for p in (5, 25, 50, 75, 95)} if sizes.size else {}
-    engine.recent_batch_sizes = collections.deque(maxlen=64)
+    out.update(throughput_run(engine, clips, args.tokens, args.clip_seconds))
     if args.timeline:
         out["qasr_throughput_timeline"] = throughput_timeline(engine, clips, args.tokens)
 
@@ -186,6 +163,37 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_seconds: float) -> dict:
+    """All `clips` queued at once and decoded to `tokens` each -> audio-seconds per second, where the engine thread's
+    time went (admitting, launching and waiting for steps, reading their tokens), the decode batches and the energy."""
+    device = engine.runner.device
+    out: dict = {}
+    energy = Energy()
+    _sync(device)
+    e0, t = energy.joules(), time.perf_counter()
+    rows0, steps0 = engine.counters["decode_rows"], engine.steps
+    engine.recent_batch_sizes = collections.deque()  # every step of this run, for the batch-size histogram
+    seconds0 = dict(engine.seconds)
+    results = engine.transcribe(requests(clips, tokens))
+    _sync(device)
+    elapsed = time.perf_counter() - t
+    out["qasr_throughput_engine_thread"] = {k: (engine.seconds[k] - seconds0[k]) / elapsed for k in seconds0}
+    e1 = energy.joules()
+    audio_s = len(clips) * clip_seconds
+    out["qasr_throughput_audio_s_per_s"] = audio_s / elapsed
+    out["qasr_throughput_tokens_per_s"] = sum(len(r.token_ids) for r in results) / elapsed
+    out["qasr_throughput_clips"] = len(clips)
+    if e0 is not None:
+        out["qasr_energy_j_per_audio_hour"] = joules_per_audio_hour(e0, e1, audio_s)
+        out["qasr_avg_power_w"] = (e1 - e0) / elapsed
+    steps = engine.steps - steps0
+    out["qasr_mean_decode_batch"] = (engine.counters["decode_rows"] - rows0) / steps if steps else 0.0
+    sizes = np.array(engine.recent_batch_sizes)
+    out["qasr_decode_batch_percentiles"] = {p: float(np.percentile(sizes, p)) for p in (5, 25, 50, 75, 95)} if sizes.size else {}
+    engine.recent_batch_sizes = collections.deque(maxlen=64)
+    return out
 
 
 def throughput_timeline(engine: Engine, clips: list[np.ndarray], tokens: int) -> dict:

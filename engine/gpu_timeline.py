@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 PROFILE_ENV = "QASR_ENGINE_PROFILE"
 PROFILE_SECONDS_ENV = "QASR_ENGINE_PROFILE_S"
 TRIGGER_POLL_S = 0.5  # how often the engine looks for a new label (a stat() per look)
-TOP_KERNELS = 12
+TOP_KERNELS = 30  # enough to name what is left once the largest are fused (the JSON stays small)
 
 
 class Kernel(NamedTuple):
