@@ -74,12 +74,39 @@ def run(size: str, buckets: list[int], replays: int) -> dict:
     return out
 
 
+CONV1_TILES = ((64, 64, 4), (64, 32, 4), (128, 32, 4), (128, 32, 8), (32, 32, 2), (256, 32, 8), (128, 64, 8))
+
+
+@torch.inference_mode()
+def conv1_tiles(size: str, chunks: int, replays: int) -> dict:
+    """conv1_gelu alone over `chunks` chunks at each tile of CONV1_TILES (the first is the default): ms a call in a
+    graph, and whether the output equals the default tile's bit for bit."""
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(AudioEncoderConfig(), d_model=D_MODEL[size], encoder_layers=0)
+    conv = AudioEncoder(cfg).to("cuda", torch.bfloat16).conv2d1
+    x = torch.randn(chunks, cfg.num_mel_bins, cfg.chunk_frames, device="cuda", dtype=torch.bfloat16)
+    default = conv1_gelu(x, conv)
+    out = {}
+    for tile in CONV1_TILES:
+        with capture_stream() as stream:
+            graph, _ = capture_graph(lambda: conv1_gelu(x, conv, tile), stream, None, warmups=2)
+        out["x".join(map(str, tile))] = {"ms": replay_ms(graph, lambda: None, replays),
+                                         "equal_to_default": bool(torch.equal(conv1_gelu(x, conv, tile), default))}
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m qasr.bench.conv_front_end", description=__doc__.split("\n\n")[0])
     p.add_argument("size", nargs="?", default="0.6B", choices=sorted(D_MODEL))
     p.add_argument("--buckets", type=int, nargs="+", default=[8, 24, 64], help="chunks a replay (default: %(default)s)")
     p.add_argument("--replays", type=int, default=50, help="timed replays per variant (default: %(default)s)")
+    p.add_argument("--conv1-tiles", action="store_true",
+                   help="instead: the fused first convolution alone at the largest bucket, per tile (positions x "
+                        "channels x warps)")
     args = p.parse_args(argv)
+    if args.conv1_tiles:
+        print(json.dumps({"conv1_tiles": conv1_tiles(args.size, max(args.buckets), args.replays)}, indent=1))
+        return
     print(json.dumps(run(args.size, args.buckets, args.replays), indent=1))
 
 

@@ -26,6 +26,7 @@ except ImportError:  # CPU-only installs: the encoder uses its PyTorch path
 
 BLOCK_POSITIONS = 64  # output positions of one chunk a program computes
 BLOCK_CHANNELS = 64  # output channels a program computes (480 = 7.5 blocks: the last one masked)
+NUM_WARPS = 4
 
 if triton is not None:
 
@@ -56,12 +57,14 @@ if triton is not None:
         tl.store(Y + (n * Ho * Wo + p)[:, None] * C + c[None, :], g.to(dt), mask=p_ok[:, None] & c_ok[None, :])
 
 
-def conv1_gelu(chunks: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
+def conv1_gelu(chunks: torch.Tensor, conv: torch.nn.Conv2d, tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """gelu(conv(chunks[:, None])) for the encoder's first convolution (one input channel, 3x3, stride 2, padding 1).
 
     chunks: contiguous [N, H, W] -> [N, C, ceil(H/2), ceil(W/2)] in channels-last memory (a permuted view of
-    [N, H', W', C]), as F.gelu(conv(chunks.unsqueeze(1))) up to the order of the 9-term sums.
+    [N, H', W', C]), as F.gelu(conv(chunks.unsqueeze(1))) up to the order of the 9-term sums. tile: (positions,
+    channels, warps) of a program (default the module's; each output's sum is the same whatever the tile).
     """
+    block_p, block_c, warps = tile or (BLOCK_POSITIONS, BLOCK_CHANNELS, NUM_WARPS)
     weight, bias = conv.weight, conv.bias
     C = weight.shape[0]
     if weight.shape[1:] != (1, 3, 3) or conv.stride != (2, 2) or conv.padding != (1, 1) or bias is None:
@@ -71,7 +74,7 @@ def conv1_gelu(chunks: torch.Tensor, conv: torch.nn.Conv2d) -> torch.Tensor:
     assert chunks.is_contiguous() and chunks.dtype == weight.dtype
     Ho, Wo = (H + 1) // 2, (Wd + 1) // 2
     out = torch.empty((N, Ho, Wo, C), dtype=chunks.dtype, device=chunks.device)
-    grid = (N, triton.cdiv(Ho * Wo, BLOCK_POSITIONS), triton.cdiv(C, BLOCK_CHANNELS))
+    grid = (N, triton.cdiv(Ho * Wo, block_p), triton.cdiv(C, block_c))
     _conv1_gelu_kernel[grid](chunks, weight.reshape(C, 9), bias, out, H, Wd, Ho, Wo, C,
-                             BLOCK_P=BLOCK_POSITIONS, BLOCK_C=BLOCK_CHANNELS, num_warps=4)
+                             BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
     return out.permute(0, 3, 1, 2)

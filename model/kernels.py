@@ -466,12 +466,19 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
+PREFILL_TILE_ROWS = 32  # (token, query head) rows of a prefill attention program
+PREFILL_WARPS = 4
+
+
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                      starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+                      starts: torch.Tensor, lengths: torch.Tensor, tile_rows: int | None = None,
+                      num_warps: int | None = None) -> torch.Tensor:
     """Causal attention of new tokens over their slot's cache (the cached prefix and the new tokens' own K/V).
 
     q: [B * T, H, hd], row b * T + t = token t of sequence b, at position starts[b] + t of slot slots[b] (valid for
-    t < lengths[b]); caches [S, KVH, L, hd] -> [B * T, H * hd].
+    t < lengths[b]); caches [S, KVH, L, hd] -> [B * T, H * hd]. tile_rows, num_warps: a program's (token, query
+    head) rows and warps (default PREFILL_TILE_ROWS, PREFILL_WARPS). A row's keys run in the same blocks whatever
+    its tile (the blocks past its position add exact zeros), so the tile changes the speed, never the bits.
     """
     B = slots.shape[0]
     N, H, hd = q.shape
@@ -483,10 +490,11 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     out = torch.empty((N, H * hd), dtype=q.dtype, device=q.device)
     sc, sh, sl, _ = k_cache.stride()
     g_block = triton.next_power_of_2(group)
-    block_m = max(1, 32 // g_block)  # 32 tile rows: (token, query head) pairs
+    block_m = max(1, (tile_rows or PREFILL_TILE_ROWS) // g_block)  # tokens a program
     _prefill_attention_kernel[(B, triton.cdiv(T, block_m), kvh)](
         q, k_cache, v_cache, out, slots, starts, lengths, T, sc, sh, sl, 1.0 / math.sqrt(hd),
-        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, num_warps=4, **pdl_options(q.device, N))
+        H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m, BLOCK_N=64, num_warps=num_warps or PREFILL_WARPS,
+        **pdl_options(q.device, N))
     return out
 
 

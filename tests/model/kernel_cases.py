@@ -66,6 +66,8 @@ def test_conv1_gelu_is_the_first_convolution_with_its_bias_and_gelu(chunks, heig
         y = conv_kernels.conv1_gelu(x, conv)
     assert y.shape == expected.shape and y.is_contiguous(memory_format=torch.channels_last)
     assert torch.allclose(y, expected, atol=TOL, rtol=TOL)
+    with torch.no_grad():  # another tile: the same sums, the same bits
+        assert torch.equal(conv_kernels.conv1_gelu(x, conv, tile=(32, 32, 2)), y)
 
 
 def test_the_gpu_kernel_checks_conv1_case_compares_the_kernel_with_pytorch():
@@ -161,6 +163,21 @@ def test_prefill_attention_is_causal_over_each_slots_cache(heads, kv_heads):
     alone = kernels.prefill_attention(q[T : 2 * T], k_cache, v_cache, slots[1:2], starts[1:2], lengths[1:2])
     assert torch.equal(alone.view(T, -1)[:37], out[1, :37])
 
+
+
+@pytest.mark.parametrize("tile_rows,num_warps", [(16, 2), (64, 4), (128, 8)])
+def test_prefill_attention_tile_changes_no_bits(tile_rows, num_warps):
+    """Another tile runs a row's keys in the same 64-key blocks (the blocks past its position add exact zeros), so it
+    must give exactly the default tile's output: the tile is chosen for speed alone."""
+    heads, kv_heads, hd, S, L = 4, 2, 16, 4, 160
+    k_cache, v_cache = torch.randn(S, kv_heads, L, hd), torch.randn(S, kv_heads, L, hd)
+    slots, starts, lengths = torch.tensor([2, 0]), torch.tensor([0, 30]), torch.tensor([90, 61])
+    q = torch.randn(2 * 90, heads, hd)
+    default = kernels.prefill_attention(q, k_cache, v_cache, slots, starts, lengths)
+    other = kernels.prefill_attention(q, k_cache, v_cache, slots, starts, lengths, tile_rows=tile_rows,
+                                      num_warps=num_warps)
+    real = torch.cat([torch.arange(90), 90 + torch.arange(61)])  # padded tokens' rows are not read
+    assert torch.equal(other[real], default[real])
 
 # -- the small-batch matrix products (model/gemv.py) -------------------------------------------------------------
 
