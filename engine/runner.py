@@ -38,8 +38,13 @@ ENCODER_LENGTH_BUCKETS = (32, 56, 104)  # multiples of 8 (aligned attention mask
 CONV_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 FUSED_CONV1_ENV = "QASR_FUSED_CONV1"  # "0": the conv front end's first convolution on PyTorch (see __init__)
 # prefills graphed per (sequences, padded tokens): eagerly, ~250 launches from Python cost more than the GPU work (a
-# 10.9 s clip: 8.4 ms eager, measured on the H200); more sequences replay several graphs
-PREFILL_BATCH_BUCKETS = (1, 2, 4, 8)
+# 10.9 s clip: 8.4 ms eager, measured on the H200); more sequences replay several graphs. A graph holds at most
+# PREFILL_GRAPH_TOKENS sequences x padded tokens (past one sequence), the memory of 8 x 1,024: so 16 and 32 sequences
+# are graphed at the shorter lengths, where a prefill of 8 (~1,300 tokens) left its norms, RoPE, SiLU and attention
+# kernels too small to fill the GPU (offline's timeline, session 14)
+PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
+PREFILL_GRAPH_TOKENS = 8192
+PREFILL_BATCHES_ENV = "QASR_PREFILL_BATCHES"  # e.g. "1,2,4,8": the largest prefill graphs at fewer sequences (A/B)
 # the prefill's padded lengths: (up to, step) rungs, fine where prompts are (a partial's: ~25-110 tokens), coarser
 # beyond; the last step goes on to max_len
 PREFILL_LENGTH_STEPS = ((128, 16), (256, 32), (None, 64))
@@ -72,14 +77,41 @@ def bucketed_pieces(items, buckets: tuple[int, ...]) -> list[tuple[object, int]]
     return [(items[c : c + top], bucket_of(len(items[c : c + top]), buckets)) for c in range(0, len(items), top)]
 
 
-def prefill_replays(lengths: list[int], batch_buckets: tuple[int, ...], length_buckets: tuple[int, ...]
-                    ) -> list[tuple[list[int], int, int]]:
+def prefill_graphed(batch: int, length: int, max_tokens: int = PREFILL_GRAPH_TOKENS) -> bool:
+    """Is (sequences, padded tokens) a prefill graph's shape? One sequence always; more within max_tokens."""
+    return batch == 1 or batch * length <= max_tokens
+
+
+def prefill_replays(lengths: list[int], batch_buckets: tuple[int, ...], length_buckets: tuple[int, ...],
+                    max_tokens: int = PREFILL_GRAPH_TOKENS) -> list[tuple[list[int], int, int]]:
     """How a prefill of sequences of these lengths is padded: sorted by length (similar lengths together, less
-    padding), in groups of at most the largest batch bucket -> per group (its sequences' indices, the sequences and
-    the length it runs at)."""
+    padding), each group the most sequences a graph of its length holds (prefill_graphed) -> per group (its
+    sequences' indices, the sequences and the length it runs at)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    return [(chunk, batch, bucket_of(max(lengths[i] for i in chunk), length_buckets))
-            for chunk, batch in bucketed_pieces(order, batch_buckets)]
+    replays, c = [], 0
+    while c < len(order):
+        for most in reversed(batch_buckets):  # the largest group whose padded shape is graphed (one always is)
+            chunk = order[c : c + most]
+            batch, length = bucket_of(len(chunk), batch_buckets), bucket_of(lengths[chunk[-1]], length_buckets)
+            if prefill_graphed(batch, length, max_tokens):
+                break
+        replays.append((chunk, batch, length))
+        c += len(chunk)
+    return replays
+
+
+def prefill_batch_buckets() -> tuple[int, ...]:
+    """PREFILL_BATCH_BUCKETS, or $QASR_PREFILL_BATCHES's ("1,2,4,8": benchmarks compare)."""
+    value = os.environ.get(PREFILL_BATCHES_ENV)
+    if not value:
+        return PREFILL_BATCH_BUCKETS
+    try:
+        buckets = tuple(sorted({int(b) for b in value.split(",")}))
+    except ValueError:
+        raise ValueError(f"{PREFILL_BATCHES_ENV} must be sequence counts like 1,2,4,8, got {value!r}") from None
+    if buckets[0] != 1:
+        raise ValueError(f"{PREFILL_BATCHES_ENV} must include 1 (a single sequence), got {value!r}")
+    return buckets
 
 
 def encoder_replays(sizes: list[int], length_buckets: tuple[int, ...], window_buckets: tuple[int, ...] | None
@@ -246,6 +278,7 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.prefill_buckets: dict[tuple[int, int], PrefillBucket] = {}
         self.prefill_lengths = prefill_length_buckets(max_len)  # the graphed prefill's padded lengths
+        self.prefill_batches = prefill_batch_buckets()  # and its sequence counts
         # the encoder's window lengths (ENCODER_LENGTH_BUCKETS, cut at and ending with this model's window)
         window = model.encoder.cfg.window_tokens
         self.encoder_lengths = tuple(n for n in ENCODER_LENGTH_BUCKETS if n < window) + (window,)
@@ -373,7 +406,7 @@ class ModelRunner:
         order: list[int] = []
         tokens: list[torch.Tensor] = []
         computed = 0
-        for chunk, batch, length in prefill_replays(lengths, PREFILL_BATCH_BUCKETS, self.prefill_lengths):
+        for chunk, batch, length in prefill_replays(lengths, self.prefill_batches, self.prefill_lengths):
             order += chunk
             args = [[embeds[i] for i in chunk], [slots[i] for i in chunk], [starts[i] for i in chunk],
                     [lengths[i] for i in chunk]]
@@ -406,7 +439,7 @@ class ModelRunner:
         only pad (the CPU tests check that padding changes nothing)."""
         if not self.fused_kernels:
             raise ValueError("prefill buckets need the fused kernels (the plain prefill's shapes depend on its data)")
-        keys = [(b, t) for b in PREFILL_BATCH_BUCKETS for t in self.prefill_lengths]
+        keys = [(b, t) for b in self.prefill_batches for t in self.prefill_lengths if prefill_graphed(b, t)]
         keys.sort(key=lambda k: k[0] * k[1], reverse=True)
         buckets = {key: PrefillBucket(self, *key) for key in keys}
         if capture:

@@ -10,7 +10,7 @@ import torch
 
 from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.runner import bucket_of, encoder_replays, prefill_length_buckets, prefill_replays
+from qasr.engine.runner import bucket_of, encoder_replays, prefill_graphed, prefill_length_buckets, prefill_replays
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +24,12 @@ def test_prefill_lengths_are_fine_where_prompts_are_and_coarser_beyond():
     assert prefill_length_buckets(640) == (16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256,
                                            320, 384, 448, 512, 576, 640)
     assert prefill_length_buckets(100)[-1] == 112 and prefill_length_buckets(300)[-1] == 320  # past max_len
-    # the graphs captured: 72 at the benches' --max-len 640, 96 at the default 1024
-    assert len(runner_module.PREFILL_BATCH_BUCKETS) * len(prefill_length_buckets(640)) == 72
-    assert len(runner_module.PREFILL_BATCH_BUCKETS) * len(prefill_length_buckets(1024)) == 96
+    # the graphs captured: 100 at the benches' --max-len 640, 124 at the default 1024 (1-8 sequences at every length,
+    # 16 up to 512 tokens, 32 up to 256: at most 8,192 padded tokens a graph)
+    for max_len, graphs in ((640, 100), (1024, 124)):
+        shapes = [(b, t) for b in runner_module.PREFILL_BATCH_BUCKETS for t in prefill_length_buckets(max_len)
+                  if prefill_graphed(b, t)]
+        assert len(shapes) == graphs and max(b * t for b, t in shapes) == runner_module.PREFILL_GRAPH_TOKENS
     with pytest.raises(ValueError, match="before max_len"):
         prefill_length_buckets(300, steps=((128, 16), (256, 32)))
 
@@ -43,14 +46,39 @@ def test_a_prefill_is_padded_sorted_by_length_in_groups_of_the_largest_batch_buc
     assert [b for _, b, _ in prefill_replays([5] * 3, batch, ladder)] == [4]  # 3 sequences and a padding row
 
 
+def test_a_prefill_groups_as_many_sequences_as_a_graph_of_their_length_holds():
+    batch, ladder = (1, 2, 4, 8, 16, 32), prefill_length_buckets(1024)
+    assert [(len(c), b, t) for c, b, t in prefill_replays([150] * 40, batch, ladder)] == [(32, 32, 160), (8, 8, 160)]
+    # 32 x 320 tokens is past the cap, 16 x 320 within it; 8 sequences of 1,000 tokens are the most a graph holds
+    assert [(len(c), b, t) for c, b, t in prefill_replays([300] * 40, batch, ladder)] == [
+        (16, 16, 320), (16, 16, 320), (8, 8, 320)]
+    assert [b for _, b, _ in prefill_replays([1000] * 9, batch, ladder)] == [8, 1]
+    # sorted: the short ones fill a 32-graph, the long ones go on in smaller groups
+    replays = prefill_replays([900] * 3 + [40] * 33, batch, ladder)
+    assert [(len(c), b, t) for c, b, t in replays] == [(32, 32, 48), (4, 4, 960)]
+    assert all(prefill_graphed(b, t) for _, b, t in replays)
+    assert prefill_graphed(1, 100_000) and not prefill_graphed(2, 4097)
+
+
+def test_prefill_batches_can_be_narrowed_for_a_comparison(monkeypatch):
+    monkeypatch.setenv(runner_module.PREFILL_BATCHES_ENV, "8,1,4,2")
+    assert runner_module.prefill_batch_buckets() == (1, 2, 4, 8)
+    for bad in ("2,4", "1,x"):
+        monkeypatch.setenv(runner_module.PREFILL_BATCHES_ENV, bad)
+        with pytest.raises(ValueError, match=runner_module.PREFILL_BATCHES_ENV):
+            runner_module.prefill_batch_buckets()
+    monkeypatch.delenv(runner_module.PREFILL_BATCHES_ENV)
+    assert runner_module.prefill_batch_buckets() == runner_module.PREFILL_BATCH_BUCKETS
+
+
 def test_the_runner_picks_the_prefill_bucket_of_the_ladder(runner):
     try:
         runner.fused_kernels = True  # build_prefill_buckets asks for them; capture=False runs nothing
         runner.build_prefill_buckets(capture=False)
         assert sorted({t for _, t in runner.prefill_buckets}) == list(prefill_length_buckets(256))
         # every replay an admission makes has its bucket: up to max_len tokens, any number of sequences
-        for lengths in ([30, 100, 64], [16], [5] * 9, [256, 1, 129]):
-            for _, b, t in prefill_replays(lengths, runner_module.PREFILL_BATCH_BUCKETS, runner.prefill_lengths):
+        for lengths in ([30, 100, 64], [16], [5] * 9, [256, 1, 129], [20] * 40, [250] * 40):
+            for _, b, t in prefill_replays(lengths, runner.prefill_batches, runner.prefill_lengths):
                 assert (b, t) in runner.prefill_buckets, (lengths, b, t)
     finally:
         runner.fused_kernels, runner.prefill_buckets = False, {}

@@ -1,0 +1,105 @@
+"""What a prefill costs a token on the GPU (#16): its attention's tile, and the graph's number of sequences.
+
+    python -m qasr.bench.prefill_cost [0.6B|1.7B] [--sections attention,buckets]    # on CUDA, ~1 min
+
+- attention: kernels.prefill_attention at the model's heads over B sequences of ~150 new tokens, for several tiles
+  (tile rows, warps): us a call (CUDA events over 20 calls, median of 15) and whether its output equals the default
+  tile's bit for bit (it must: the tile changes the speed only).
+- buckets: the runner's prefill graph of B sequences x 160 tokens (a 10.9 s clip's prompt is 152), replayed with
+  every sequence real: ms a replay and us a token, at B = 8, 16, 32, for the default tile and --tile.
+Prints one JSON object per section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+
+import torch
+
+from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.runner import PrefillBucket, capture_graph, capture_stream
+from qasr.model import kernels
+from qasr.model.testmodel import make_test_model
+
+TILES = ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))  # (tile rows, warps); the first is the default
+TOKENS = 160
+
+
+def gpu_us(fn, calls: int = 20, repeats: int = 15) -> float:
+    """Median GPU time of one call of `fn`, over `repeats` timings of `calls` calls each (CUDA events)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def attention_section(cfg, batches=(8, 32)) -> dict:
+    heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    out = {}
+    for B in batches:
+        k = torch.randn(B, kv_heads, 320, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn_like(k)
+        q = torch.randn(B * TOKENS, heads, hd, device="cuda", dtype=torch.bfloat16, generator=gen)
+        slots = torch.arange(B, device="cuda")
+        starts = torch.zeros(B, dtype=torch.long, device="cuda")
+        lengths = torch.full((B,), 152, dtype=torch.long, device="cuda")
+        real = (torch.arange(B * TOKENS, device="cuda") % TOKENS) < 152
+        run = lambda rows, warps: kernels.prefill_attention(q, k, v, slots, starts, lengths, rows, warps)  # noqa: E731
+        default = run(*TILES[0])
+        out[B] = {f"{rows}x{warps}": {"us": round(gpu_us(lambda: run(rows, warps)), 2),
+                                      "equal_to_default": bool(torch.equal(run(rows, warps)[real], default[real]))}
+                  for rows, warps in TILES}
+    return out
+
+
+def buckets_section(engine: Engine, tile: tuple[int, int], batches=(8, 16, 32)) -> dict:
+    runner = engine.runner
+    out = {}
+    for rows, warps in (TILES[0], tile):
+        kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS = rows, warps  # read when the graph is captured
+        for B in batches:
+            bucket = PrefillBucket(runner, B, TOKENS)
+            bucket.x.normal_()
+            meta = [list(range(B)), [0] * B, [152] * B]  # slots, starts, lengths
+            bucket.meta.copy_(torch.tensor(meta))
+            with capture_stream() as stream:
+                bucket.graph, bucket.first = capture_graph(bucket.forward, stream, None, warmups=1)
+            ms = gpu_us(bucket.graph.replay, calls=5, repeats=9) / 1e3
+            out[f"{rows}x{warps} B={B}"] = {"ms": round(ms, 3), "us_per_token": round(ms * 1e3 / (B * 152), 3)}
+            del bucket
+    kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS = TILES[0]
+    return out
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m qasr.bench.prefill_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("size", nargs="?", default="0.6B", choices=("0.6B", "1.7B"))
+    p.add_argument("--sections", default="attention,buckets")
+    p.add_argument("--tile", default="128x8", help="the tile the buckets section compares with the default")
+    args = p.parse_args(argv)
+    sections = set(args.sections.split(","))
+    tile = tuple(int(x) for x in args.tile.split("x"))
+    with tempfile.TemporaryDirectory() as tmp:
+        d = make_test_model(f"{tmp}/m", size=args.size, dtype="bfloat16")
+        opts = EngineOptions(num_slots=64, max_len=320, num_retained=0)
+        engine = Engine.from_pretrained(str(d), device="cuda", dtype="bfloat16", options=opts)
+    print(json.dumps({"size": args.size}), flush=True)
+    if "attention" in sections:
+        print(json.dumps({"prefill_attention_us": attention_section(engine.model.cfg.text)}), flush=True)
+    if "buckets" in sections:
+        print(json.dumps({"prefill_graph": buckets_section(engine, tile)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
