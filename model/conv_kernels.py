@@ -24,8 +24,11 @@ try:
 except ImportError:  # CPU-only installs: the encoder uses its PyTorch path
     triton = None
 
-BLOCK_POSITIONS = 64  # output positions of one chunk a program computes
-BLOCK_CHANNELS = 64  # output channels a program computes (480 = 7.5 blocks: the last one masked)
+# a program's tile: output positions of one chunk x output channels (480 = 15 blocks of 32), and its warps. On the
+# H200 at 64 chunks (`python -m qasr.bench.conv_front_end --conv1-tiles`, session 14) 128 x 32 x 4 took 0.228 ms,
+# 64 x 64 x 4 0.262, 64 x 32 x 4 0.265, 256 x 32 x 8 0.263, 128 x 64 x 8 0.350 (every tile the same bits)
+BLOCK_POSITIONS = 128
+BLOCK_CHANNELS = 32
 NUM_WARPS = 4
 
 if triton is not None:

@@ -477,8 +477,9 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     q: [B * T, H, hd], row b * T + t = token t of sequence b, at position starts[b] + t of slot slots[b] (valid for
     t < lengths[b]); caches [S, KVH, L, hd] -> [B * T, H * hd]. tile_rows, num_warps: a program's (token, query
-    head) rows and warps (default PREFILL_TILE_ROWS, PREFILL_WARPS). A row's keys run in the same blocks whatever
-    its tile (the blocks past its position add exact zeros), so the tile changes the speed, never the bits.
+    head) rows and warps (default PREFILL_TILE_ROWS, PREFILL_WARPS; bench.prefill_cost compares them). A row's
+    result does not depend on the other rows of its tile, but another tile shape may round it differently on a GPU
+    (the tensor-core instructions follow the tile; seen on the H200), so the tile is fixed, never chosen per batch.
     """
     B = slots.shape[0]
     N, H, hd = q.shape

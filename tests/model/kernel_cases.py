@@ -165,20 +165,6 @@ def test_prefill_attention_is_causal_over_each_slots_cache(heads, kv_heads):
 
 
 
-@pytest.mark.parametrize("tile_rows,num_warps", [(16, 2), (64, 4), (128, 8)])
-def test_prefill_attention_tile_changes_no_bits(tile_rows, num_warps):
-    """Another tile runs a row's keys in the same 64-key blocks (the blocks past its position add exact zeros), so it
-    must give exactly the default tile's output: the tile is chosen for speed alone."""
-    heads, kv_heads, hd, S, L = 4, 2, 16, 4, 160
-    k_cache, v_cache = torch.randn(S, kv_heads, L, hd), torch.randn(S, kv_heads, L, hd)
-    slots, starts, lengths = torch.tensor([2, 0]), torch.tensor([0, 30]), torch.tensor([90, 61])
-    q = torch.randn(2 * 90, heads, hd)
-    default = kernels.prefill_attention(q, k_cache, v_cache, slots, starts, lengths)
-    other = kernels.prefill_attention(q, k_cache, v_cache, slots, starts, lengths, tile_rows=tile_rows,
-                                      num_warps=num_warps)
-    real = torch.cat([torch.arange(90), 90 + torch.arange(61)])  # padded tokens' rows are not read
-    assert torch.equal(other[real], default[real])
-
 # -- the small-batch matrix products (model/gemv.py) -------------------------------------------------------------
 
 GEMV_CONFIGS = [gemv.GemvConfig(32, 64), gemv.GemvConfig(32, 64, split=3), gemv.GemvConfig(16, 16, split=4)]
