@@ -466,7 +466,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-PREFILL_TILE_ROWS = 32  # (token, query head) rows of a prefill attention program
+# (token, query head) rows of a prefill attention program, and its warps: in a graph on the H200 at the 0.6B heads
+# (`python -m qasr.bench.prefill_cost --sections attention`, session 14) 64 x 4 took 12.8 us for 8 sequences of 152
+# tokens and 37.2 for 32, against 16.9 and 52.8 with 32 x 4 (128 x 8: 16.4 and 47.9; 128 x 4: 26.5 and 80.7)
+PREFILL_TILE_ROWS = 64
 PREFILL_WARPS = 4
 
 

@@ -148,7 +148,7 @@ def test_prefill_attention_is_causal_over_each_slots_cache(heads, kv_heads):
     slots = torch.tensor([3, 0, 5])
     starts = torch.tensor([0, 40, 7])  # sequence 1 continues after 40 cached positions (a reused prefix)
     lengths = torch.tensor([20, 37, 1])
-    B, T = 3, 37  # crosses the 16-token tiles and a 64-key block
+    B, T = 3, 37  # crosses the 16- or 32-token tiles and a 64-key block
     q = torch.randn(B * T, heads, hd)
     out = kernels.prefill_attention(q, k_cache, v_cache, slots, starts, lengths).view(B, T, heads * hd)
     group = heads // kv_heads
