@@ -51,7 +51,8 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tokens", type=int, default=32768,
                    help="prompt tokens prefilled in one admission round (default: %(default)s)")
     p.add_argument("--decode-steps-ahead", type=int,
-                   help="decode steps queued beside an admission's host work, at most (default: the engine's)")
+                   help="decode steps queued beside an admission's host work, at most (default: the engine's offline "
+                        "value, 16)")
     p.add_argument("--admission-interval-ms", type=float,
                    help="decoding between two admissions, ms (default: the engine's)")
     p.add_argument("--context", type=int, default=200,

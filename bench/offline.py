@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from qasr.engine import gpu_timeline
 from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
 from qasr.engine.request import DecodeRequest
 from qasr.model import gemv
 
@@ -112,9 +113,10 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 
 
 def engine_overrides(args) -> dict:
-    """The engine options the command line set (None: the engine's default)."""
+    """The engine options the command line set (None: the engine's default; steps ahead: the offline one)."""
     names = ("decode_steps_ahead", "admission_interval_ms")
-    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    overrides = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD}
+    return overrides | {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
 def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:

@@ -18,6 +18,7 @@ import json
 import statistics
 
 from qasr.engine.engine import Engine, EngineOptions
+from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
 
 from .cli import offline_parser
 from .offline import requests, throughput_run
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     settings = combinations(args.vary) if args.vary else [{}]
     options = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
-                            repetition_window=0, max_prefill_tokens=offline_parser().get_default("prefill_tokens"))
+                            repetition_window=0, max_prefill_tokens=offline_parser().get_default("prefill_tokens"),
+                            decode_steps_ahead=OFFLINE_DECODE_STEPS_AHEAD)
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, options=options)
     clips = [speech_like(args.clip_seconds, seed=100 + i) for i in range(args.num_clips)]
     engine.transcribe(requests(clips[: args.slots], args.tokens))  # warm the prefill/encoder shapes

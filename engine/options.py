@@ -18,12 +18,12 @@ class EngineOptions:
     # decoding gets it whole. 10 ms, not 20: at 1,000 streams on one H200 lease (session 12, docs/benchmarks.md) 10
     # gave p95 finals of 257 / 271 / 239 ms against 20's 399 / 257 / 432 (30: 383 / 345 / 281): a longer interval
     # gathers larger admissions, and a final that arrives behind one waits for all of it
-    decode_steps_ahead: int = 16  # decode steps queued at once beside an admission's host work, at most: as many as
+    decode_steps_ahead: int = 4  # decode steps queued at once beside an admission's host work, at most: as many as
     # fit in the time it has been taking (graphs feed themselves). One step alone leaves the decode stream idle once
-    # it is done: at 1,000 streams on an H200 an admission's host work is ~7 ms against a 2-3 ms step (session 10),
-    # and launches there average 1.3-1.7 steps, so live serving rarely reaches the cap; offline's admissions of ~200
-    # clips do: 16 rather than 4 gave 7,990 / 7,927 / 7,916 audio-s/s against 7,669 / 6,796 / 7,515 (session 14,
-    # alternating on one H200). 1: one step, as before
+    # it is done: at 1,000 streams on an H200 an admission's host work is ~7 ms against a 2-3 ms step (session 10).
+    # 4 for live serving, where 1,000 streams held p95 <= 250 ms with it (launches averaging 1.3-1.7 steps); with 16
+    # they averaged 3.1-4.6 and one check on a slow lease gave p95 353 / 255 / 353 ms, not comparable across leases
+    # (session 14). Offline work takes OFFLINE_DECODE_STEPS_AHEAD. 1: one step, as before
     max_audio_seconds: float = 60.0  # longest audio one request may carry
     base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
     tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)
@@ -59,6 +59,11 @@ class EngineOptions:
             if getattr(self, name) < least:
                 raise ValueError(f"invalid engine options: {name} must be >= {least}, got {getattr(self, name):g}")
 
+
+# decode_steps_ahead for offline work (file transcription, qasr-bench offline): admissions of ~200 clips take longer
+# than 4 steps, and on one H200 16 gave 7,990 / 7,927 / 7,916 audio-s/s against 4's 7,669 / 6,796 / 7,515
+# (bench.offline_sweep, alternating, session 14)
+OFFLINE_DECODE_STEPS_AHEAD = 16
 
 # the least value of each numeric option (qasr-server checks its flags against these before it loads a model)
 MINIMUMS = {"num_slots": 1, "max_len": 64, "num_retained": 0, "max_prefill_tokens": 1, "admission_interval_ms": 0,

@@ -52,6 +52,9 @@ def test_offline_takes_the_engines_admission_options_from_its_command_line():
     from qasr.bench.cli import offline_parser
     from qasr.bench.offline import engine_overrides
 
-    assert engine_overrides(offline_parser().parse_args([])) == {}  # the engine's defaults
+    from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
+
+    # the engine's offline default
+    assert engine_overrides(offline_parser().parse_args([])) == {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD}
     args = offline_parser().parse_args(["--decode-steps-ahead", "16", "--admission-interval-ms", "0"])
     assert engine_overrides(args) == {"decode_steps_ahead": 16, "admission_interval_ms": 0.0}

@@ -83,6 +83,13 @@ def test_paths_arrays_and_rate_tuples_in_input_order(transcriber, audio_files):
         assert result.segments == (Segment(0.0, result.duration, result.text),)
 
 
+def test_file_transcription_queues_the_offline_number_of_steps_beside_an_admission(transcriber):
+    from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD, EngineOptions
+
+    assert transcriber.engine.options.decode_steps_ahead == OFFLINE_DECODE_STEPS_AHEAD
+    assert OFFLINE_DECODE_STEPS_AHEAD > EngineOptions().decode_steps_ahead  # live serving keeps its own
+
+
 def test_long_audio_is_split_at_pauses_and_joined(transcriber, long_clip):
     samples, bursts = long_clip
     (result,) = transcriber.transcribe([samples])
