@@ -193,7 +193,8 @@ def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_se
     steps = engine.steps - steps0
     out["qasr_mean_decode_batch"] = (engine.counters["decode_rows"] - rows0) / steps if steps else 0.0
     sizes = np.array(engine.recent_batch_sizes)
-    out["qasr_decode_batch_percentiles"] = {p: float(np.percentile(sizes, p)) for p in (5, 25, 50, 75, 95)} if sizes.size else {}
+    out["qasr_decode_batch_percentiles"] = ({p: float(np.percentile(sizes, p)) for p in (5, 25, 50, 75, 95)}
+                                             if sizes.size else {})
     engine.recent_batch_sizes = collections.deque(maxlen=64)
     return out
 

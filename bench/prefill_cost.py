@@ -3,7 +3,7 @@
     python -m qasr.bench.prefill_cost [0.6B|1.7B] [--sections attention,buckets]    # on CUDA, ~1 min
 
 - attention: kernels.prefill_attention at the model's heads over B sequences of ~150 new tokens, for several tiles
-  (tile rows, warps): us a call (a graph replayed, CUDA events over 20 replays, median of 15) and whether its output
+  (tile rows, warps): us a call (a graph replayed, median of 50 replays timed by CUDA events) and whether its output
   equals the default tile's bit for bit (on the H200 other tiles round differently).
 - buckets: the runner's prefill graph of B sequences x 160 tokens (a 10.9 s clip's prompt is 152), replayed with
   every sequence real: ms a replay and us a token, at B = 8, 16, 32, for the default tile and --tile.
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 
 import torch
@@ -24,23 +23,10 @@ from qasr.engine.runner import PrefillBucket, capture_graph, capture_stream
 from qasr.model import kernels
 from qasr.model.testmodel import make_test_model
 
+from .kernel_check import replay_ms
+
 TILES = ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))  # (tile rows, warps); the first is the default
 TOKENS = 160
-
-
-def gpu_us(fn, calls: int = 20, repeats: int = 15) -> float:
-    """Median GPU time of one call of `fn`, over `repeats` timings of `calls` calls each (CUDA events)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
 
 
 def attention_section(cfg, batches=(8, 32)) -> dict:
@@ -61,7 +47,7 @@ def attention_section(cfg, batches=(8, 32)) -> dict:
         for rows, warps in TILES:  # in a graph, as the engine runs it (a launch from Python costs more than the kernel)
             with capture_stream() as stream:
                 graph, _ = capture_graph(lambda: run(rows, warps), stream, None, warmups=1)
-            out[B][f"{rows}x{warps}"] = {"us": round(gpu_us(graph.replay), 2),
+            out[B][f"{rows}x{warps}"] = {"us": round(replay_ms(graph, lambda: None) * 1e3, 2),
                                          "equal_to_default": bool(torch.equal(run(rows, warps)[real], default[real]))}
     return out
 
@@ -78,7 +64,7 @@ def buckets_section(engine: Engine, tile: tuple[int, int], batches=(8, 16, 32)) 
             bucket.meta.copy_(torch.tensor(meta))
             with capture_stream() as stream:
                 bucket.graph, bucket.first = capture_graph(bucket.forward, stream, None, warmups=1)
-            ms = gpu_us(bucket.graph.replay, calls=5, repeats=9) / 1e3
+            ms = replay_ms(bucket.graph, lambda: None, runs=15)
             out[f"{rows}x{warps} B={B}"] = {"ms": round(ms, 3), "us_per_token": round(ms * 1e3 / (B * 152), 3)}
             del bucket
     kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS = TILES[0]
