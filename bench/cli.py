@@ -14,6 +14,8 @@ import argparse
 import importlib
 import sys
 
+from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
+
 MODEL_SIZES = ("tiny", "0.6B", "1.7B")
 DEVICE_HELP = "auto (the GPU if there is one), cpu, cuda, cuda:N (default: %(default)s)"
 DTYPE_HELP = "auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16, float16 (default: %(default)s)"
@@ -52,7 +54,7 @@ def offline_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled in one admission round (default: %(default)s)")
     p.add_argument("--decode-steps-ahead", type=int,
                    help="decode steps queued beside an admission's host work, at most (default: the engine's offline "
-                        "value, 16)")
+                        f"value, {OFFLINE_DECODE_STEPS_AHEAD})")
     p.add_argument("--admission-interval-ms", type=float,
                    help="decoding between two admissions, ms (default: the engine's)")
     p.add_argument("--context", type=int, default=200,

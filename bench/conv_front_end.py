@@ -74,13 +74,14 @@ def run(size: str, buckets: list[int], replays: int) -> dict:
     return out
 
 
-CONV1_TILES = ((64, 64, 4), (64, 32, 4), (128, 32, 4), (128, 32, 8), (32, 32, 2), (256, 32, 8), (128, 64, 8))
+CONV1_TILES = ((64, 64, 4), (64, 32, 4), (128, 32, 4), (128, 32, 8), (32, 32, 2), (256, 32, 8), (128, 64, 8))  # the
+# default (conv_kernels' BLOCK_POSITIONS x BLOCK_CHANNELS x NUM_WARPS) among them
 
 
 @torch.inference_mode()
 def conv1_tiles(size: str, chunks: int, replays: int) -> dict:
-    """conv1_gelu alone over `chunks` chunks at each tile of CONV1_TILES (the first is the default): ms a call in a
-    graph, and whether the output equals the default tile's bit for bit."""
+    """conv1_gelu alone over `chunks` chunks at each tile of CONV1_TILES: ms a call in a graph, and whether the
+    output equals the default tile's bit for bit."""
     torch.manual_seed(0)
     cfg = dataclasses.replace(AudioEncoderConfig(), d_model=D_MODEL[size], encoder_layers=0)
     conv = AudioEncoder(cfg).to("cuda", torch.bfloat16).conv2d1

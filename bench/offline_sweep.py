@@ -18,7 +18,7 @@ import json
 import statistics
 
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
+from qasr.engine.options import MINIMUMS, OFFLINE_DECODE_STEPS_AHEAD
 
 from .cli import offline_parser
 from .offline import requests, throughput_run
@@ -34,9 +34,12 @@ def parse_vary(text: str) -> tuple[str, list[float]]:
         raise argparse.ArgumentTypeError(f"--vary takes NAME=V1,V2,... with NAME one of {', '.join(VARIABLE)}")
     kind = float if name == "admission_interval_ms" else int
     try:
-        return name, [kind(v) for v in values.split(",")]
+        parsed = [kind(v) for v in values.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--vary {name}: values must be numbers, got {values!r}") from None
+    if min(parsed) < MINIMUMS[name]:  # refused now, not after the model has loaded
+        raise argparse.ArgumentTypeError(f"--vary {name}: values must be >= {MINIMUMS[name]}, got {values!r}")
+    return name, parsed
 
 
 def combinations(varied: list[tuple[str, list[float]]]) -> list[dict]:
@@ -81,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vary", type=parse_vary, action="append", default=[], metavar="NAME=V1,V2",
                    help=f"an option and its values, one of {', '.join(VARIABLE)}; combinations of all are run")
     args = p.parse_args(argv)
+    if args.runs < 1 or args.num_clips < 1:
+        p.error("--runs and --num-clips must be at least 1")
     settings = combinations(args.vary) if args.vary else [{}]
     options = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
                             repetition_window=0, max_prefill_tokens=offline_parser().get_default("prefill_tokens"),

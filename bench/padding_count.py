@@ -86,7 +86,8 @@ def gpu_check(model_dir: str, max_len: int, device: str = "cuda") -> dict:
     result["encoder_max_abs_diff_graphed_buckets_vs_eager_whole"] = diff(bucketed, whole)
     result["encoder_max_abs_diff_eager_buckets_vs_eager_whole"] = diff(eager_bucketed, whole)
     result["encoder_output_max_abs"] = float(whole.float().abs().max())
-    # the prefill: prompts of 25-110 tokens in one admission of 11 (groups of 8 and 3) through the graphs vs eagerly
+    # the prefill: prompts of 25-110 tokens in one admission of 11 (one group padded to 16) through the graphs vs
+    # eagerly
     prompt_lengths = [25, 31, 47, 52, 60, 64, 70, 88, 97, 103, 110]
     embeds = [torch.randn(n, model.cfg.text.hidden_size, device=device, dtype=model.dtype) * 0.02
               for n in prompt_lengths]
@@ -137,8 +138,8 @@ def main(argv=None) -> None:
         "prefill before (64-step)": lambda a: prefill_count(a, OLD_PREFILL[0], OLD_PREFILL[1](args.max_len)),
         "prefill now": lambda a: prefill_count(a, runner.PREFILL_BATCH_BUCKETS,
                                                runner.prefill_length_buckets(args.max_len)),
-        "prefill now, 16-sequence bucket": lambda a: prefill_count(a, (*runner.PREFILL_BATCH_BUCKETS, 16),
-                                                                   runner.prefill_length_buckets(args.max_len)),
+        "prefill, at most 8 sequences (before session 14)": lambda a: prefill_count(
+            a, (1, 2, 4, 8), runner.prefill_length_buckets(args.max_len)),
         "encoder before (whole windows)": lambda c: encoder_count(c, *OLD_ENCODER),
         "encoder now": lambda c: encoder_count(c, runner.ENCODER_LENGTH_BUCKETS, runner.ENCODER_BUCKETS),
     }

@@ -25,7 +25,8 @@ from qasr.model.testmodel import make_test_model
 
 from .kernel_check import replay_ms
 
-TILES = ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))  # (tile rows, warps); the first is the default
+DEFAULT_TILE = (kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS)
+TILES = tuple(dict.fromkeys((DEFAULT_TILE, (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))))  # default 1st
 TOKENS = 160
 
 
@@ -55,7 +56,7 @@ def attention_section(cfg, batches=(8, 32)) -> dict:
 def buckets_section(engine: Engine, tile: tuple[int, int], batches=(8, 16, 32)) -> dict:
     runner = engine.runner
     out = {}
-    for rows, warps in (TILES[0], tile):
+    for rows, warps in (DEFAULT_TILE, tile):
         kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS = rows, warps  # read when the graph is captured
         for B in batches:
             bucket = PrefillBucket(runner, B, TOKENS)
@@ -67,7 +68,7 @@ def buckets_section(engine: Engine, tile: tuple[int, int], batches=(8, 16, 32)) 
             ms = replay_ms(bucket.graph, lambda: None, runs=15)
             out[f"{rows}x{warps} B={B}"] = {"ms": round(ms, 3), "us_per_token": round(ms * 1e3 / (B * 152), 3)}
             del bucket
-    kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS = TILES[0]
+    kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS = DEFAULT_TILE
     return out
 
 
@@ -75,7 +76,8 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m qasr.bench.prefill_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("size", nargs="?", default="0.6B", choices=("0.6B", "1.7B"))
     p.add_argument("--sections", default="attention,buckets")
-    p.add_argument("--tile", default="128x8", help="the tile the buckets section compares with the default")
+    p.add_argument("--tile", default="32x4", help="the tile the buckets section compares with the default "
+                                                  "(default: %(default)s, the one before session 14)")
     args = p.parse_args(argv)
     sections = set(args.sections.split(","))
     tile = tuple(int(x) for x in args.tile.split("x"))

@@ -39,9 +39,10 @@ CONV_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 FUSED_CONV1_ENV = "QASR_FUSED_CONV1"  # "0": the conv front end's first convolution on PyTorch (see __init__)
 # prefills graphed per (sequences, padded tokens): eagerly, ~250 launches from Python cost more than the GPU work (a
 # 10.9 s clip: 8.4 ms eager, measured on the H200); more sequences replay several graphs. A graph holds at most
-# PREFILL_GRAPH_TOKENS sequences x padded tokens (past one sequence), the memory of 8 x 1,024: so 16 and 32 sequences
-# are graphed at the shorter lengths, where a prefill of 8 (~1,300 tokens) left its norms, RoPE, SiLU and attention
-# kernels too small to fill the GPU (offline's timeline, session 14)
+# PREFILL_GRAPH_TOKENS sequences x padded tokens (past one sequence): 8 x 1,024, the largest graph at the default
+# max_len before 16 and 32 came in (at --max-len 640 the largest was 5,120 tokens; past 1,024, 8 sequences are no
+# longer graphed at the longest lengths). So 16 and 32 sequences are graphed at the shorter lengths, where a prefill
+# of 8 (~1,300 tokens) left its norms, RoPE, SiLU and attention kernels too small to fill the GPU (session 14)
 PREFILL_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32)
 PREFILL_GRAPH_TOKENS = 8192
 PREFILL_BATCHES_ENV = "QASR_PREFILL_BATCHES"  # e.g. "1,2,4,8": the largest prefill graphs at fewer sequences (A/B)
@@ -109,6 +110,8 @@ def prefill_batch_buckets() -> tuple[int, ...]:
         buckets = tuple(sorted({int(b) for b in value.split(",")}))
     except ValueError:
         raise ValueError(f"{PREFILL_BATCHES_ENV} must be sequence counts like 1,2,4,8, got {value!r}") from None
+    if buckets[0] < 1:
+        raise ValueError(f"{PREFILL_BATCHES_ENV} must be positive sequence counts, got {value!r}")
     if buckets[0] != 1:
         raise ValueError(f"{PREFILL_BATCHES_ENV} must include 1 (a single sequence), got {value!r}")
     return buckets
@@ -278,7 +281,9 @@ class ModelRunner:
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.prefill_buckets: dict[tuple[int, int], PrefillBucket] = {}
         self.prefill_lengths = prefill_length_buckets(max_len)  # the graphed prefill's padded lengths
-        self.prefill_batches = prefill_batch_buckets()  # and its sequence counts
+        batches = prefill_batch_buckets()  # and its sequence counts (an admission has num_slots at most)
+        self.prefill_batches = tuple(b for b in batches if b < num_slots) + tuple(b for b in batches
+                                                                                  if b >= num_slots)[:1]
         # the encoder's window lengths (ENCODER_LENGTH_BUCKETS, cut at and ending with this model's window)
         window = model.encoder.cfg.window_tokens
         self.encoder_lengths = tuple(n for n in ENCODER_LENGTH_BUCKETS if n < window) + (window,)
@@ -399,8 +404,9 @@ class ModelRunner:
         if not self.prefill_buckets:
             return FirstTokens(self._prefill_eager(embeds, slots, starts, lengths), list(range(len(embeds))),
                                len(embeds) * max(lengths))
-        # graphed buckets hold at most PREFILL_BATCH_BUCKETS[-1] sequences: a larger admission replays several,
-        # similar lengths together (less padding). Eagerly, its ~250 Triton launches cost more CPU than the GPU work.
+        # a graph holds as many sequences as its length allows (prefill_replays): a larger admission replays
+        # several, similar lengths together (less padding). Eagerly, its ~250 Triton launches cost more CPU than the
+        # GPU work.
         # The chunks' first tokens stay on the device: a read per chunk made the host wait for each chunk's GPU work
         # before it could queue the next (measured at 1000 streams).
         order: list[int] = []

@@ -56,5 +56,5 @@ def test_offline_takes_the_engines_admission_options_from_its_command_line():
 
     # the engine's offline default
     assert engine_overrides(offline_parser().parse_args([])) == {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD}
-    args = offline_parser().parse_args(["--decode-steps-ahead", "16", "--admission-interval-ms", "0"])
-    assert engine_overrides(args) == {"decode_steps_ahead": 16, "admission_interval_ms": 0.0}
+    args = offline_parser().parse_args(["--decode-steps-ahead", "2", "--admission-interval-ms", "0"])
+    assert engine_overrides(args) == {"decode_steps_ahead": 2, "admission_interval_ms": 0.0}

@@ -13,7 +13,8 @@ from qasr.bench.offline_sweep import combinations, main, parse_vary  # noqa: E40
 def test_vary_parses_an_option_and_its_values_and_refuses_others():
     assert parse_vary("max_prefill_tokens=8192,32768") == ("max_prefill_tokens", [8192, 32768])
     assert parse_vary("admission_interval_ms=0,2.5") == ("admission_interval_ms", [0.0, 2.5])
-    for bad in ("num_slots=4", "decode_steps_ahead=", "decode_steps_ahead=four"):
+    for bad in ("num_slots=4", "decode_steps_ahead=", "decode_steps_ahead=four", "decode_steps_ahead=0",
+                "max_prefill_tokens=64,-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_vary(bad)
     assert combinations([("decode_steps_ahead", [1, 4]), ("max_prefill_tokens", [64])]) == [
@@ -38,7 +39,9 @@ def test_sweep_runs_each_setting_in_turn_and_the_engine_uses_it(tiny_model_dir, 
     lines = capsys.readouterr().out.splitlines()
     records = [json.loads(line) for line in lines if line.startswith('{"run"')]
     assert [(r["run"], r["max_prefill_tokens"]) for r in records] == [(0, 1), (0, 100000), (1, 1), (1, 100000)]
-    assert all(r["qasr_throughput_audio_s_per_s"] > 0 for r in records)
+    assert all(r["qasr_throughput_clips"] == 3 and r["qasr_throughput_tokens_per_s"] > 0 for r in records)
+    # every clip decoded its 2 tokens: the tokens a second over the audio a second are 2 per 1 s clip
+    assert all(r["qasr_throughput_tokens_per_s"] == pytest.approx(2 * r["qasr_throughput_audio_s_per_s"])
+               for r in records)
     assert {n for budget, n in admitted if budget == 1} == {1}  # the first clip is always taken, then none fits
     assert max(n for budget, n in admitted if budget == 100000) == 3
-

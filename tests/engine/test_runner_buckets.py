@@ -60,10 +60,17 @@ def test_a_prefill_groups_as_many_sequences_as_a_graph_of_their_length_holds():
     assert prefill_graphed(1, 100_000) and not prefill_graphed(2, 4097)
 
 
+def test_prefill_batches_stop_at_the_first_that_holds_every_slot(tiny_model_dir):
+    for slots, batches in ((4, (1, 2, 4)), (6, (1, 2, 4, 8)), (64, runner_module.PREFILL_BATCH_BUCKETS)):
+        engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32",
+                                        options=EngineOptions(num_slots=slots, max_len=128, num_retained=0))
+        assert engine.runner.prefill_batches == batches
+
+
 def test_prefill_batches_can_be_narrowed_for_a_comparison(monkeypatch):
     monkeypatch.setenv(runner_module.PREFILL_BATCHES_ENV, "8,1,4,2")
     assert runner_module.prefill_batch_buckets() == (1, 2, 4, 8)
-    for bad in ("2,4", "1,x"):
+    for bad in ("2,4", "1,x", "0,1"):
         monkeypatch.setenv(runner_module.PREFILL_BATCHES_ENV, bad)
         with pytest.raises(ValueError, match=runner_module.PREFILL_BATCHES_ENV):
             runner_module.prefill_batch_buckets()
