@@ -22,7 +22,7 @@ from qasr.model.config import AudioEncoderConfig
 from qasr.model.conv_kernels import conv1_gelu
 from qasr.model.modeling import AudioEncoder
 
-from .kernel_check import replay_ms
+from .kernel_check import graphed_ms, replay_ms
 from .offline import profiled
 
 D_MODEL = {"0.6B": 896, "1.7B": 1024}
@@ -44,12 +44,18 @@ def set_layout(encoder: AudioEncoder, convs: tuple[str, ...], layout: torch.memo
         conv.weight.data = conv.weight.data.contiguous(memory_format=layout)
 
 
-@torch.inference_mode()
-def run(size: str, buckets: list[int], replays: int) -> dict:
+def front_end(size: str, chunks: int) -> tuple[AudioEncoder, torch.Tensor]:
+    """The conv front end of `size`'s encoder (no transformer layers), random bf16 weights on the GPU, and `chunks`
+    random mel chunks."""
     torch.manual_seed(0)
     cfg = dataclasses.replace(AudioEncoderConfig(), d_model=D_MODEL[size], encoder_layers=0)
     encoder = AudioEncoder(cfg).to("cuda", torch.bfloat16)
-    chunks = torch.randn(max(buckets), cfg.num_mel_bins, cfg.chunk_frames, device="cuda", dtype=torch.bfloat16)
+    return encoder, torch.randn(chunks, cfg.num_mel_bins, cfg.chunk_frames, device="cuda", dtype=torch.bfloat16)
+
+
+@torch.inference_mode()
+def run(size: str, buckets: list[int], replays: int) -> dict:
+    encoder, chunks = front_end(size, max(buckets))
     variants = {
         "pytorch": ((), lambda x: encoder.embed_chunks(x)),
         "channels_last": (("conv2d1", "conv2d2", "conv2d3"), lambda x: encoder.embed_chunks(x)),
@@ -82,18 +88,12 @@ CONV1_TILES = ((64, 64, 4), (64, 32, 4), (128, 32, 4), (128, 32, 8), (32, 32, 2)
 def conv1_tiles(size: str, chunks: int, replays: int) -> dict:
     """conv1_gelu alone over `chunks` chunks at each tile of CONV1_TILES: ms a call in a graph, and whether the
     output equals the default tile's bit for bit."""
-    torch.manual_seed(0)
-    cfg = dataclasses.replace(AudioEncoderConfig(), d_model=D_MODEL[size], encoder_layers=0)
-    conv = AudioEncoder(cfg).to("cuda", torch.bfloat16).conv2d1
-    x = torch.randn(chunks, cfg.num_mel_bins, cfg.chunk_frames, device="cuda", dtype=torch.bfloat16)
+    encoder, x = front_end(size, chunks)
+    conv = encoder.conv2d1
     default = conv1_gelu(x, conv)
-    out = {}
-    for tile in CONV1_TILES:
-        with capture_stream() as stream:
-            graph, _ = capture_graph(lambda: conv1_gelu(x, conv, tile), stream, None, warmups=2)
-        out["x".join(map(str, tile))] = {"ms": replay_ms(graph, lambda: None, replays),
-                                         "equal_to_default": bool(torch.equal(conv1_gelu(x, conv, tile), default))}
-    return out
+    return {"x".join(map(str, tile)): {"ms": graphed_ms(lambda: conv1_gelu(x, conv, tile), replays),
+                                       "equal_to_default": bool(torch.equal(conv1_gelu(x, conv, tile), default))}
+            for tile in CONV1_TILES}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -242,6 +242,14 @@ def replay_ms(graph, reset, runs: int = 50) -> float:
     return statistics.median(samples[3:])
 
 
+def graphed_ms(fn, runs: int = 50) -> float:
+    """fn() captured in a CUDA graph (after one call outside it: Triton compiles then) -> replay_ms of the graph: the
+    GPU time of fn as the engine runs it (launched from Python, a small kernel costs more on the host than the GPU)."""
+    with capture_stream() as stream:
+        graph, _ = capture_graph(fn, stream, None, warmups=1)
+    return replay_ms(graph, lambda: None, runs)
+
+
 def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     """The decode step with QASR_PDL=0 and =1 on one runner (one cache, one graph pool): ms per graph replay at each
     bucket, the logits of the two bit for bit (the same kernels and configs; a missing wait would show as a race),

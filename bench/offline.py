@@ -119,11 +119,16 @@ def engine_overrides(args) -> dict:
     return overrides | {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
+def offline_options(slots: int, max_len: int, prefill_tokens: int, args=None) -> EngineOptions:
+    """The offline bench's engine: decoding forced to the token count, no prefixes kept, offline's steps ahead and
+    what the command line set (engine_overrides)."""
+    return EngineOptions(num_slots=slots, max_len=max_len, num_retained=0, ignore_eos=True, repetition_window=0,
+                         max_prefill_tokens=prefill_tokens, **engine_overrides(args))
+
+
 def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     clip = speech_like(args.clip_seconds, seed=1)
-    opts = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
-                         repetition_window=0, max_prefill_tokens=args.prefill_tokens,
-                         **engine_overrides(args))
+    opts = offline_options(args.slots, args.max_len, args.prefill_tokens, args)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0

@@ -17,11 +17,11 @@ import itertools
 import json
 import statistics
 
-from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.options import MINIMUMS, OFFLINE_DECODE_STEPS_AHEAD
+from qasr.engine.engine import Engine
+from qasr.engine.options import MINIMUMS
 
 from .cli import offline_parser
-from .offline import requests, throughput_run
+from .offline import offline_options, requests, throughput_run
 from .synthetic import speech_like
 
 VARIABLE = ("max_prefill_tokens", "decode_steps_ahead", "admission_interval_ms")
@@ -87,9 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.runs < 1 or args.num_clips < 1:
         p.error("--runs and --num-clips must be at least 1")
     settings = combinations(args.vary) if args.vary else [{}]
-    options = EngineOptions(num_slots=args.slots, max_len=args.max_len, num_retained=0, ignore_eos=True,
-                            repetition_window=0, max_prefill_tokens=offline_parser().get_default("prefill_tokens"),
-                            decode_steps_ahead=OFFLINE_DECODE_STEPS_AHEAD)
+    options = offline_options(args.slots, args.max_len, offline_parser().get_default("prefill_tokens"))
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=args.dtype, options=options)
     clips = [speech_like(args.clip_seconds, seed=100 + i) for i in range(args.num_clips)]
     engine.transcribe(requests(clips[: args.slots], args.tokens))  # warm the prefill/encoder shapes

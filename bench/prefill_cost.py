@@ -19,11 +19,11 @@ import tempfile
 import torch
 
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.runner import PrefillBucket, capture_graph, capture_stream
+from qasr.engine.runner import PrefillBucket
 from qasr.model import kernels
 from qasr.model.testmodel import make_test_model
 
-from .kernel_check import replay_ms
+from .kernel_check import graphed_ms
 
 DEFAULT_TILE = (kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS)
 TILES = tuple(dict.fromkeys((DEFAULT_TILE, (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))))  # default 1st
@@ -45,10 +45,8 @@ def attention_section(cfg, batches=(8, 32)) -> dict:
         run = lambda rows, warps: kernels.prefill_attention(q, k, v, slots, starts, lengths, rows, warps)  # noqa: E731
         default = run(*TILES[0])
         out[B] = {}
-        for rows, warps in TILES:  # in a graph, as the engine runs it (a launch from Python costs more than the kernel)
-            with capture_stream() as stream:
-                graph, _ = capture_graph(lambda: run(rows, warps), stream, None, warmups=1)
-            out[B][f"{rows}x{warps}"] = {"us": round(replay_ms(graph, lambda: None) * 1e3, 2),
+        for rows, warps in TILES:
+            out[B][f"{rows}x{warps}"] = {"us": round(graphed_ms(lambda: run(rows, warps)) * 1e3, 2),
                                          "equal_to_default": bool(torch.equal(run(rows, warps)[real], default[real]))}
     return out
 
@@ -56,19 +54,17 @@ def attention_section(cfg, batches=(8, 32)) -> dict:
 def buckets_section(engine: Engine, tile: tuple[int, int], batches=(8, 16, 32)) -> dict:
     runner = engine.runner
     out = {}
-    for rows, warps in (DEFAULT_TILE, tile):
-        kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS = rows, warps  # read when the graph is captured
-        for B in batches:
-            bucket = PrefillBucket(runner, B, TOKENS)
-            bucket.x.normal_()
-            meta = [list(range(B)), [0] * B, [152] * B]  # slots, starts, lengths
-            bucket.meta.copy_(torch.tensor(meta))
-            with capture_stream() as stream:
-                bucket.graph, bucket.first = capture_graph(bucket.forward, stream, None, warmups=1)
-            ms = replay_ms(bucket.graph, lambda: None, runs=15)
-            out[f"{rows}x{warps} B={B}"] = {"ms": round(ms, 3), "us_per_token": round(ms * 1e3 / (B * 152), 3)}
-            del bucket
-    kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS = DEFAULT_TILE
+    try:
+        for rows, warps in (DEFAULT_TILE, tile):
+            kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS = rows, warps  # read when the graph is captured
+            for B in batches:
+                bucket = PrefillBucket(runner, B, TOKENS)
+                bucket.x.normal_()
+                bucket.meta.copy_(torch.tensor([list(range(B)), [0] * B, [152] * B]))  # slots, starts, lengths
+                ms = graphed_ms(bucket.forward, runs=15)
+                out[f"{rows}x{warps} B={B}"] = {"ms": round(ms, 3), "us_per_token": round(ms * 1e3 / (B * 152), 3)}
+    finally:
+        kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS = DEFAULT_TILE
     return out
 
 

@@ -110,10 +110,8 @@ def prefill_batch_buckets() -> tuple[int, ...]:
         buckets = tuple(sorted({int(b) for b in value.split(",")}))
     except ValueError:
         raise ValueError(f"{PREFILL_BATCHES_ENV} must be sequence counts like 1,2,4,8, got {value!r}") from None
-    if buckets[0] < 1:
-        raise ValueError(f"{PREFILL_BATCHES_ENV} must be positive sequence counts, got {value!r}")
-    if buckets[0] != 1:
-        raise ValueError(f"{PREFILL_BATCHES_ENV} must include 1 (a single sequence), got {value!r}")
+    if buckets[0] != 1:  # a single sequence must always have its graph (and no count may be 0 or less)
+        raise ValueError(f"{PREFILL_BATCHES_ENV} must be positive sequence counts including 1, got {value!r}")
     return buckets
 
 
