@@ -4,7 +4,11 @@ operator and input shapes behind each kernel. (Session 9's side-by-side variants
 attention's tiles, decided and recorded in docs/benchmarks.md, are in `72fa962`; its int8 KV cache, measured slower
 than bf16 at every bucket and removed in session 10, is in `3dd9d82`.)
 
-    python -m qasr.bench.profile_decode [0.6B|1.7B] [--sections step,admission]    # on CUDA, ~2 min
+    python -m qasr.bench.profile_decode [0.6B|1.7B] [--sections step,layer,admission]    # on CUDA, ~2 min
+
+`layer` times each kernel of the step by its place in a layer (the step is the same kernels layer after layer), so the
+four products that share gemv.py's kernel name are told apart. Run it with QASR_PDL=0 to read each kernel's own time:
+with PDL a kernel's span includes the time its programs waited for the one before.
 
 Prints one JSON object per line, a section each (a time limit leaves the sections that finished), and the admission's
 operator table as text.
@@ -26,7 +30,8 @@ from . import kernel_check
 from .kernel_check import size_and_sections
 from .synthetic import speech_like
 
-SECTIONS = ("step", "admission")
+SECTIONS = ("step", "layer", "admission")
+LAYER_BUCKETS = (1, 32)
 STEP_BUCKETS = (1, 32, 128, 256)
 CONTEXT = 200  # decode rows' positions: a ~10 s segment's prompt and answer
 
@@ -78,6 +83,55 @@ def step_section(engine: Engine, replays: int = 20) -> dict:
     return out
 
 
+def layer_section(engine: Engine, replays: int = 20) -> dict:
+    """The graphed step at LAYER_BUCKETS, every row live at CONTEXT: each kernel's mean GPU time (us) by its place
+    in the step: the kernels before the first layer, each place of a layer (averaged over the layers), the kernels
+    after the last; with the sum of the spans and the replay's time, whose gap is the GPU idle between kernels."""
+    runner = engine.runner
+    layers = len(engine.model.decoder.layers)
+    fill_cache(runner.cache)
+    runner.budgets.fill_(1 << 30)
+    out = {}
+    for B in LAYER_BUCKETS:
+        runner.positions[:B] = CONTEXT
+        runner.graphs[B].replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(replays):
+                runner.positions[:B] = CONTEXT
+                runner.graphs[B].replay()
+            torch.cuda.synchronize()
+        events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
+                         and not e.name.startswith(("Memcpy", "Memset", "void at::native::vect"))),
+                        key=lambda e: e.time_range.start)
+        out[B] = places(events, replays, layers) | {"replay_ms": round(kernel_check.step_ms(runner, B, CONTEXT), 4)}
+        runner.budgets.fill_(1 << 30)
+    runner.positions.fill_(-1)
+    return out
+
+
+def places(events: list, replays: int, layers: int, before: int = 1) -> dict:
+    """Profiler events of `replays` steps in start order -> mean us per place (see layer_section); `before`: the
+    kernels ahead of the first layer (decode_begin). A step whose kernels do not split into equal layers is reported
+    by count only."""
+    per_step = len(events) // replays
+    per_layer, after = divmod(per_step - before, layers)
+    out = {"kernels_per_step": per_step, "sum_us": round(sum(e.time_range.elapsed_us() for e in events) / replays, 1)}
+    if len(events) % replays or per_layer == 0:
+        return out
+    spans = [[] for _ in range(per_step)]
+    names = [""] * per_step
+    for i, e in enumerate(events):
+        spans[i % per_step].append(e.time_range.elapsed_us())
+        names[i % per_step] = e.name[:60]
+    mean = lambda xs: round(sum(xs) / len(xs), 2)  # noqa: E731
+    layer = [(names[before + j], mean([t for i in range(layers) for t in spans[before + i * per_layer + j]]))
+             for j in range(per_layer)]
+    ends = range(per_step - after, per_step)
+    return out | {"before": [(names[i], mean(spans[i])) for i in range(before)], "layer": layer,
+                  "after": [(names[i], mean(spans[i])) for i in ends]}
+
+
 def live_like_requests(streams: list, round_: int, finals: int = 6) -> list[DecodeRequest]:
     """One admission's worth at 1,000 streams: a partial of each of 20 streams, one second longer than in the round
     before (so each kept its earlier chunks; after 6 s a stream starts again), and `finals` finals of 3-6 s segments.
@@ -120,6 +174,8 @@ def main(argv=None) -> None:
     emit("size", size)
     if "step" in sections:
         emit("decode_step_kernels_us", step_section(engine))
+    if "layer" in sections:
+        emit("decode_step_by_place_us", layer_section(engine))
     if "admission" in sections:
         emit("admission_kernels_us", admission_section(engine))
 
