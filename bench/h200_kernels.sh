@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# #16's decode kernels on one lease, one build, a switch of the decode step (QASR_PDL, QASR_GEMV_PREFETCH) off and on:
+# #16's decode kernels on one lease, one build, programmatic dependent launch measured off and on:
 #  1. the kernel check with QASR_PDL=1 (python -m qasr.bench.kernel_check): first the decode step captured with
-#     QASR_PDL=0 and =1, then QASR_GEMV_PREFETCH=0 and =1, on one runner (graph replay ms at B=1,8,32,64,256, the two
-#     steps' logits bit for bit, kernels per step by kind: Triton launches PDL can chain vs cuBLAS/PyTorch), then every
-#     kernel against its PyTorch reference and the GEMV kernels against cuBLAS with PDL on, then the step on three paths;
-#  2. `qasr-bench offline` (0.6B, no official baseline) with $SWITCH=0, then =1: latency, throughput, energy, the
-#     step table and the row correctness checks, before and after (OFFLINE=on: only the run with it on; none: neither).
+#     QASR_PDL=0 and =1 on one runner (graph replay ms at B=1,8,32,64,256, the two steps' logits bit for bit, kernels
+#     per step by kind: Triton launches PDL can chain vs cuBLAS/PyTorch), then every kernel against its PyTorch
+#     reference and the GEMV kernels against cuBLAS with PDL on, then the step on three paths;
+#  2. `qasr-bench offline` (0.6B, no official baseline) with QASR_PDL=0, then =1: latency, throughput, energy, the
+#     step table and the row correctness checks, before and after (OFFLINE=pdl: only the run with PDL on; none: neither).
 # Every stage has a time limit; ~3 minutes on a fresh H200 (measured: install ~20 s, kernel check 53 s, offline 33 s).
 # Usage (repo root, from the device tool with carry [".whl"] for tokenizers & co, see h200.sh):
 #   bash bench/h200_kernels.sh [OUTDIR]   -> 7 files under OUTDIR (default $OUT); read OUTDIR/summary.txt first
-# Env: SWITCH (QASR_PDL, the default, or QASR_GEMV_PREFETCH), OFFLINE (both | on | none, default both), GEMV_ROWS (QASR_DECODE_GEMV for every stage), OFFLINE_ARGS.
+# Env: OFFLINE (both | pdl | none, default both), GEMV_ROWS (QASR_DECODE_GEMV for every stage), OFFLINE_ARGS.
 set -uo pipefail
 out=${1:-${OUT:?give an output directory or run from the device tool, which sets OUT}}
 mkdir -p "$out"
@@ -24,24 +24,23 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torc
 start=$SECONDS
 QASR_PDL=1 timeout 300 python3 -m qasr.bench.kernel_check 0.6B > "$out/kernel-check-0.6B.json" 2> "$out/kernel-check-0.6B.log"
 echo "kernel_check (QASR_PDL=1) rc=$? $((SECONDS - start)) s" >> "$tmp/times.txt"
-switch=${SWITCH:-QASR_PDL}
-case ${OFFLINE:-both} in on) runs="1";; none) runs="";; *) runs="0 1";; esac
+case ${OFFLINE:-both} in pdl) runs="1";; none) runs="";; *) runs="0 1";; esac
 if [ -n "$runs" ]; then
   [ -d /tmp/m06 ] || python3 -m qasr.model.testmodel /tmp/m06 --size 0.6B --dtype bfloat16 > /dev/null || exit 1
 fi
 # fewer clips and requests than the full bench (h200.sh): the step table, kernels per step, latency, throughput,
 # energy and every correctness check, in under 2 minutes a run
 args=(--model /tmp/m06 --num-clips 256 --latency-runs 10 --step-runs 30 --independence-requests 32 --eager-requests 6)
-for value in $runs; do
+for pdl in $runs; do
   start=$SECONDS
-  env "$switch=$value" timeout 110 python3 -m qasr.bench.cli offline --size 0.6B "${args[@]}" ${OFFLINE_ARGS:-} \
-    --out "$out/offline-0.6B-$value.json" > "$out/offline-0.6B-$value.log" 2>&1
-  echo "offline $switch=$value rc=$? $((SECONDS - start)) s" >> "$tmp/times.txt"
+  QASR_PDL=$pdl timeout 110 python3 -m qasr.bench.cli offline --size 0.6B "${args[@]}" ${OFFLINE_ARGS:-} \
+    --out "$out/offline-0.6B-pdl$pdl.json" > "$out/offline-0.6B-pdl$pdl.log" 2>&1
+  echo "offline QASR_PDL=$pdl rc=$? $((SECONDS - start)) s" >> "$tmp/times.txt"
 done
-python3 - "$out" "$tmp" "$switch" > "$out/summary.txt" 2>&1 <<'EOF'
+python3 - "$out" "$tmp" > "$out/summary.txt" 2>&1 <<'EOF'
 import json, sys
 from pathlib import Path
-out, tmp, switch = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+out, tmp = Path(sys.argv[1]), Path(sys.argv[2])
 print((tmp / "gpu.txt").read_text())
 print((tmp / "times.txt").read_text())
 res = {}
@@ -51,16 +50,15 @@ for line in check.read_text().splitlines() if check.exists() else []:
         res |= json.loads(line)
 print("kernel check, sections done:", list(res))
 print("pdl:", res.get("pdl"))
-for section in ("pdl", "prefetch"):
-    step = res.get(f"decode_step_{section}")
-    if not step:
-        continue
-    buckets = list(step["step_ms"]["0"])
-    print(f"decode step, graph replay at context 200, {step['switch']} off / on (capture {step['capture_s']:.0f} s)")
+step = res.get("decode_step_pdl")
+if step:
+    buckets = list(step["step_ms"]["pdl0"])
+    print(f"decode step, graph replay at context 200 (capture {step['capture_s']:.0f} s, PDL on: "
+          f"{step['use_pdl_when_on']})")
     print("bucket            " + " ".join(f"{b:>7}" for b in buckets))
-    for value in ("0", "1"):
-        print(f"step ms {value:<9} " + " ".join(f"{step['step_ms'][value][b]:7.3f}" for b in buckets))
-    print("on / off          " + " ".join(f"{step['step_ms']['1'][b] / step['step_ms']['0'][b]:7.3f}"
+    for name in ("pdl0", "pdl1"):
+        print(f"step ms {name:<9} " + " ".join(f"{step['step_ms'][name][b]:7.3f}" for b in buckets))
+    print("pdl1 / pdl0       " + " ".join(f"{step['step_ms']['pdl1'][b] / step['step_ms']['pdl0'][b]:7.3f}"
                                          for b in buckets))
     print("logits identical  " + " ".join(f"{step['logits_identical'][b]:7.4f}" for b in buckets))
     print("logits max |diff| " + " ".join(f"{step['logits_max_abs'][b]:7.4f}" for b in buckets))
@@ -71,12 +69,12 @@ for section in ("pdl", "prefetch"):
 for key in ["kernels_bf16_vs_pytorch", "gemv_bf16_vs_cublas"] + [k for k in res if k.startswith(("decode_step_ms",
                                                                                                   "kernels_per_step"))]:
     print(key, json.dumps(res.get(key), indent=1))
-for value in ("0", "1"):
-    p = out / f"offline-0.6B-{value}.json"
+for pdl in ("0", "1"):
+    p = out / f"offline-0.6B-pdl{pdl}.json"
     if not p.exists():
         continue
     run = json.loads(p.read_text())
-    print(f"offline {switch}={value}: bs1 latency {run.get('qasr_bs1_latency_ms', 0):.1f} ms  "
+    print(f"offline QASR_PDL={pdl}: bs1 latency {run.get('qasr_bs1_latency_ms', 0):.1f} ms  "
           f"throughput {run.get('qasr_throughput_audio_s_per_s', 0):.0f} audio-s/s  "
           f"energy {run.get('qasr_energy_j_per_audio_hour', float('nan')):.0f} J/audio-h  "
           f"correctness {run.get('correctness')}")

@@ -4,13 +4,12 @@ cuBLAS (agreement, row independence across buckets, time), then the decode step 
 kernels with cuBLAS products, fused with GEMV: graph replay time, kernels per step) and the encoder graphs against
 eager.
 
-First, programmatic dependent launch (#16, $QASR_PDL) and the GEMV weight prefetch it allows ($QASR_GEMV_PREFETCH):
-for each switch, one runner's decode step captured twice in one process, with the switch at 0 and 1, timed at each
-bucket (graph replay), its logits compared bit for bit between the two, and its kernels per step counted by kind
-(Triton, whose launches PDL can overlap, and the rest: cuBLAS, PyTorch, copies). Run the whole check with QASR_PDL=1
-and every kernel comparison after it runs with PDL on too.
+First, programmatic dependent launch (#16, $QASR_PDL): one runner's decode step captured twice in one process, with
+QASR_PDL=0 and =1, timed at each bucket (graph replay), its logits compared bit for bit between the two, and its
+kernels per step counted by kind (Triton, whose launches PDL can overlap, and the rest: cuBLAS, PyTorch, copies).
+Run the whole check with QASR_PDL=1 and every kernel comparison after it runs with PDL on too.
 
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,prefetch,kernels,gemv,steps]` on a CUDA machine; prints one
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,steps]` on a CUDA machine; prints one
 JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
 """
 
@@ -36,8 +35,7 @@ from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
 
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "prefetch", "kernels", "gemv", "steps")
-SWITCHES = {"pdl": kernels.PDL_ENV, "prefetch": gemv.PREFETCH_ENV}  # section -> the switch its step is captured with
+SECTIONS = ("pdl", "kernels", "gemv", "steps")
 PDL_BUCKETS = (1, 8, 32, 64, 256)
 
 
@@ -252,10 +250,10 @@ def graphed_ms(fn, runs: int = 50) -> float:
     return replay_ms(graph, lambda: None, runs)
 
 
-def switch_steps(model, device, env: str, buckets=PDL_BUCKETS, context: int = 200) -> dict:
-    """The decode step with the switch `env` (QASR_PDL, QASR_GEMV_PREFETCH) at 0 and 1 on one runner (one cache, one
-    graph pool): ms per graph replay at each bucket, the logits of the two bit for bit (the same kernels and configs;
-    for PDL a missing wait would show as a race), and the kernels of a step by kind at 1 and 64 rows with it on."""
+def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
+    """The decode step with QASR_PDL=0 and =1 on one runner (one cache, one graph pool): ms per graph replay at each
+    bucket, the logits of the two bit for bit (the same kernels and configs; a missing wait would show as a race),
+    and the kernels of a step by kind at 1 and 64 rows."""
     S = max(buckets)
     runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
                          buckets=tuple(b for b in buckets if b < S))
@@ -276,13 +274,15 @@ def switch_steps(model, device, env: str, buckets=PDL_BUCKETS, context: int = 20
     def logits(B: int):
         return decoder.decode(runner.tokens[:B], runner.positions[:B], runner.cache, runner.layer_ops)
 
-    graphs: dict[tuple[str, str, int], tuple] = {}  # (step or logits, the switch, bucket) -> (graph, its output)
-    out = {"switch": env, "step_ms": {}, "logits_identical": {}, "logits_max_abs": {}, "kinds": {}}
+    graphs: dict[tuple[str, str, int], tuple] = {}  # (step or logits, QASR_PDL, bucket) -> (graph, its output)
+    out = {"use_pdl_when_on": None, "step_ms": {}, "logits_identical": {}, "logits_max_abs": {}, "kinds": {}}
     t0 = time.perf_counter()
     pool = None
     with torch.inference_mode():
         for value in ("0", "1"):
-            with mock.patch.dict(os.environ, {env: value}), capture_stream() as stream:
+            with mock.patch.dict(os.environ, {kernels.PDL_ENV: value}), capture_stream() as stream:
+                if value == "1":
+                    out["use_pdl_when_on"] = kernels.use_pdl(device)
                 for B in reversed(buckets):
                     reset(B)
                     for kind, fn in (("step", step), ("logits", logits)):
@@ -300,7 +300,7 @@ def switch_steps(model, device, env: str, buckets=PDL_BUCKETS, context: int = 20
             out["logits_identical"][B] = float((got["0"] == got["1"]).float().mean())
             out["logits_max_abs"][B] = float((got["0"] - got["1"]).abs().max())
             for value in ("0", "1"):
-                out["step_ms"].setdefault(value, {})[B] = replay_ms(graphs[("step", value, B)][0],
+                out["step_ms"].setdefault(f"pdl{value}", {})[B] = replay_ms(graphs[("step", value, B)][0],
                                                                           lambda: reset(B))
         for B in (1, 64):
             if B in buckets:  # rows stay live for the few replays profiled (each moves them on by one position)
@@ -340,11 +340,10 @@ def main(argv=None) -> None:
     emit("size", size)
     emit("pdl", {"QASR_PDL": os.environ.get(kernels.PDL_ENV, "0"), "use_pdl": kernels.use_pdl(device),
                  "capability": ".".join(map(str, torch.cuda.get_device_capability(device)))})
-    for section, env in SWITCHES.items():
-        if section in sections:
-            t = time.perf_counter()
-            emit(f"decode_step_{section}", switch_steps(model, device, env))
-            emit(f"decode_step_{section}_s", time.perf_counter() - t)
+    if "pdl" in sections:
+        t = time.perf_counter()
+        emit("decode_step_pdl", pdl_steps(model, device))
+        emit("decode_step_pdl_s", time.perf_counter() - t)
     if "kernels" in sections:
         emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
         emit("conv1_gelu_bf16_vs_pytorch", conv1_case(model.encoder, device))

@@ -18,10 +18,7 @@ shape (N, K), never per batch, so every bucket up to `max_rows()` runs the same 
 bits whatever its batch mates and its bucket. More than 16 rows are more programs over the same 16-row tile.
 
 These kernels take part in programmatic dependent launch as kernels.py's do (on by default, $QASR_PDL=0 turns it
-off; see its docstring): each program waits for the kernel before it before its first load. Their weights never
-depend on that kernel, so with PDL each program first asks L2 for its weight tile (a prefetch, one per 128-byte line;
-$QASR_GEMV_PREFETCH=0 turns it off) and only then waits: the weight stream starts while the kernel before it, often a
-small latency-bound one (a norm, the attention), is still running.
+off; see its docstring): each program waits for the kernel before it before its first load.
 """
 
 from __future__ import annotations
@@ -42,8 +39,6 @@ log = logging.getLogger(__name__)
 BLOCK_M = 16  # rows per tile: the smallest MMA side, padded with masked rows
 DEFAULT_MAX_ROWS = 32
 MAX_ROWS_ENV = "QASR_DECODE_GEMV"  # rows up to which the decode step's products use these kernels; 0: cuBLAS only
-PREFETCH_ENV = "QASR_GEMV_PREFETCH"  # "1" (default): with PDL, prefetch the weight tile before the wait; "0": no
-LINE_BYTES = 128  # an L2 line: one prefetch each
 TUNE_ENV = "QASR_GEMV_TUNE"  # "0": take each shape's heuristic config instead of timing a few at first use
 
 
@@ -76,19 +71,6 @@ if triton is not None:
     _await_inputs = kernels._await_inputs
 
     @triton.jit
-    def _prefetch_rows(W, cols, cmask, k_start, k_end, K, BLOCK_K: tl.constexpr, LINE: tl.constexpr):
-        # ask L2 for W[cols, k_start:k_end] (k_end <= K), one prefetch.global.L2 per LINE elements (one line): a hint
-        # the GPU may drop, never a load, so it may run before _await_inputs (the weights are no kernel's output)
-        lines = tl.arange(0, BLOCK_K // LINE) * LINE
-        for k0 in range(k_start, k_end, BLOCK_K):
-            k = k0 + lines
-            at = W + cols[:, None].to(tl.int64) * K + k[None, :]
-            live = (cmask[:, None] & (k < k_end)[None, :]).to(tl.int32)
-            tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; "
-                                      "mov.u32 $0, 0; }", "=r,l,r", [at, live], dtype=tl.int32, is_pure=False,
-                                      pack=1)
-
-    @triton.jit
     def _block_argmax(v, rows, rmask, cols, cmask, MAX_V, MAX_I):
         # v: [BLOCK_N, BLOCK_M] this program's rounded products as float32; per row, MAX_V/MAX_I [M, column blocks]
         # at this column block take its largest value and that value's first column (NaN and the first NaN's column
@@ -108,19 +90,17 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(X, W, OUT, MAX_V, MAX_I, M, N, K, stride_xm, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ARGMAX: tl.constexpr,
-                     PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                     PDL: tl.constexpr):
         # program (row tile, column block, split): OUT[split, m, n] = sum over this split's k of X[m, k] W[n, k]
         # (OUT float32 partials) or, with one split, the product rounded to OUT's dtype; with ARGMAX (one split)
         # also each row's largest product of the block and its column (_block_argmax)
+        _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)
         rmask, cmask = rows < M, cols < N
-        k_start = split * K_SPLIT
-        if PREFETCH > 0:
-            _prefetch_rows(W, cols, cmask, k_start, tl.minimum(k_start + K_SPLIT, K), K, BLOCK_K, PREFETCH)
-        _await_inputs(PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        k_start = split * K_SPLIT
         for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
@@ -136,17 +116,13 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_silu_kernel(X, W, OUT, M, I, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr,
-                             PREFETCH: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         # program (row tile, column block): OUT[m, n] = silu(gate) * up for gate = X W[n].T and up = X W[I + n].T,
         # each rounded where F.silu(gate) * up of nn.Linear's outputs rounds (as kernels.silu_mul does)
+        _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask, cmask = rows < M, cols < I
-        if PREFETCH > 0:
-            _prefetch_rows(W, cols, cmask, 0, K, K, BLOCK_K, PREFETCH)
-            _prefetch_rows(W + I * K, cols, cmask, 0, K, K, BLOCK_K, PREFETCH)
-        _await_inputs(PDL)
         gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -240,7 +216,7 @@ def _launch_products(x, weight, out, config: GemvConfig, maxima: kernels.BlockMa
     _gemv_kernel[grid](x, weight, out, max_v, max_i, M, N, K, x.stride(0), K_SPLIT=config.k_per_split(K),
                        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=_precision(x),
                        ARGMAX=maxima is not None, num_warps=config.num_warps, num_stages=config.num_stages,
-                       **_launch_options(weight, config, M))
+                       **kernels.pdl_options(x.device, M))
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
@@ -255,25 +231,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | Non
     grid = (_row_tiles(M), triton.cdiv(I, config.block_n))
     _gate_up_silu_kernel[grid](x, weight, out, M, I, K, x.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
                                BLOCK_K=config.block_k, PRECISION=_precision(x), num_warps=config.num_warps,
-                               num_stages=config.num_stages, **_launch_options(weight, config, M))
+                               num_stages=config.num_stages, **kernels.pdl_options(x.device, M))
     return out
-
-
-def prefetch_requested() -> bool:
-    """Whether $QASR_GEMV_PREFETCH asks for the weight prefetch before the PDL wait ("1" or unset; "0": no)."""
-    value = os.environ.get(PREFETCH_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{PREFETCH_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-def _launch_options(weight: torch.Tensor, config: GemvConfig, rows: int) -> dict:
-    """kernels.pdl_options, and PREFETCH: the elements of one L2 line of the weight (0: no prefetch), on only with
-    PDL (without it nothing runs before the kernel to overlap) and where a reduction step holds whole lines."""
-    options = kernels.pdl_options(weight.device, rows)
-    line = LINE_BYTES // weight.element_size()
-    on = options["PDL"] and prefetch_requested() and config.block_k % line == 0
-    return options | {"PREFETCH": line if on else 0}
 
 
 # -- configs: one per (kind, N, K, dtype, device), chosen at first use, never inside a graph capture --------------

@@ -3,8 +3,7 @@ compiled kernels do with it.
 
 No GPU here, but Triton compiles for one: each kernel of kernels.py and gemv.py is compiled for sm_90 (Hopper) with its
 PDL flag on and off, and the PTX must wait for the previous kernel (griddepcontrol.wait) before its first global load
-or store, allow the next one to launch, and carry neither instruction with the flag off; the weight-streaming kernels
-may only prefetch their weights (into L2, a hint, no load) before that wait. In Triton's interpreter (the
+or store, allow the next one to launch, and carry neither instruction with the flag off. In Triton's interpreter (the
 CPU tests) the switch on must change nothing: the flag stays off there and the engine's tokens are the same.
 """
 
@@ -53,13 +52,13 @@ KERNELS = {
     "_gemv_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "MAX_V": "*fp32", "MAX_I": "*i32", "M": "i32",
                             "N": "i32", "K": "i32", "stride_xm": "i32"},  # the lm_head's, with its block maxima
                      {"K_SPLIT": 1024, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None,
-                      "ARGMAX": True, "PREFETCH": 0}),
+                      "ARGMAX": True}),
     "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "M": "i32", "I": "i32", "K": "i32",
                                     "stride_xm": "i32"},
-                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None, "PREFETCH": 0}),
+                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
 }
 DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max",
-                    "_block_argmax", "_prefetch_rows"}  # called from the kernels, not launched
+                    "_block_argmax"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
 
@@ -72,10 +71,10 @@ def launched_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
     return found
 
 
-def compile_for_hopper(name: str, pdl: bool, **more):
+def compile_for_hopper(name: str, pdl: bool):
     module, signature, constexprs = KERNELS[name]
     fn = getattr(module, name)
-    constexprs = constexprs | {"PDL": pdl} | more
+    constexprs = constexprs | {"PDL": pdl}
     src = ASTSource(fn=fn, signature=signature | {c: "constexpr" for c in constexprs}, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl, "num_warps": 4})
 
@@ -98,36 +97,6 @@ def test_with_pdl_each_program_waits_for_the_previous_kernel_before_touching_mem
     assert first_access is not None and wait < first_access.start(), ptx[: first_access.start() + 200]
     off = compile_for_hopper(name, False)
     assert not off.metadata.launch_pdl and "griddepcontrol" not in off.asm["ptx"]
-
-
-@pytest.mark.parametrize("name", ["_gemv_kernel", "_gate_up_silu_kernel"])
-def test_the_weight_streaming_kernels_prefetch_their_weights_before_the_wait_and_load_nothing_before_it(name):
-    ptx = compile_for_hopper(name, True, PREFETCH=64).asm["ptx"]
-    wait = ptx.find("griddepcontrol.wait")
-    prefetch = ptx.find("prefetch.global.L2")
-    first_access = MEMORY.search(ptx)
-    assert 0 <= prefetch < wait < first_access.start()
-    # gate_up_silu's tile is two weight blocks (gate and up rows), each prefetched
-    assert ptx.count("prefetch.global.L2") == (2 if name == "_gate_up_silu_kernel" else 1)
-    assert "prefetch" not in compile_for_hopper(name, True, PREFETCH=0).asm["ptx"]
-
-
-def test_the_prefetch_follows_pdl_and_its_switch(monkeypatch):
-    cpu = torch.device("cpu")
-    bf16, fp32 = (torch.empty(64, 1024, dtype=dt) for dt in (torch.bfloat16, torch.float32))
-    config = gemv.GemvConfig(block_n=64, block_k=128)
-    monkeypatch.delenv(gemv.PREFETCH_ENV, raising=False)
-    assert gemv._launch_options(bf16, config, 1)["PREFETCH"] == 0  # no PDL off a GPU: nothing to overlap
-    monkeypatch.setattr(kernels, "use_pdl", lambda device: True)  # as on an H200
-    assert gemv._launch_options(bf16, config, 1) == {"PDL": True, "launch_pdl": True, "PREFETCH": 64}
-    assert gemv._launch_options(fp32, config, 1)["PREFETCH"] == 32  # a line is 128 bytes
-    assert gemv._launch_options(bf16, gemv.GemvConfig(block_n=64, block_k=32), 1)["PREFETCH"] == 0  # < a line
-    assert gemv._launch_options(bf16, config, kernels.PDL_MAX_ROWS + 1)["PREFETCH"] == 0
-    monkeypatch.setenv(gemv.PREFETCH_ENV, "0")
-    assert gemv._launch_options(bf16, config, 1)["PREFETCH"] == 0
-    monkeypatch.setenv(gemv.PREFETCH_ENV, "on")
-    with pytest.raises(ValueError, match="QASR_GEMV_PREFETCH"):
-        gemv._launch_options(bf16, config, 1)
 
 
 def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
