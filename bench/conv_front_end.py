@@ -20,9 +20,9 @@ import torch
 from qasr.engine.runner import capture_graph, capture_stream
 from qasr.model.config import AudioEncoderConfig
 from qasr.model.conv_kernels import conv1_gelu
+from qasr.model.gpu_timing import graphed_ms, replay_ms
 from qasr.model.modeling import AudioEncoder
 
-from .kernel_check import graphed_ms, replay_ms
 from .offline import profiled
 
 D_MODEL = {"0.6B": 896, "1.7B": 1024}

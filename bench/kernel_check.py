@@ -9,8 +9,11 @@ QASR_PDL=0 and =1, timed at each bucket (graph replay), its logits compared bit 
 kernels per step counted by kind (Triton, whose launches PDL can overlap, and the rest: cuBLAS, PyTorch, copies).
 Run the whole check with QASR_PDL=1 and every kernel comparison after it runs with PDL on too.
 
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,steps]` on a CUDA machine; prints one
-JSON object per line, a section each, as each completes (so a time limit leaves the sections that finished).
+`decode_tiles` times the decode attention's tiles (kernels.DECODE_TILE against others) in graphs.
+
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,decode_tiles,steps]` on a CUDA machine;
+prints one JSON object per line, a section each, as each completes (so a time limit leaves the sections that
+finished).
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import tempfile
 import time
 from unittest import mock
@@ -26,16 +28,19 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from qasr.model import gemv, kernels
-from qasr.model.conv_kernels import conv1_gelu
-from qasr.model.modeling import RMSNorm, rotate_half
-from qasr.model.testmodel import make_test_model
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
+from qasr.model import gemv, kernels
+from qasr.model.conv_kernels import conv1_gelu
+from qasr.model.gpu_timing import graphed_ms, replay_ms
+from qasr.model.modeling import RMSNorm, rotate_half
+from qasr.model.testmodel import make_test_model
 
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "kernels", "gemv", "steps")
+SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "steps")
+DECODE_TILES = tuple(dict.fromkeys((kernels.DECODE_TILE, (64, 4, 3), (32, 4, 3), (128, 4, 3), (128, 8, 3), (256, 8, 3),
+                                    (64, 4, 2), (64, 8, 4), (128, 4, 2))))  # the default first
 PDL_BUCKETS = (1, 8, 32, 64, 256)
 
 
@@ -192,8 +197,28 @@ def gemv_cases(cfg, device) -> dict:
         config = gemv.config_for(kind, N // 2 if kind == "gate_up_silu" else N, K, x)
         out[name] = compare(got[32], ref(x)) | {
             "row_independent_1_16_32": row_independent, "config": str(config),
-            "ms_gemv_1_16": [gemv.time_ms(lambda: run(x[:M])) for M in (1, 16)],
-            "ms_cublas_1_16": [gemv.time_ms(lambda: ref(x[:M])) for M in (1, 16)]}
+            "ms_gemv_1_16": [graphed_ms(lambda: [run(x[:M]) for _ in range(10)]) / 10 for M in (1, 16)],
+            "ms_cublas_1_16": [graphed_ms(lambda: [ref(x[:M]) for _ in range(10)]) / 10 for M in (1, 16)]}
+    return out
+
+
+def decode_tiles(cfg, device, batches=(1, 32, 256), context: int = 200) -> dict:
+    """The decode attention's tiles (kernels.DECODE_TILE first), each in a CUDA graph of 10 calls: us a call at each
+    batch, every row at `context`, and whether a tile's output equals the default's bit for bit."""
+    heads, kv_heads, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    for B in batches:
+        k = torch.randn(B, kv_heads, 320, hd, device=device, dtype=torch.bfloat16, generator=gen)
+        v = torch.randn_like(k)
+        q = torch.randn(B, heads, hd, device=device, dtype=torch.bfloat16, generator=gen)
+        positions = torch.full((B,), context, dtype=torch.long, device=device)
+        run = lambda tile: kernels.decode_attention(q, k, v, positions, tile)  # noqa: E731
+        default = run(DECODE_TILES[0])
+        out[B] = {"x".join(map(str, tile)): {
+            "us": round(graphed_ms(lambda: [run(tile) for _ in range(10)]) * 100, 2),
+            "equal_to_default": bool(torch.equal(run(tile), default)),
+            "max_abs_vs_default": float((run(tile).float() - default.float()).abs().max())} for tile in DECODE_TILES}
     return out
 
 
@@ -226,28 +251,6 @@ def kernel_kinds(replay, replays: int = 3) -> dict:
     prof = profiled(replay, replays)
     events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     return launch_kinds([e.name for e in events], triton_kernel_names(), replays)
-
-
-def replay_ms(graph, reset, runs: int = 50) -> float:
-    """Median GPU time of one replay of `graph`, reset() (outside the timing) before each."""
-    samples = []
-    for _ in range(runs + 3):
-        reset()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end))
-    return statistics.median(samples[3:])
-
-
-def graphed_ms(fn, runs: int = 50) -> float:
-    """fn() captured in a CUDA graph (after one call outside it: Triton compiles then) -> replay_ms of the graph: the
-    GPU time of fn as the engine runs it (launched from Python, a small kernel costs more on the host than the GPU)."""
-    with capture_stream() as stream:
-        graph, _ = capture_graph(fn, stream, None, warmups=1)
-    return replay_ms(graph, lambda: None, runs)
 
 
 def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
@@ -352,6 +355,8 @@ def main(argv=None) -> None:
         emit("gemv_bf16_vs_cublas", gemv_cases(model.cfg.text, device))
         emit("gemv_cases_s", time.perf_counter() - t)
         emit("gemv_configs", gemv.chosen_configs())
+    if "decode_tiles" in sections:
+        emit("decode_attention_tiles", decode_tiles(model.cfg.text, device))
     if "steps" not in sections:
         return
     for name, fused, rows in (("fused_gemv", True, gemv.max_rows()), ("fused_cublas", True, 0), ("pytorch", False, 0)):

@@ -21,9 +21,9 @@ import torch
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.runner import PrefillBucket
 from qasr.model import kernels
+from qasr.model.gpu_timing import graphed_ms
 from qasr.model.testmodel import make_test_model
 
-from .kernel_check import graphed_ms
 
 DEFAULT_TILE = (kernels.PREFILL_TILE_ROWS, kernels.PREFILL_WARPS)
 TILES = tuple(dict.fromkeys((DEFAULT_TILE, (32, 4), (64, 4), (64, 8), (128, 4), (128, 8), (256, 8))))  # default 1st

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import kernels
+from . import gpu_timing, kernels
 
 triton, tl = kernels.triton, (kernels.tl if kernels.triton is not None else None)
 
@@ -270,7 +270,8 @@ def candidates(kind: str, N: int, K: int, device: torch.device) -> list[GemvConf
     for block_n in widths:
         if kind == "products":
             split = _split_for(N, K, block_n, block_k, programs)
-            out += [GemvConfig(block_n, block_k, s) for s in dict.fromkeys((split, max(1, split // 4)))]
+            out += [GemvConfig(block_n, block_k, s) for s in dict.fromkeys((split, max(1, split // 2),
+                                                                            max(1, split // 4)))]
         else:
             out.append(GemvConfig(block_n, block_k))
     return out
@@ -278,7 +279,8 @@ def candidates(kind: str, N: int, K: int, device: torch.device) -> list[GemvConf
 
 def config_for(kind: str, N: int, K: int, x: torch.Tensor) -> GemvConfig:
     """The config of this shape: on CUDA the fastest of `candidates` at 1 and 16 rows (timed once, outside graph
-    capture; $QASR_GEMV_TUNE=0 takes the heuristic one), elsewhere the heuristic one."""
+    capture, in a CUDA graph as the decode step runs them; $QASR_GEMV_TUNE=0 takes the heuristic one), elsewhere the
+    heuristic one."""
     key = (kind, N, K, x.dtype, x.device)
     if key not in _chosen:
         options = candidates(kind, N, K, x.device)
@@ -288,35 +290,28 @@ def config_for(kind: str, N: int, K: int, x: torch.Tensor) -> GemvConfig:
     return _chosen[key]
 
 
+# Weight bytes the tuner cycles through: more than the GPU's L2 (50 MB on an H100 or H200), so each launch streams
+# its weight from memory as a step's does (each layer has its own weights) instead of finding it in L2.
+TUNE_WEIGHT_BYTES = 128 << 20
+
+
 def _fastest(kind: str, N: int, K: int, x: torch.Tensor, options: list[GemvConfig]) -> GemvConfig:
     t0 = time.perf_counter()
     rows = 2 * N if kind == "gate_up_silu" else N
-    weight = torch.randn(rows, K, device=x.device).to(x.dtype)
+    copies = max(1, min(16, -(-TUNE_WEIGHT_BYTES // (rows * K * x.element_size()))))
+    weights = [torch.randn(rows, K, device=x.device).to(x.dtype) for _ in range(copies)]
     run = {"products": partial_products, "linear": linear, "gate_up_silu": gate_up_silu}[kind]
     timed = {}
     for config in options:
         total = 0.0
         for M in (1, BLOCK_M):
             xs = torch.randn(M, K, device=x.device).to(x.dtype)
-            total += time_ms(lambda: run(xs, weight, config))
+            total += gpu_timing.graphed_ms(lambda: [run(xs, w, config) for w in weights], runs=5) / copies
         timed[config] = total
     best = min(timed, key=timed.get)
     log.info("gemv %s N=%d K=%d: %s (%s ms at 1 + %d rows; tried %d configs in %.1f s)", kind, N, K, best,
              f"{timed[best]:.4f}", BLOCK_M, len(options), time.perf_counter() - t0)
     return best
-
-
-def time_ms(fn, runs: int = 20) -> float:
-    """Mean GPU time of fn() over `runs` launches, after warm-up (its first call compiles)."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(runs):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / runs
 
 
 def chosen_configs() -> dict[str, str]:

@@ -1,0 +1,38 @@
+"""GPU time of work as a CUDA graph replays it: the one way small kernels are timed here (the GEMV tuner, the GPU
+benches).
+
+Launched one by one from Python a small kernel measures the host's launch path (tens of microseconds a launch with
+Triton's launcher) instead of its own few microseconds; in a graph, as the engine runs its decode step, it does not.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+
+def replay_ms(graph: torch.cuda.CUDAGraph, reset=None, runs: int = 50) -> float:
+    """Median GPU time of one replay of `graph` over `runs` (after 3 untimed), reset() before each, outside the
+    timing."""
+    samples = []
+    for _ in range(runs + 3):
+        if reset is not None:
+            reset()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples[3:])
+
+
+def graphed_ms(fn, runs: int = 50) -> float:
+    """fn() captured in a CUDA graph (after one call outside it: Triton compiles then) -> replay_ms of that graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return replay_ms(graph, runs=runs)
