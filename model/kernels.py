@@ -447,10 +447,18 @@ def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write
     return q
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+# a decode attention program's tile: keys per iteration, warps, pipeline stages (bench.kernel_check --sections
+# decode_tiles compares them)
+DECODE_TILE = (64, 4, 3)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, positions: torch.Tensor,
+                     tile: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Row b (= slot b) attends over cache positions 0 .. positions[b] (position 0 only when it is -1).
 
     q: [B, H, hd]; caches [S >= B, KVH, L, hd]; positions: [B] -> [B, H * hd]. Reads only the live keys of each row.
+    tile: (keys an iteration, warps, stages), default DECODE_TILE; fixed, never chosen per batch (another tile may
+    round a row differently).
     """
     B, H, hd = q.shape
     kvh = k_cache.shape[1]
@@ -459,10 +467,11 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = H // kvh
     out = torch.empty((B, H * hd), dtype=q.dtype, device=q.device)
     sc, sh, sl, _ = k_cache.stride()
+    keys, warps, stages = tile or DECODE_TILE
     _decode_attention_kernel[(B, kvh)](
         q, k_cache, v_cache, out, positions, sc, sh, sl, 1.0 / math.sqrt(hd),
-        H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=64, num_warps=4,
-        **pdl_options(q.device, B))
+        H=H, G=group, G_BLOCK=max(16, triton.next_power_of_2(group)), HD=hd, BLOCK_N=keys, num_warps=warps,
+        num_stages=stages, **pdl_options(q.device, B))
     return out
 
 

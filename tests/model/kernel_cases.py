@@ -121,14 +121,15 @@ def test_qk_norm_rope_store_matches_reference_and_writes_only_its_positions(H, K
     assert not k_cache.transpose(1, 2)[~written].any() and not v_cache.transpose(1, 2)[~written].any()
 
 
-@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4), (6, 2)])
-def test_decode_attention_reads_each_rows_live_keys(heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,tile", [(4, 2, None), (4, 4, None), (6, 2, None), (4, 2, (32, 2, 2)),
+                                                  (4, 2, (128, 8, 3))])
+def test_decode_attention_reads_each_rows_live_keys(heads, kv_heads, tile):
     hd, S, L = 16, 7, 80
     k_cache, v_cache = torch.randn(S, kv_heads, L, hd), torch.randn(S, kv_heads, L, hd)
     positions = torch.tensor([0, 5, -1, 70, 63, 64])  # around the 64-key blocks; -1 is a padding row
     B = len(positions)
     q = torch.randn(B, heads, hd)
-    out = kernels.decode_attention(q, k_cache, v_cache, positions)
+    out = kernels.decode_attention(q, k_cache, v_cache, positions, tile)
     group = heads // kv_heads
     for b in range(B):
         n = max(int(positions[b]), 0) + 1
@@ -138,7 +139,7 @@ def test_decode_attention_reads_each_rows_live_keys(heads, kv_heads):
         assert torch.allclose(out[b], expected, atol=TOL, rtol=TOL), b
     # keys past a row's position must not matter
     k_cache[:, :, 71:] = 1e4
-    assert torch.equal(kernels.decode_attention(q, k_cache, v_cache, positions), out)
+    assert torch.equal(kernels.decode_attention(q, k_cache, v_cache, positions, tile), out)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2)])
