@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -295,38 +295,22 @@ def config_for(kind: str, N: int, K: int, x: torch.Tensor) -> GemvConfig:
 TUNE_WEIGHT_BYTES = 128 << 20
 
 
-def deeper(config: GemvConfig, K: int) -> list[GemvConfig]:
-    """Variants of a chosen config that keep more weight bytes in flight per program (a small batch's product is
-    bound by the latency of its weight stream): more pipeline stages, a reduction step twice as long."""
-    out = [replace(config, num_stages=stages) for stages in (4, 5)]
-    if 2 * config.block_k <= K:
-        out.append(replace(config, block_k=2 * config.block_k))
-    return out
-
-
 def _fastest(kind: str, N: int, K: int, x: torch.Tensor, options: list[GemvConfig]) -> GemvConfig:
-    """The fastest of `options`, then of it and its `deeper` variants, each timed at 1 and BLOCK_M rows in a CUDA
-    graph that cycles through TUNE_WEIGHT_BYTES of weights."""
     t0 = time.perf_counter()
     rows = 2 * N if kind == "gate_up_silu" else N
     copies = max(1, min(16, -(-TUNE_WEIGHT_BYTES // (rows * K * x.element_size()))))
     weights = [torch.randn(rows, K, device=x.device).to(x.dtype) for _ in range(copies)]
-    inputs = [torch.randn(M, K, device=x.device).to(x.dtype) for M in (1, BLOCK_M)]
     run = {"products": partial_products, "linear": linear, "gate_up_silu": gate_up_silu}[kind]
     timed = {}
-
-    def time_all(configs: list[GemvConfig]) -> GemvConfig:
-        for config in configs:
-            try:
-                timed[config] = sum(gpu_timing.graphed_ms(lambda: [run(xs, w, config) for w in weights], runs=5)
-                                    for xs in inputs) / copies
-            except triton.runtime.errors.OutOfResources:  # e.g. a deep pipeline of a wide tile: not this GPU's
-                pass
-        return min(timed, key=timed.get)
-
-    best = time_all(deeper(time_all(options), K))
+    for config in options:
+        total = 0.0
+        for M in (1, BLOCK_M):
+            xs = torch.randn(M, K, device=x.device).to(x.dtype)
+            total += gpu_timing.graphed_ms(lambda: [run(xs, w, config) for w in weights], runs=5) / copies
+        timed[config] = total
+    best = min(timed, key=timed.get)
     log.info("gemv %s N=%d K=%d: %s (%s ms at 1 + %d rows; tried %d configs in %.1f s)", kind, N, K, best,
-             f"{timed[best]:.4f}", BLOCK_M, len(timed), time.perf_counter() - t0)
+             f"{timed[best]:.4f}", BLOCK_M, len(options), time.perf_counter() - t0)
     return best
 
 
