@@ -49,3 +49,10 @@ def test_split_for_stops_at_the_program_target_and_at_whole_blocks():
     assert gemv._split_for(4096, 1024, 64, 128, 264) == 4
     assert gemv._split_for(1024, 256, 64, 128, 264) == 2  # no split narrower than one block_k
     assert gemv._split_for(151936, 1024, 64, 128, 264) == 1
+
+
+def test_the_tuner_settles_near_ties_on_the_earliest_candidate():
+    a, b, c = (gemv.GemvConfig(block_n=n, block_k=128) for n in (64, 32, 128))
+    assert gemv.settle({a: 1.02, b: 1.0, c: 1.5}) == a  # within the margin: the candidate listed first
+    assert gemv.settle({a: 1.10, b: 1.0, c: 1.01}) == b  # a is clearly slower; b and c tie, b is listed first
+    assert gemv.settle({a: 2.0, b: 1.5, c: 1.0}) == c
