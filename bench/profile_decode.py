@@ -61,6 +61,23 @@ def step_ms(engine: Engine, runs: int = 30) -> dict:
     return {B: round(kernel_check.step_ms(engine.runner, B, CONTEXT, runs), 4) for B in STEP_BUCKETS}
 
 
+def profiled_step(runner, B: int, replays: int):
+    """The profiler's record of `replays` replays of bucket B's graphed step, every row live at CONTEXT (set before
+    each: the same work every replay), after one unrecorded replay."""
+    runner.positions[:B] = CONTEXT
+    runner.graphs[B].replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            runner.positions[:B] = CONTEXT
+            runner.graphs[B].replay()
+        torch.cuda.synchronize()
+    return prof
+
+
+NOT_THE_STEP = ("Memcpy", "Memset", "void at::native::vect")  # the positions' reset between replays
+
+
 def step_section(engine: Engine, replays: int = 20) -> dict:
     """Each bucket's graphed decode step, every row live at CONTEXT: GPU time per kernel per step."""
     runner = engine.runner
@@ -68,17 +85,8 @@ def step_section(engine: Engine, replays: int = 20) -> dict:
     runner.budgets.fill_(1 << 30)
     out = {}
     for B in STEP_BUCKETS:
-        runner.positions[:B] = CONTEXT
-        runner.graphs[B].replay()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(replays):
-                runner.positions[:B] = CONTEXT  # the same work every replay
-                runner.graphs[B].replay()
-            torch.cuda.synchronize()
-        out[B] = kernel_times(prof, replays)
-        out[B]["kernels"] = {k: v for k, v in out[B]["kernels"].items() if not k.startswith(("Memcpy", "Memset",
-                                                                                             "void at::native::vect"))}
+        out[B] = kernel_times(profiled_step(runner, B, replays), replays)
+        out[B]["kernels"] = {k: v for k, v in out[B]["kernels"].items() if not k.startswith(NOT_THE_STEP)}
     runner.positions.fill_(-1)
     return out
 
@@ -93,17 +101,8 @@ def layer_section(engine: Engine, replays: int = 20) -> dict:
     runner.budgets.fill_(1 << 30)
     out = {}
     for B in LAYER_BUCKETS:
-        runner.positions[:B] = CONTEXT
-        runner.graphs[B].replay()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(replays):
-                runner.positions[:B] = CONTEXT
-                runner.graphs[B].replay()
-            torch.cuda.synchronize()
-        events = sorted((e for e in prof.events() if e.device_type.name == "CUDA"
-                         and not e.name.startswith(("Memcpy", "Memset", "void at::native::vect"))),
-                        key=lambda e: e.time_range.start)
+        events = sorted((e for e in profiled_step(runner, B, replays).events() if e.device_type.name == "CUDA"
+                         and not e.name.startswith(NOT_THE_STEP)), key=lambda e: e.time_range.start)
         out[B] = places(events, replays, layers) | {"replay_ms": round(kernel_check.step_ms(runner, B, CONTEXT), 4)}
         runner.budgets.fill_(1 << 30)
     runner.positions.fill_(-1)
