@@ -32,6 +32,7 @@ from .synthetic import speech_like
 
 SECTIONS = ("step", "layer", "admission")
 LAYER_BUCKETS = (1, 32)
+NOT_THE_STEP = ("Memcpy", "Memset", "void at::native::vect")  # profiled kernels of the positions' reset, not the step
 STEP_BUCKETS = (1, 32, 128, 256)
 CONTEXT = 200  # decode rows' positions: a ~10 s segment's prompt and answer
 
@@ -75,9 +76,6 @@ def profiled_step(runner, B: int, replays: int):
     return prof
 
 
-NOT_THE_STEP = ("Memcpy", "Memset", "void at::native::vect")  # the positions' reset between replays
-
-
 def step_section(engine: Engine, replays: int = 20) -> dict:
     """Each bucket's graphed decode step, every row live at CONTEXT: GPU time per kernel per step."""
     runner = engine.runner
@@ -104,25 +102,26 @@ def layer_section(engine: Engine, replays: int = 20) -> dict:
         events = sorted((e for e in profiled_step(runner, B, replays).events() if e.device_type.name == "CUDA"
                          and not e.name.startswith(NOT_THE_STEP)), key=lambda e: e.time_range.start)
         out[B] = places(events, replays, layers) | {"replay_ms": round(kernel_check.step_ms(runner, B, CONTEXT), 4)}
-        runner.budgets.fill_(1 << 30)
     runner.positions.fill_(-1)
     return out
 
 
 def places(events: list, replays: int, layers: int, before: int = 1) -> dict:
     """Profiler events of `replays` steps in start order -> mean us per place (see layer_section); `before`: the
-    kernels ahead of the first layer (decode_begin). A step whose kernels do not split into equal layers is reported
-    by count only."""
+    kernels ahead of the first layer (decode_begin). A step whose kernels do not split into layers of the same
+    kernels in the same order (fewer than a layer's worth after the last) is reported by count only."""
     per_step = len(events) // replays
     per_layer, after = divmod(per_step - before, layers)
     out = {"kernels_per_step": per_step, "sum_us": round(sum(e.time_range.elapsed_us() for e in events) / replays, 1)}
-    if len(events) % replays or per_layer == 0:
+    if len(events) % replays or per_step <= before or per_layer <= 0:
+        return out
+    names = [e.name[:60] for e in events[:per_step]]
+    if any(e.name[:60] != names[i % per_step] for i, e in enumerate(events)) or any(
+            names[before + i * per_layer + j] != names[before + j] for i in range(layers) for j in range(per_layer)):
         return out
     spans = [[] for _ in range(per_step)]
-    names = [""] * per_step
     for i, e in enumerate(events):
         spans[i % per_step].append(e.time_range.elapsed_us())
-        names[i % per_step] = e.name[:60]
     mean = lambda xs: round(sum(xs) / len(xs), 2)  # noqa: E731
     layer = [(names[before + j], mean([t for i in range(layers) for t in spans[before + i * per_layer + j]]))
              for j in range(per_layer)]

@@ -278,9 +278,9 @@ def candidates(kind: str, N: int, K: int, device: torch.device) -> list[GemvConf
 
 
 def config_for(kind: str, N: int, K: int, x: torch.Tensor) -> GemvConfig:
-    """The config of this shape: on CUDA the fastest of `candidates` at 1 and 16 rows (timed once, outside graph
-    capture, in a CUDA graph as the decode step runs them; $QASR_GEMV_TUNE=0 takes the heuristic one), elsewhere the
-    heuristic one."""
+    """The config of this shape: on CUDA the earliest of `candidates` within TIE_MARGIN of the fastest at 1 and 16
+    rows (`settle`; timed once, outside graph capture, in a CUDA graph as the decode step runs them;
+    $QASR_GEMV_TUNE=0 takes the heuristic one), elsewhere the heuristic one."""
     key = (kind, N, K, x.dtype, x.device)
     if key not in _chosen:
         options = candidates(kind, N, K, x.device)

@@ -3,6 +3,8 @@ benches).
 
 Launched one by one from Python a small kernel measures the host's launch path (tens of microseconds a launch with
 Triton's launcher) instead of its own few microseconds; in a graph, as the engine runs its decode step, it does not.
+The capture is thread-local (other threads' CUDA calls go on), but it must not overlap another thread's capture in
+CUDA's default global mode: the engine tunes and captures its graphs in one thread, one after the other.
 """
 
 from __future__ import annotations
