@@ -98,7 +98,10 @@ def test_clients_spread_over_processes_are_all_reported(server_url, tmp_path):
         assert session["drained"] and not session["error"] and session["finals"] == session["segments"] >= 1
     assert result["totals"]["failed_clients"] == 0
     assert result["summary"]["final_latency_ms"]["n"] == result["totals"]["finals"]
-    assert result["summary"]["send_lag_ms"]["n"] >= 4 * 3 * 1.5 * 10 - 4
+    # every client process's send lags are merged (how many a client gets depends on the host keeping pace: under
+    # load its processes start late and send fewer chunks before the run ends, so no count is asserted)
+    lags = [session["metrics"]["send_lag_ms"]["n"] for session in sessions]
+    assert all(n > 0 for n in lags) and result["summary"]["send_lag_ms"]["n"] == sum(lags)
 
 
 def test_words_ask_every_native_stream_for_word_times_and_count_the_finals_that_carried_them():
