@@ -23,6 +23,7 @@ off; see its docstring): each program waits for the kernel before it before its 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -299,15 +300,11 @@ def _fastest(kind: str, N: int, K: int, x: torch.Tensor, options: list[GemvConfi
     t0 = time.perf_counter()
     rows = 2 * N if kind == "gate_up_silu" else N
     copies = max(1, min(16, -(-TUNE_WEIGHT_BYTES // (rows * K * x.element_size()))))
-    weights = [torch.randn(rows, K, device=x.device).to(x.dtype) for _ in range(copies)]
+    weights = [torch.randn(rows, K, device=x.device, dtype=x.dtype) for _ in range(copies)]
+    inputs = [torch.randn(M, K, device=x.device, dtype=x.dtype) for M in (1, BLOCK_M)]
     run = {"products": partial_products, "linear": linear, "gate_up_silu": gate_up_silu}[kind]
-    timed = {}
-    for config in options:
-        total = 0.0
-        for M in (1, BLOCK_M):
-            xs = torch.randn(M, K, device=x.device).to(x.dtype)
-            total += gpu_timing.graphed_ms(lambda: [run(xs, w, config) for w in weights], runs=5) / copies
-        timed[config] = total
+    timed = {config: sum(gpu_timing.per_call_ms([functools.partial(run, xs, w, config) for w in weights], runs=5)
+                         for xs in inputs) for config in options}
     best = settle(timed)
     log.info("gemv %s N=%d K=%d: %s (%s ms at 1 + %d rows; tried %d configs in %.1f s)", kind, N, K, best,
              f"{timed[best]:.4f}", BLOCK_M, len(options), time.perf_counter() - t0)

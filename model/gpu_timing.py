@@ -38,3 +38,9 @@ def graphed_ms(fn, runs: int = 50) -> float:
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads' CUDA work may go on meanwhile
         fn()
     return replay_ms(graph, runs=runs)
+
+
+def per_call_ms(calls: list, runs: int = 50) -> float:
+    """GPU time of one call, the thunks `calls` captured one after the other in one graph (the same call repeated, or
+    one call over several weight copies so that each streams from memory): graphed_ms of them all / their number."""
+    return graphed_ms(lambda: [call() for call in calls], runs) / len(calls)
