@@ -118,6 +118,12 @@ class ThreadedServer:
     def num_connections(self) -> int:
         return len(self.server.connections) if self.server is not None else 0
 
+    def audio_seconds_received(self) -> float:
+        """Audio the server has taken in from all streams so far (its qasr_audio_seconds_total)."""
+        if self.server is None:
+            return 0.0
+        return self.server.metrics.registry.get_sample_value("qasr_audio_seconds_total") or 0.0
+
     def stop(self) -> None:
         """The SIGTERM path: open streams get their finals, then close 1001."""
         if self.server is not None:
