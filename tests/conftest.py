@@ -43,3 +43,14 @@ def tiny_model_dir_sharded(tmp_path_factory) -> Path:
 def tiny_aligner_dir(tmp_path_factory) -> Path:
     """Tiny random forced aligner (original layout), with the tiny model's tokenizer plus <timestamp>."""
     return make_test_aligner(tmp_path_factory.mktemp("tiny-aligner"), layout="original", seed=TINY_SEED)
+
+
+@pytest.fixture(scope="session")
+def aligner_server_port(tiny_model_dir, tiny_aligner_dir):
+    """The port of a `qasr-server --aligner` on the tiny model and aligner (CPU, the engine in its own process),
+    shared by the word-time tests."""
+    from live_server import server_process
+
+    with server_process("--model", str(tiny_model_dir), "--aligner", str(tiny_aligner_dir), "--device", "cpu",
+                        "--slots", "4", "--max-segment-s", "10") as port:
+        yield port

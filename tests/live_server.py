@@ -11,8 +11,12 @@ import asyncio
 import contextlib
 import io
 import shutil
+import socket
 import subprocess
+import sys
 import threading
+import time
+import urllib.request
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +44,46 @@ def requiring_key(key: str) -> SecuritySettings:
     """Security for a server whose streams need `key` (as $QASR_API_KEYS would give it); tokens from its
     POST /v1/tokens are signed with a secret of its own."""
     return SecuritySettings(auth=Authenticator(KeyStore.load(None, key), required=True))
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a server started as a process of its own)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def is_ready(port: int) -> bool:
+    """Whether a qasr-server on `port` answers /readyz with 200 (listening, model loaded and warmed up)."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as answer:
+            return answer.status == 200
+    except OSError:
+        return False
+
+
+@contextlib.contextmanager
+def server_process(*args: str, ready_timeout: float = 240):
+    """`qasr-server --port P ARGS` as a process of its own, once /readyz says ready -> its port P. A server that
+    exits or is not ready in time fails the test with what it printed; on leaving it gets SIGTERM (then SIGKILL)."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "qasr.server.cli", "--port", str(port), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while not is_ready(port):
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"qasr-server {' '.join(args)} did not become ready:\n" + server.communicate()[0].decode())
+            time.sleep(0.5)
+        yield port
+    finally:
+        server.terminate()
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
 
 
 def stream_url(port: int) -> str:

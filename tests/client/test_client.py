@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import types
 
 import numpy as np
@@ -19,7 +18,7 @@ from qasr.client import (ConnectionLost, Error, Final, Partial, Ready, Reconnect
 # tests/ is on sys.path (tests/conftest.py)
 from qasr.client import sources
 from fakes import FakeEngine, speech_like, stand_in_sounddevice
-from live_server import abort_connections, real_engine, serving, spoken_wav, stream_url
+from live_server import abort_connections, free_port, real_engine, serving, spoken_wav, stream_url
 
 THREE_BURSTS = [("silence", 0.4), ("speech", 1.6), ("silence", 0.8), ("speech", 1.2), ("silence", 0.8),
                 ("speech", 1.4), ("silence", 0.8)]
@@ -38,12 +37,6 @@ def write_wav(path, pattern, sample_rate=16000, seed=0):
 
 def fake_engine() -> FakeEngine:
     return FakeEngine(delay_s=0.005)
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 async def collect(stream) -> list:

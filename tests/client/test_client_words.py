@@ -9,11 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
 import pytest
 import soundfile
@@ -29,43 +24,10 @@ from live_server import ThreadedServer
 BURSTS = [("silence", 0.4), ("speech", 1.4), ("silence", 0.9), ("speech", 1.1), ("silence", 0.9)]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as answer:
-            return answer.status == 200
-    except OSError:
-        return False
-
-
-@pytest.fixture(scope="module")
-def aligner_url(tiny_model_dir, tiny_aligner_dir):
-    """ws:// of a qasr-server --aligner on the tiny model and aligner (CPU, engine in its own process)."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "qasr.server.cli", "--model", str(tiny_model_dir),
-                               "--aligner", str(tiny_aligner_dir), "--device", "cpu", "--port", str(port),
-                               "--slots", "4", "--max-segment-s", "10"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 240
-        while not ready(port):
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail("qasr-server --aligner did not become ready:\n" + server.communicate()[0].decode())
-            time.sleep(0.5)
-        yield f"ws://127.0.0.1:{port}/v1/stream"
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+@pytest.fixture
+def aligner_url(aligner_server_port):
+    """ws:// of the session's qasr-server --aligner (conftest.aligner_server_port)."""
+    return f"ws://127.0.0.1:{aligner_server_port}/v1/stream"
 
 
 @pytest.fixture(scope="module")

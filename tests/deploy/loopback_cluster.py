@@ -45,12 +45,6 @@ def render_nginx_config(text: str, *, listen_port: int, replica_ports: list[int]
     return text[:upstream.start(1)] + body + text[upstream.end(1):]
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def nginx_binary() -> str | None:
     """nginx on PATH, or where Debian installs it (/usr/sbin is not on every user's PATH)."""
     return shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")

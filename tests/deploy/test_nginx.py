@@ -26,8 +26,8 @@ from qasr.server.limits import ServerLimits
 from qasr.streaming.events import Final, Ready, SpeechStarted, Summary
 
 from fakes import speech_like  # tests/ is on sys.path (tests/conftest.py)
-from loopback_cluster import SHIPPED_NGINX_CONFIG, Nginx, Replica, free_port, http_get, nginx_binary, \
-    render_nginx_config
+from live_server import free_port
+from loopback_cluster import SHIPPED_NGINX_CONFIG, Nginx, Replica, http_get, nginx_binary, render_nginx_config
 
 pytestmark = pytest.mark.skipif(nginx_binary() is None,
                                 reason="nginx is not installed (Debian: apt-get install nginx; .ci/run does)")

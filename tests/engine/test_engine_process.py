@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from qasr.engine.engine_process import EngineProcess
 from qasr.engine.request import DecodeRequest, EngineClosed, EngineCrashed, Priority
 
 from fakes import speech_like, to_s16le
+from live_server import free_port
 from test_engine import speech
 
 OPTIONS = EngineOptions(num_slots=4, max_len=256, num_retained=2)
@@ -203,12 +203,6 @@ def test_the_engine_process_logs_in_the_format_it_is_given(tmp_path):
     entries = [json.loads(line) for line in lines]
     loaded = [e for e in entries if e["logger"] == "qasr.engine.engine_process" and "cannot load" in e["message"]]
     assert len(loaded) == 1 and loaded[0]["level"] == "error" and "Traceback" in loaded[0]["error"]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def test_qasr_server_serves_through_its_engine_process_and_sigterm_stops_both(tiny_model_dir):

@@ -21,7 +21,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from fakes import speech_like, to_s16le  # tests/ is on sys.path (conftest)
-from test_lifecycle import free_port
+from live_server import free_port
 
 STREAMS = 3
 UTTERANCES = [("speech", 1.2), ("silence", 0.7)] * 6  # 11 s of audio: the streams are mid-speech at SIGTERM

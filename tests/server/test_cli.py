@@ -20,12 +20,7 @@ from qasr.engine import engine_process as engine_module
 
 # tests/ is on sys.path (tests/conftest.py)
 from fakes import FakeEngine, speech_like, to_s16le
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from live_server import free_port
 
 
 def test_options_become_limits_and_defaults():

@@ -23,12 +23,11 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosedError
 
 from fakes import speech_like, to_s16le  # tests/ is on sys.path (conftest)
-from live_server import serving, stream_url
+from live_server import free_port, serving, stream_url
 from qasr.engine.engine import AsyncEngine, Engine
 from qasr.engine.engine_process import EngineProcess
 from qasr.engine.options import EngineOptions
 from qasr.server import cli
-from test_lifecycle import free_port
 
 # Every final decodes ~600 tokens (EOS ignored): long enough on the CPU to kill the process while it decodes one.
 SLOW = EngineOptions(num_slots=4, max_len=1024, num_retained=0, ignore_eos=True, base_tokens=600,

@@ -27,15 +27,9 @@ from qasr.server.protocol import NativeProtocol
 # tests/ is on sys.path (tests/conftest.py)
 from fakes import FakeEngine, speech_like, to_s16le
 from test_app import TWO_BURSTS, decode, finals, http_get, receive_all, run, running, stream, until, url
-from live_server import real_engine, serving
+from live_server import free_port, real_engine, serving
 
 START = json.dumps({"type": "start", "partials": False})
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # -- SIGTERM while the model loads ---------------------------------------------------------------------------------

@@ -1,20 +1,14 @@
 """Word times end to end (#17): `qasr-server --aligner` (its own process, the engine in a process of its own, the tiny
-model and a tiny random aligner on the CPU) and native-protocol clients over real sockets. A stream that asks gets
-finals whose words lie inside the segment in stream time, in order; a stream that does not ask gets finals without
-`words`; partials never carry them."""
+model and a tiny random aligner on the CPU: conftest.aligner_server_port) and native-protocol clients over real
+sockets. A stream that asks gets finals whose words lie inside the segment in stream time, in order; a stream that
+does not ask gets finals without `words`; partials never carry them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 
-import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
@@ -24,44 +18,6 @@ from qasr.model.aligner_words import split_words
 BURSTS = [("silence", 0.4), ("speech", 1.4), ("silence", 0.9), ("speech", 1.1), ("silence", 0.9), ("speech", 0.8),
           ("silence", 0.8)]
 SR = 16000
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server_port(tiny_model_dir, tiny_aligner_dir):
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "qasr.server.cli", "--model", str(tiny_model_dir),
-                               "--aligner", str(tiny_aligner_dir), "--device", "cpu", "--port", str(port),
-                               "--slots", "4", "--max-segment-s", "10"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 240
-        while not _ready(port):
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail("qasr-server --aligner did not become ready:\n" + server.communicate()[0].decode())
-            time.sleep(0.5)
-        yield port
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-
-
-def _ready(port: int) -> bool:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/readyz", timeout=2) as answer:
-            return answer.status == 200
-    except OSError:
-        return False
 
 
 async def stream(port: int, start: dict) -> list[dict]:
@@ -87,8 +43,8 @@ async def stream(port: int, start: dict) -> list[dict]:
     return events
 
 
-def test_finals_of_a_stream_that_asked_carry_words_inside_the_segment_in_order(server_port):
-    events = asyncio.run(stream(server_port, {"words": True}))
+def test_finals_of_a_stream_that_asked_carry_words_inside_the_segment_in_order(aligner_server_port):
+    events = asyncio.run(stream(aligner_server_port, {"words": True}))
     ready = events[0]
     assert ready["type"] == "ready" and ready["limits"]["words"] is True and ready["config"]["words"] is True
     finals = [e for e in events if e["type"] == "final"]
@@ -107,7 +63,7 @@ def test_finals_of_a_stream_that_asked_carry_words_inside_the_segment_in_order(s
         assert all(a["start"] <= b["start"] and a["end"] <= b["end"] for a, b in zip(words, words[1:]))
 
 
-def test_a_stream_that_did_not_ask_gets_finals_without_words(server_port):
-    events = asyncio.run(stream(server_port, {}))
+def test_a_stream_that_did_not_ask_gets_finals_without_words(aligner_server_port):
+    events = asyncio.run(stream(aligner_server_port, {}))
     finals = [e for e in events if e["type"] == "final"]
     assert len(finals) == 3 and not any("words" in f or "words_reason" in f for f in finals)

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,14 +23,9 @@ import pytest
 from websockets.asyncio.client import connect
 
 from fakes import speech_like, to_s16le  # tests/ is on sys.path (conftest)
+from live_server import free_port
 
 SEGMENT = [("speech", 1.0), ("silence", 1.0)]  # one segment, closed by the silence after it
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def running(pid) -> bool:
