@@ -14,6 +14,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -62,28 +63,37 @@ def is_ready(port: int) -> bool:
         return False
 
 
+def stop_process(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `timeout` seconds."""
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @contextlib.contextmanager
 def server_process(*args: str, ready_timeout: float = 240):
     """`qasr-server --port P ARGS` as a process of its own, once /readyz says ready -> its port P. A server that
-    exits or is not ready in time fails the test with what it printed; on leaving it gets SIGTERM (then SIGKILL)."""
+    exits or is not ready in time fails the test with what it printed; on leaving it gets stop_process. Its output
+    goes to a file, not a pipe nobody reads (a full pipe would block a long-lived server's logging)."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "qasr.server.cli", "--port", str(port), *args],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while not is_ready(port):
-            if server.poll() is not None or time.monotonic() > deadline:
-                server.kill()
-                pytest.fail(f"qasr-server {' '.join(args)} did not become ready:\n" + server.communicate()[0].decode())
-            time.sleep(0.5)
-        yield port
-    finally:
-        server.terminate()
+    with tempfile.TemporaryFile() as output:
+        server = subprocess.Popen([sys.executable, "-m", "qasr.server.cli", "--port", str(port), *args],
+                                  stdout=output, stderr=subprocess.STDOUT)
         try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+            deadline = time.monotonic() + ready_timeout
+            while not is_ready(port):
+                if server.poll() is not None or time.monotonic() > deadline:
+                    server.kill()
+                    server.wait()
+                    output.seek(0)
+                    pytest.fail(f"qasr-server {' '.join(args)} did not become ready:\n" + output.read().decode())
+                time.sleep(0.5)
+            yield port
+        finally:
+            stop_process(server)
 
 
 def stream_url(port: int) -> str:

@@ -22,7 +22,7 @@ from qasr.client import AudioSourceError, file_source
 
 # tests/ is on sys.path (tests/conftest.py)
 from fakes import FakeEngine, speech_like
-from live_server import ThreadedServer, wait_until
+from live_server import ThreadedServer, stop_process, wait_until
 
 
 async def chunks_of(source) -> list[np.ndarray]:
@@ -98,11 +98,7 @@ def pulseaudio(tmp_path_factory):
             pytest.skip(f"PortAudio sees no input through PulseAudio: {why}")
         yield env
     finally:
-        daemon.terminate()
-        try:
-            daemon.wait(5)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        stop_process(daemon, timeout=5)
 
 
 def test_qasr_mic_transcribes_what_the_virtual_microphone_hears(pulseaudio, tmp_path):

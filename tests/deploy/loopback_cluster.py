@@ -20,6 +20,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from live_server import stop_process  # tests/ is on sys.path (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED_NGINX_CONFIG = REPO / "deploy" / "nginx" / "qasr.conf"
 
@@ -106,12 +108,7 @@ class Nginx:
 
     def close(self) -> None:
         if self.process.poll() is None:
-            self.process.terminate()  # fast shutdown: open connections are dropped
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(5)
+            stop_process(self.process, timeout=10)  # nginx's fast shutdown: open connections are dropped
 
 
 class Replica:
