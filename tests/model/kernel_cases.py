@@ -70,16 +70,22 @@ def test_conv1_gelu_is_the_first_convolution_with_its_bias_and_gelu(chunks, heig
         assert torch.equal(conv_kernels.conv1_gelu(x, conv, tile=(32, 32, 2)), y)
 
 
-def test_the_gpu_kernel_checks_conv1_case_compares_the_kernel_with_pytorch():
-    from qasr.bench.kernel_check import conv1_case
+def test_the_gpu_kernel_checks_conv1_case_compares_the_kernel_with_pytorch(monkeypatch):
+    from qasr.bench import kernel_check
     from qasr.model.config import AudioEncoderConfig
     from qasr.model.modeling import AudioEncoder
 
     encoder = AudioEncoder(AudioEncoderConfig(d_model=32, encoder_layers=0, encoder_attention_heads=2,
                                               downsample_hidden_size=72, output_dim=16))
     with torch.no_grad():
-        r = conv1_case(encoder, torch.device("cpu"), chunks=2)
-    assert r["max_abs"] <= TOL * max(1.0, r["max_ref"]) and r["identical"] > 0.5
+        r = kernel_check.conv1_case(encoder, torch.device("cpu"), chunks=2)
+        # (how many elements come out bit-identical depends on the CPU's convolution algorithm: only the error is
+        # asserted; a session-17 host, an AMD EPYC, had 17% identical where earlier hosts had over half)
+        assert r["max_abs"] <= TOL * max(1.0, r["max_ref"]) and r["identical"] > 0
+        # a kernel that lost its GELU is caught
+        monkeypatch.setattr(kernel_check, "conv1_gelu", lambda x, conv: conv(x.unsqueeze(1)))
+        wrong = kernel_check.conv1_case(encoder, torch.device("cpu"), chunks=2)
+    assert wrong["max_abs"] > 0.01 * wrong["max_ref"]
 
 
 def test_conv1_gelu_refuses_another_convolution():
