@@ -14,13 +14,14 @@ import pytest
 pytest.importorskip("triton")
 
 
+@pytest.mark.timeout(1500)  # ~11 minutes on a 2-core AMD EPYC CI host, alone; more beside other work
 def test_fused_kernels_match_the_pytorch_reference():
     here = Path(__file__).resolve().parent
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(here.parent),
          str(here / "kernel_cases.py")],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env, capture_output=True, text=True, timeout=1440,
     )
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
