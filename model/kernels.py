@@ -388,6 +388,19 @@ def _splits(x: torch.Tensor, dtype: torch.dtype) -> int:
     raise ValueError(f"expected [N, W] {dtype} or float32 partial sums [S, N, W], got {tuple(x.shape)} {x.dtype}")
 
 
+# Rows up to which a norm kernel (one program a row) takes a warp per 64 columns (16 at the 0.6B and 1.7B widths) rather
+# than one per 256: the decode step's small buckets, where the norm after a split-K product sums 8-16 partial rows of
+# float32 and the more loads in flight the sooner it ends. On the H200 (session 17, 0.6B) 16 warps took the step from
+# 0.877 to 0.825 ms at one row and 1.220 to 1.159 at 32 (8 warps: 0.835, 1.160); over a prefill's thousands of rows
+# 16 a row cost 7% of offline throughput, so above this the old rule stays.
+NORM_WIDE_ROWS = 32
+
+
+def norm_warps(rows: int, block: int) -> int:
+    """Warps of a one-row-a-program norm kernel over `rows` rows of `block` (a power of two) columns."""
+    return min(16, max(1, block // (64 if rows <= NORM_WIDE_ROWS else 256)))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
     """norm(x) * weight over the last dim; with `residual`: residual += x first (in place) and norm that.
 
@@ -401,7 +414,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     y = torch.empty((N, D), dtype=dtype, device=x.device)
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(N,)](x, residual if residual is not None else x, weight, y, D, eps, N * D, SPLITS=splits,
-                           HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+                           HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=norm_warps(N, block),
                            **pdl_options(x.device, N))
     return y
 
@@ -543,7 +556,7 @@ def decode_begin(tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Ten
     rope_pos, slots, write_pos = (torch.empty(B, dtype=torch.long, device=embed.device) for _ in range(3))
     block = triton.next_power_of_2(D)
     _decode_begin_kernel[(B,)](tokens, positions, embed, norm_weight, h, residual, rope_pos, slots, write_pos, D, V,
-                               scratch, eps, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+                               scratch, eps, BLOCK=block, num_warps=norm_warps(B, block),
                                **pdl_options(embed.device, B))
     return h, residual, rope_pos, slots, write_pos
 
