@@ -388,11 +388,12 @@ def _splits(x: torch.Tensor, dtype: torch.dtype) -> int:
     raise ValueError(f"expected [N, W] {dtype} or float32 partial sums [S, N, W], got {tuple(x.shape)} {x.dtype}")
 
 
-# Rows up to which a norm kernel (one program a row) takes a warp per 64 columns (16 at the 0.6B and 1.7B widths) rather
-# than one per 256: the decode step's small buckets, where the norm after a split-K product sums 8-16 partial rows of
-# float32 and the more loads in flight the sooner it ends. On the H200 (session 17, 0.6B) 16 warps took the step from
-# 0.877 to 0.825 ms at one row and 1.220 to 1.159 at 32 (8 warps: 0.835, 1.160); over a prefill's thousands of rows
-# 16 a row cost 7% of offline throughput, so above this the old rule stays.
+# Rows up to which a norm kernel (one program a row) takes a warp per 64 columns (16, the cap, at the 0.6B and 1.7B
+# widths) rather than one per 256: the decode step's small buckets, the rows its products run on gemv.py's split-K
+# kernels (gemv.DEFAULT_MAX_ROWS), where the norm after o_proj or down sums 8-16 float32 partial rows and the more loads
+# in flight the sooner it ends. On the H200 (session 17, alternating on one lease) the 0.6B step went 0.877 -> 0.818 ms
+# at one row and 1.213 -> 1.147 at 32 (1.7B: 1.446 -> 1.388 at one row); over a prefill's thousands of rows 16 a row
+# cost 7% of offline throughput, so above this the old rule stays.
 NORM_WIDE_ROWS = 32
 
 

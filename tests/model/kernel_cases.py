@@ -22,10 +22,8 @@ from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.request import DecodeRequest, Priority
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/model/test_kernels.py"
-# The engines here run the decoder's kernels with PyTorch's first convolution: its kernel takes the interpreter ~17 s a
-# chunk (an AMD EPYC CI host), and its own cases below test it, with one engine test that runs it
-# (test_the_engine_on_the_fused_first_convolution_gives_the_plain_engines_tokens). This child process only.
-os.environ[runner_module.FUSED_CONV1_ENV] = "0"
+# test_kernels.py runs these with $QASR_FUSED_CONV1=0 (PyTorch's first convolution in the engines: its kernel is ~17 s a
+# chunk here); the kernel's own cases, and test_the_engine_on_the_fused_first_convolution_..., turn it on
 
 TOL = 2e-6
 
@@ -83,13 +81,13 @@ def test_the_gpu_kernel_checks_conv1_case_compares_the_kernel_with_pytorch(monke
     encoder = AudioEncoder(AudioEncoderConfig(d_model=32, encoder_layers=0, encoder_attention_heads=2,
                                               downsample_hidden_size=72, output_dim=16))
     with torch.no_grad():
-        r = kernel_check.conv1_case(encoder, torch.device("cpu"), chunks=2)
+        r = kernel_check.conv1_case(encoder, torch.device("cpu"), chunks=1)
         # (how many elements come out bit-identical depends on the CPU's convolution algorithm: only the error is
         # asserted; a session-17 host, an AMD EPYC, had 17% identical where earlier hosts had over half)
-        assert r["max_abs"] <= TOL * max(1.0, r["max_ref"]) and r["identical"] > 0
+        assert r["max_abs"] <= TOL * max(1.0, r["max_ref"])
         # a kernel that lost its GELU is caught
         monkeypatch.setattr(kernel_check, "conv1_gelu", lambda x, conv: conv(x.unsqueeze(1)))
-        wrong = kernel_check.conv1_case(encoder, torch.device("cpu"), chunks=2)
+        wrong = kernel_check.conv1_case(encoder, torch.device("cpu"), chunks=1)
     assert wrong["max_abs"] > 0.01 * wrong["max_ref"]
 
 
@@ -516,7 +514,9 @@ def test_graph_capture_code_runs_every_bucket_once_per_group_pool(tiny_model_dir
                         "current_stream": FakeStream, "stream": lambda s: contextlib.nullcontext(),
                         "synchronize": lambda: None}.items():
         monkeypatch.setattr(torch.cuda, name, value)
-    monkeypatch.setattr(runner_module, "ENCODER_BUCKETS", (1, 2))  # fewer buckets: the interpreter is slow
+    # fewer buckets: the interpreter is slow (and the conv graphs capture PyTorch's first convolution here, as every
+    # engine of these cases but one does: the capture code is the same)
+    monkeypatch.setattr(runner_module, "ENCODER_BUCKETS", (1, 2))
     monkeypatch.setattr(runner_module, "CONV_BUCKETS", (1, 2))
     monkeypatch.setattr(runner_module, "PREFILL_BATCH_BUCKETS", (1, 2))
     model = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(

@@ -56,3 +56,15 @@ def test_the_tuner_settles_near_ties_on_the_earliest_candidate():
     assert gemv.settle({a: 1.02, b: 1.0, c: 1.5}) == a  # within the margin: the candidate listed first
     assert gemv.settle({a: 1.10, b: 1.0, c: 1.01}) == b  # a is clearly slower; b and c tie, b is listed first
     assert gemv.settle({a: 2.0, b: 1.5, c: 1.0}) == c
+
+
+def test_the_norms_after_the_split_products_take_the_wide_warps_only_in_the_decode_buckets():
+    from qasr.model import kernels
+
+    # the decode step's buckets (the rows gemv's split-K products run on): 16 warps at the real widths
+    assert kernels.NORM_WIDE_ROWS == gemv.DEFAULT_MAX_ROWS
+    assert {kernels.norm_warps(rows, block) for rows in (1, 16, 32) for block in (1024, 2048)} == {16}
+    # a prefill's rows keep a warp per 256 columns (16 a row cost the H200 7% of offline throughput)
+    assert kernels.norm_warps(33, 1024) == 4 and kernels.norm_warps(4096, 2048) == 8
+    # never none, never past Triton's 16 on small or wide rows
+    assert all(1 <= kernels.norm_warps(rows, 2 ** p) <= 16 for rows in (1, 64) for p in range(0, 15))

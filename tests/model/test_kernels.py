@@ -14,15 +14,20 @@ import pytest
 pytest.importorskip("triton")
 
 
-@pytest.mark.timeout(1500)  # ~11 minutes on a 2-core AMD EPYC CI host, alone; more beside other work
+@pytest.mark.timeout(1500)  # ~9 minutes alone on a 2-core AMD EPYC CI host (session 17); more beside other work
 def test_fused_kernels_match_the_pytorch_reference():
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(here.parent),
-         str(here / "kernel_cases.py")],
-        env=env, capture_output=True, text=True, timeout=1440,
-    )
+    # The engines there run the decoder's kernels with PyTorch's first convolution: its kernel takes the interpreter
+    # ~17 s a chunk, and kernel_cases tests it on its own and in one engine (which turns it back on)
+    env = dict(os.environ, TRITON_INTERPRET="1", QASR_FUSED_CONV1="0")
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(here.parent),
+             str(here / "kernel_cases.py")],
+            env=env, capture_output=True, text=True, timeout=1440,
+        )
+    except subprocess.TimeoutExpired as e:  # show how far it got
+        pytest.fail(f"the kernel cases ran past {e.timeout} s:\n{(e.stdout or b'')[-6000:]!r}")
     report = proc.stdout[-6000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, report
     assert " passed" in proc.stdout and "failed" not in proc.stdout, report
