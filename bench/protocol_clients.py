@@ -90,8 +90,11 @@ def endpoint(url: str, protocol: str) -> str:
 async def paced(record: ClientRecord, num_chunks: int, chunk_s: float, *, stop_at: float, bench_start: float,
                 done: asyncio.Future) -> AsyncIterator[int]:
     """Yields chunk numbers as each chunk is due live (every `chunk_s` seconds), and records how late the caller's
-    send of it finished. Stops early at `stop_at` or once `done` (the receiver) has finished."""
+    send of it finished. Stops early once `done` (the receiver) has finished, or at `stop_at` if that is later than
+    the audio's own end: a client whose handshake took a while still streams all its audio on time (a CI host under
+    load once sent 5.5 of 6 s), while one that falls behind stops at the bench's end."""
     record.t0 = time.perf_counter()
+    stop_at = max(stop_at, record.t0 + num_chunks * chunk_s)
     for k in range(num_chunks):
         due = record.t0 + (k + 1) * chunk_s  # a live source has the chunk once it is full
         now = time.perf_counter()

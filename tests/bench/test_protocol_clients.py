@@ -182,3 +182,23 @@ def test_a_one_track_twilio_call_names_the_inbound_track_only():
     assert [json.loads(message)["sequenceNumber"] for message in call.media(1)] == ["3"]
     with pytest.raises(ValueError, match="one or two tracks"):
         clients.TwilioCall([])
+
+
+def test_a_client_whose_handshake_ate_into_the_run_still_streams_all_its_audio():
+    import asyncio
+    import time
+
+    async def chunks_sent(stop_in_s: float, lag_s: float = 0.0) -> int:
+        record = clients.ClientRecord(index=0)
+        done = asyncio.get_running_loop().create_future()
+        sent = 0
+        async for _ in clients.paced(record, 10, 0.01, stop_at=time.perf_counter() + stop_in_s,
+                                     bench_start=time.perf_counter(), done=done):
+            sent += 1
+            await asyncio.sleep(lag_s)  # a send this slow falls behind the live pace
+        return sent
+
+    # the bench's end already past when streaming starts (a slow handshake): all 10 chunks, on time
+    assert asyncio.run(chunks_sent(stop_in_s=-1.0)) == 10
+    # a client falling far behind stops at the later of the bench's end and its audio's own end (0.1 s)
+    assert asyncio.run(chunks_sent(stop_in_s=0.0, lag_s=0.05)) < 10
