@@ -13,13 +13,15 @@ import pytest
 
 pytest.importorskip("triton")
 
+from qasr.engine.runner import FUSED_CONV1_ENV  # noqa: E402
+
 
 @pytest.mark.timeout(1500)  # ~9 minutes alone on a 2-core AMD EPYC CI host (session 17); more beside other work
 def test_fused_kernels_match_the_pytorch_reference():
     here = Path(__file__).resolve().parent
     # The engines there run the decoder's kernels with PyTorch's first convolution: its kernel takes the interpreter
     # ~17 s a chunk, and kernel_cases tests it on its own and in one engine (which turns it back on)
-    env = dict(os.environ, TRITON_INTERPRET="1", QASR_FUSED_CONV1="0")
+    env = dict(os.environ, TRITON_INTERPRET="1", **{FUSED_CONV1_ENV: "0"})
     try:
         proc = subprocess.run(
             [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(here.parent),
