@@ -562,6 +562,12 @@ def decode_begin(tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Ten
     return h, residual, rope_pos, slots, write_pos
 
 
+# the argmax of a row's lm_head block maxima in advance_rows: one program a row takes up to ARGMAX_BLOCK of them an
+# iteration with ARGMAX_WARPS warps (the 0.6B and 1.7B lm_heads leave 2,374 at 64 columns a block: one iteration)
+ARGMAX_BLOCK = 4096
+ARGMAX_WARPS = 16
+
+
 def advance_rows(next_tokens: torch.Tensor | BlockMaxima, tokens: torch.Tensor, positions: torch.Tensor,
                  counts: torch.Tensor, budgets: torch.Tensor, eos: torch.Tensor, out: torch.Tensor) -> None:
     """The decode step's per-row bookkeeping in one launch, in place (the ~18 small PyTorch ops of
@@ -581,5 +587,5 @@ def advance_rows(next_tokens: torch.Tensor | BlockMaxima, tokens: torch.Tensor, 
     for t in (*([] if maxima else [nxt]), tokens, positions, counts, budgets, eos, out):
         assert t.dtype == torch.long and t.is_contiguous()
     _advance_rows_kernel[(B,)](nxt, values, tokens, positions, counts, budgets, eos, out, W, out.stride(0),
-                               MAXIMA=maxima, NUM_EOS=eos.shape[0], BLOCK=min(1024, triton.next_power_of_2(W)),
-                               num_warps=4 if maxima else 1, **pdl_options(out.device, B))
+                               MAXIMA=maxima, NUM_EOS=eos.shape[0], BLOCK=min(ARGMAX_BLOCK, triton.next_power_of_2(W)),
+                               num_warps=ARGMAX_WARPS if maxima else 1, **pdl_options(out.device, B))

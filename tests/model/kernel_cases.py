@@ -360,18 +360,19 @@ def test_the_fused_argmax_takes_nans_and_infinities_as_torch_argmax_does():
 
 
 def test_block_maxima_reduce_across_many_blocks_to_the_first_maximum():
-    # more block maxima than advance_rows reduces at once (1024): the first maximum sits in a later pass too
-    rows, blocks = 3, 2500
+    # more block maxima than advance_rows reduces at once (ARGMAX_BLOCK): the first maximum sits in a later pass too
+    step = kernels.ARGMAX_BLOCK
+    rows, blocks = 3, 2 * step + 500
     values = torch.randn(rows, blocks)
-    values[0, [5, 1500, 2400]] = 10.0
-    values[1, [2000, 2300]] = 10.0
+    values[0, [5, step + 1500, 2 * step + 400]] = 10.0
+    values[1, [step + 2000, 2 * step + 300]] = 10.0
     values[2, :] = float("-inf")
     index = (torch.arange(blocks, dtype=torch.int32) * 16 + 3).repeat(rows, 1).contiguous()
     state = advance_state(rows, seed=5)
     state["positions"][:] = 1
     state["budgets"][:] = 100
     _, out = advanced(kernels.advance_rows, kernels.BlockMaxima(values, index), state, torch.tensor([-1]))
-    assert out[0].tolist() == [5 * 16 + 3, 2000 * 16 + 3, 3]
+    assert out[0].tolist() == [5 * 16 + 3, (step + 2000) * 16 + 3, 3]
 
 
 # -- the engine on the kernels ---------------------------------------------------------------------------------------
