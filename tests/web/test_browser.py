@@ -267,7 +267,10 @@ STOP_MID_CHUNK = """(async () => {
 
 def test_stop_sends_every_captured_sample_before_end(tmp_path):
     """Stop mid-chunk: the worklet's partly filled chunk and any chunk still on its way to the page are sent
-    before `end`, so the server hears everything the microphone captured until Stop (within one 10 ms frame)."""
+    before `end`, so the server hears everything the microphone captured until Stop (within one 10 ms frame).
+    The test's tap freezes its count a moment before the capture hears Stop (their messages reach the audio thread
+    in different render quanta, ~3 ms each, more on a loaded host), so the server may hear a little more than
+    counted, never less; half a 100 ms chunk still catches a chunk sent twice."""
     audio, _ = speech_like([("silence", 0.5), ("speech", 3.0), ("silence", 0.5)])
     soundfile.write(str(tmp_path / "speech.wav"), audio, 16000, subtype="PCM_16")
 
@@ -286,7 +289,8 @@ def test_stop_sends_every_captured_sample_before_end(tmp_path):
     assert summary["type"] == "summary", events[-3:]
     captured_s = captured["frames"] / captured["rate"]
     assert captured_s > 1.0
-    assert summary["audio_seconds"] == pytest.approx(captured_s, abs=0.01), (summary, captured, console)
+    heard_s = summary["audio_seconds"]
+    assert captured_s - 0.01 <= heard_s <= captured_s + 0.05, (summary, captured, console)
 
 
 KEY = "browser-test-key-0123456789"
