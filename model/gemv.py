@@ -57,7 +57,14 @@ class GemvConfig:
     block_k: int  # reduction step
     split: int = 1  # programs sharing one column block's reduction (partial sums)
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 4  # loads in flight per program when the rows fit one tile (the rows the tuner times)
+
+    def stages(self, M: int) -> int:
+        """Loads in flight per program for M rows. Past one row tile the launch has twice the programs or more, and
+        a 4-deep ring of shared memory each likely leaves too few of them resident per SM. H200, 0.6B step (session
+        19): 4 stages everywhere took 1 row from 0.826 to 0.796 ms but 32 rows from 1.155 to 1.19; this rule 0.784
+        and 1.122 (3 stages: 0.820, 1.155)."""
+        return self.num_stages if M <= BLOCK_M else min(self.num_stages, 3)
 
     def k_per_split(self, K: int) -> int:
         return -(-(-(-K // self.split)) // self.block_k) * self.block_k
@@ -216,7 +223,7 @@ def _launch_products(x, weight, out, config: GemvConfig, maxima: kernels.BlockMa
     max_v, max_i = (maxima.values, maxima.index) if maxima is not None else (out, out)
     _gemv_kernel[grid](x, weight, out, max_v, max_i, M, N, K, x.stride(0), K_SPLIT=config.k_per_split(K),
                        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=_precision(x),
-                       ARGMAX=maxima is not None, num_warps=config.num_warps, num_stages=config.num_stages,
+                       ARGMAX=maxima is not None, num_warps=config.num_warps, num_stages=config.stages(M),
                        **kernels.pdl_options(x.device, M))
 
 
@@ -232,7 +239,7 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | Non
     grid = (_row_tiles(M), triton.cdiv(I, config.block_n))
     _gate_up_silu_kernel[grid](x, weight, out, M, I, K, x.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
                                BLOCK_K=config.block_k, PRECISION=_precision(x), num_warps=config.num_warps,
-                               num_stages=config.num_stages, **kernels.pdl_options(x.device, M))
+                               num_stages=config.stages(M), **kernels.pdl_options(x.device, M))
     return out
 
 

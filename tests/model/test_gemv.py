@@ -68,3 +68,10 @@ def test_the_norms_after_the_split_products_take_the_wide_warps_only_in_the_deco
     assert kernels.norm_warps(33, 1024) == 4 and kernels.norm_warps(4096, 2048) == 8
     # never none, never past Triton's 16 on small or wide rows
     assert all(1 <= kernels.norm_warps(rows, 2 ** p) <= 16 for rows in (1, 64) for p in range(0, 15))
+
+
+def test_a_launch_past_one_row_tile_keeps_at_most_three_stages():
+    """4 stages paid on the H200 while the rows fit one tile and lost at two (session 19): the depth follows M."""
+    deep, shallow = gemv.GemvConfig(64, 128), gemv.GemvConfig(64, 128, num_stages=2)
+    assert [deep.stages(M) for M in (1, gemv.BLOCK_M, gemv.BLOCK_M + 1, 32)] == [4, 4, 3, 3]
+    assert [shallow.stages(M) for M in (1, 32)] == [2, 2]  # a config asking for fewer keeps them
