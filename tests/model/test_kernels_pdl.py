@@ -71,12 +71,13 @@ def launched_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
     return found
 
 
-def compile_for_hopper(name: str, pdl: bool):
+def compile_for_hopper(name: str, pdl: bool, num_stages: int = 3):
     module, signature, constexprs = KERNELS[name]
     fn = getattr(module, name)
     constexprs = constexprs | {"PDL": pdl}
     src = ASTSource(fn=fn, signature=signature | {c: "constexpr" for c in constexprs}, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"launch_pdl": pdl, "num_warps": 4})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"launch_pdl": pdl, "num_warps": 4, "num_stages": num_stages})
 
 
 def test_every_launched_kernel_takes_the_pdl_flag_and_is_checked_here():
@@ -86,17 +87,29 @@ def test_every_launched_kernel_takes_the_pdl_flag_and_is_checked_here():
         assert "PDL" in fn.arg_names, name
 
 
-@pytest.mark.parametrize("name", sorted(KERNELS))
-def test_with_pdl_each_program_waits_for_the_previous_kernel_before_touching_memory(name):
-    on = compile_for_hopper(name, True)
-    ptx = on.asm["ptx"]
-    assert on.metadata.launch_pdl
+def assert_waits_before_memory(compiled) -> None:
+    ptx = compiled.asm["ptx"]
+    assert compiled.metadata.launch_pdl
     wait = ptx.find("griddepcontrol.wait")
     first_access = MEMORY.search(ptx)
     assert wait >= 0 and "griddepcontrol.launch_dependents" in ptx
     assert first_access is not None and wait < first_access.start(), ptx[: first_access.start() + 200]
+
+
+@pytest.mark.parametrize("name", sorted(KERNELS))
+def test_with_pdl_each_program_waits_for_the_previous_kernel_before_touching_memory(name):
+    assert_waits_before_memory(compile_for_hopper(name, True))
     off = compile_for_hopper(name, False)
     assert not off.metadata.launch_pdl and "griddepcontrol" not in off.asm["ptx"]
+
+
+@pytest.mark.parametrize("name", ["_gemv_kernel", "_gate_up_silu_kernel"])
+def test_the_gemv_kernels_wait_before_their_first_load_at_every_pipeline_depth_they_launch(name):
+    """GemvConfig.stages: deeper at one row tile than past it; a deeper prologue's loads must still follow the wait."""
+    depths = {gemv.GemvConfig(64, 128).stages(M) for M in (1, gemv.BLOCK_M + 1)}
+    assert len(depths) == 2
+    for depth in depths:
+        assert_waits_before_memory(compile_for_hopper(name, True, num_stages=depth))
 
 
 def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
