@@ -4,9 +4,10 @@ shapes over a wider grid of tiles, warps, stages and splits, timed as the tuner 
     python -m qasr.bench.gemv_sweep [0.6B|1.7B ...] [--budget-s 240]    # on CUDA
 
 Each config is timed in a CUDA graph cycling through weight copies larger than L2 (gemv._fastest's method), at 1, 16
-and 32 rows (at 32, two row tiles, a launch keeps at most 3 stages: GemvConfig.stages). Per product it prints the tuner's pick (config_for) with its times, and the fastest configs of the grid
-at 1 row and at 16 + 32 rows; one JSON object per size. A grid config compiles once (~0.5 s), so the grid is cut
-short at --budget-s (what was timed is kept; "timed" says how many).
+and 32 rows (at 32, two row tiles, a launch keeps at most 3 stages: GemvConfig.stages). Per product it prints the
+tuner's pick (config_for) with its times, and the fastest configs of the grid at 1 row and at 16 + 32 rows; one JSON
+object per size. A grid config compiles once (~0.5 s), so the grid is cut short at --budget-s (what was timed is kept;
+"timed" says how many).
 """
 
 from __future__ import annotations

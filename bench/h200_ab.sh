@@ -35,7 +35,8 @@ for build in base candidate; do
 done
 with_build() { local build=$1; shift; PYTHONPATH="$work/$build:$work/site" PYTHONUNBUFFERED=1 "$@"; }
 {
-  nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.limit --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.limit --format=csv,noheader 2>/dev/null \
+    || echo "no nvidia-smi"
   with_build base python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)"
   with_build base python3 -m qasr.bench.host_speed 2>/dev/null | tail -1
   echo "install $((SECONDS - t0)) s"
@@ -50,8 +51,8 @@ quick=(--num-clips 256 --latency-runs 10 --step-runs 30 --independence-requests 
 read -r -a args <<< "${OFFLINE_ARGS:-${quick[*]}}"
 for size in ${SIZES:-0.6B}; do
   model=$work/model-$size
-  [ -d "$model" ] || with_build base python3 -m qasr.model.testmodel "$model" --size "$size" --dtype "${DTYPE:-bfloat16}" \
-    > /dev/null || exit 1
+  [ -d "$model" ] || with_build base python3 -m qasr.model.testmodel "$model" --size "$size" \
+    --dtype "${DTYPE:-bfloat16}" > /dev/null || exit 1
   for round in $(seq "${ROUNDS:-2}"); do
     for build in base candidate; do
       s=$SECONDS
@@ -73,9 +74,9 @@ for path in sorted(runs.glob("*-*-*.json")):
     c = d["correctness"]
     print(f"{path.stem:<22} step ms " + (" / ".join(f"{b}:{ms:.3f}" for b, ms in steps.items()) or "-")
           + f" | latency {d['qasr_bs1_latency_ms']:.1f} ms | {d['qasr_throughput_audio_s_per_s']:,.0f} audio-s/s")
+    picks = "; ".join(f"{k.rsplit(' ', 1)[0]}: {v.removeprefix('GemvConfig')}" for k, v in d["gemv_configs"].items())
     print(f"{'':<22} identical rows failed {c['identical_rows_failed_buckets']}, batch independence "
-          f"{c['batch_independence_exact_match']}, eager {c['eager_bs1_exact_match']}; gemv "
-          + "; ".join(f"{k.split(' bfloat16')[0]}: {v.removeprefix('GemvConfig')}" for k, v in d["gemv_configs"].items()))
+          f"{c['batch_independence_exact_match']}, eager {c['eager_bs1_exact_match']}; gemv {picks}")
 check = runs / "kernel-check.json"
 if check.exists():
     sections = [line for line in check.read_text().splitlines() if line.startswith("{")]
