@@ -63,28 +63,13 @@ for size in ${SIZES:-0.6B}; do
     done
   done
 done
-python3 - "$runs" > "$out/summary.txt" 2>&1 <<'EOF'
-import json, sys
-from pathlib import Path
-runs = Path(sys.argv[1])
-print((runs / "times.txt").read_text())
-for path in sorted(runs.glob("*-*-*.json")):
-    d = json.loads(path.read_text())
-    steps = d.get("decode_step_ms", {})  # timed on CUDA only
-    c = d["correctness"]
-    print(f"{path.stem:<22} step ms " + (" / ".join(f"{b}:{ms:.3f}" for b, ms in steps.items()) or "-")
-          + f" | latency {d['qasr_bs1_latency_ms']:.1f} ms | {d['qasr_throughput_audio_s_per_s']:,.0f} audio-s/s")
-    picks = "; ".join(f"{k.rsplit(' ', 1)[0]}: {v.removeprefix('GemvConfig')}" for k, v in d["gemv_configs"].items())
-    print(f"{'':<22} identical rows failed {c['identical_rows_failed_buckets']}, batch independence "
-          f"{c['batch_independence_exact_match']}, eager {c['eager_bs1_exact_match']}; gemv {picks}")
-check = runs / "kernel-check.json"
-if check.exists():
-    sections = [line for line in check.read_text().splitlines() if line.startswith("{")]
-    for line in sections:
-        print("kernel check:", line[:2000])
-    if not sections:
-        print("kernel check printed nothing; its log ends:", *(runs / "kernel-check.log").read_text().splitlines()[-5:],
-              sep="\n")
-EOF
+{
+  cat "$runs/times.txt"
+  with_build candidate python3 -m qasr.bench.offline_summary "$runs"/*-*-*.json
+} > "$out/summary.txt" 2>&1
+if [ -f "$runs/kernel-check.json" ]; then  # a JSON object a section, or why there is none
+  grep '^{' "$runs/kernel-check.json" | cut -c1-2000 | sed 's/^/kernel check: /' >> "$out/summary.txt" \
+    || { echo "kernel check printed nothing; its log ends:"; tail -5 "$runs/kernel-check.log"; } >> "$out/summary.txt"
+fi
 tar -cf "$out/runs.tar" -C "$runs" .
 cat "$out/summary.txt"

@@ -69,16 +69,8 @@ if step:
 for key in ["kernels_bf16_vs_pytorch", "gemv_bf16_vs_cublas"] + [k for k in res if k.startswith(("decode_step_ms",
                                                                                                   "kernels_per_step"))]:
     print(key, json.dumps(res.get(key), indent=1))
-for pdl in ("0", "1"):
-    p = out / f"offline-0.6B-pdl{pdl}.json"
-    if not p.exists():
-        continue
-    run = json.loads(p.read_text())
-    print(f"offline QASR_PDL={pdl}: bs1 latency {run.get('qasr_bs1_latency_ms', 0):.1f} ms  "
-          f"throughput {run.get('qasr_throughput_audio_s_per_s', 0):.0f} audio-s/s  "
-          f"energy {run.get('qasr_energy_j_per_audio_hour', float('nan')):.0f} J/audio-h  "
-          f"correctness {run.get('correctness')}")
-    print("  step ms  ", json.dumps(run.get("decode_step_ms")))
-    print("  kernels  ", json.dumps(run.get("decode_kernels_per_step")))
 EOF
+for run in "$out"/offline-0.6B-pdl*.json; do  # each offline run: bench/offline_summary.py
+  [ -f "$run" ] && python3 -m qasr.bench.offline_summary "$run" >> "$out/summary.txt" 2>&1
+done
 cat "$out/summary.txt"

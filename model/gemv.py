@@ -38,6 +38,7 @@ triton, tl = kernels.triton, (kernels.tl if kernels.triton is not None else None
 log = logging.getLogger(__name__)
 
 BLOCK_M = 16  # rows per tile: the smallest MMA side, padded with masked rows
+MULTI_TILE_STAGES = 3  # the most loads in flight per program once the rows take more than one tile (GemvConfig.stages)
 DEFAULT_MAX_ROWS = 32
 MAX_ROWS_ENV = "QASR_DECODE_GEMV"  # rows up to which the decode step's products use these kernels; 0: cuBLAS only
 TUNE_ENV = "QASR_GEMV_TUNE"  # "0": take each shape's heuristic config instead of timing a few at first use
@@ -64,7 +65,7 @@ class GemvConfig:
         a 4-deep ring of shared memory each likely leaves too few of them resident per SM. H200, 0.6B step (session
         19): 4 stages everywhere took 1 row from 0.826 to 0.796 ms but 32 rows from 1.155 to 1.19; this rule 0.784
         and 1.122 (3 stages: 0.820, 1.155)."""
-        return self.num_stages if M <= BLOCK_M else min(self.num_stages, 3)
+        return self.num_stages if M <= BLOCK_M else min(self.num_stages, MULTI_TILE_STAGES)
 
     def k_per_split(self, K: int) -> int:
         return -(-(-(-K // self.split)) // self.block_k) * self.block_k

@@ -39,9 +39,10 @@ def test_two_builds_run_alternately_and_the_summary_reports_each(tmp_path):
     order = [line.split(" rc=")[0] for line in summary.splitlines() if line.startswith("tiny round")]
     assert order == ["tiny round 1 base", "tiny round 1 candidate", "tiny round 2 base", "tiny round 2 candidate"]
     assert summary.count(" rc=0 ") == 4, summary
+    lines = summary.splitlines()
     for run in ("tiny-1-base", "tiny-1-candidate", "tiny-2-base", "tiny-2-candidate"):
-        line = next(i for i, text in enumerate(summary.splitlines()) if text.startswith(run))
-        assert "identical rows failed [], batch independence 2/2, eager 1/1" in summary.splitlines()[line + 1]
+        line = next(i for i, text in enumerate(lines) if text.startswith(run))
+        assert "identical rows failed [], batch independence 2/2, eager 1/1" in lines[line + 1]
     with tarfile.open(tmp_path / "out" / "runs.tar") as runs:
         assert {"./tiny-1-base.json", "./tiny-2-candidate.json", "./times.txt"} <= set(runs.getnames())
     work = tmp_path / "work"
