@@ -114,7 +114,7 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 
 def engine_overrides(args) -> dict:
     """The engine options the command line set (None: the engine's default; steps ahead: the offline one)."""
-    names = ("decode_steps_ahead", "admission_interval_ms")
+    names = ("decode_steps_ahead", "admission_interval_ms", "decode_run_ahead")
     overrides = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD}
     return overrides | {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
@@ -133,7 +133,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
     out["engine_options"] = {"decode_steps_ahead": opts.decode_steps_ahead,
-                             "admission_interval_ms": opts.admission_interval_ms}
+                             "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead}
 
     # batch-1 latency, features included: audio array in -> text out
     for _ in range(3):

@@ -73,6 +73,14 @@ class _Admitted:
         return self.done is None or self.done.query()
 
 
+@dataclass
+class _Launch:
+    """A decode launch not read yet: its number (the runner's) and the rows whose first tokens its read brings."""
+
+    number: int
+    first: list[Sequence]
+
+
 def device_memory(device: torch.device) -> dict[str, float]:
     """The CUDA caching allocator's work so far on `device`: cudaMalloc and cudaFree calls (each can hold the thread
     that made it: session 9 found the engine thread inside C++ calls most of an admission), retries after a failed
@@ -129,6 +137,10 @@ class Engine:
         self._step_s: float | None = None
         self._admission_host_s: float | None = None
         self._first_unread: list[Sequence] = []  # admitted, their first token on the device: read with the next step
+        # decode launches not read yet, oldest first: with run-ahead one stays queued while the host works on the last
+        self.run_ahead = (options.decode_run_ahead if options.decode_run_ahead is not None
+                          else self.runner.device.type == "cuda")
+        self._unread: collections.deque[_Launch] = collections.deque()
         self._scheduled: list[Sequence] = []  # taken from the queue by an admission not done yet (fail_all's too)
         # cumulative work, to measure what partials reuse: prompt positions prefilled vs copied from a retained
         # prefix, encoder windows computed vs kept from a stream's earlier partial
@@ -191,7 +203,7 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return (bool(self.scheduler.running) or len(self.scheduler) > 0
+        return (bool(self.scheduler.running) or len(self.scheduler) > 0 or bool(self._unread)
                 or (self.aligner is not None and self.aligner.has_work()))
 
     overlap_admissions = True  # False: admit, then decode, as before the overlap (the tests compare the two)
@@ -218,7 +230,7 @@ class Engine:
             self._last_admission = time.perf_counter()  # the interval counts from the end: decoding gets it whole
             self.seconds["admit"] += self._last_admission - start
             admitting = False
-        if self.scheduler.running:
+        if self.scheduler.running or self._unread:
             self._decode(admitting)
         if self.aligner is not None:
             self._align()
@@ -428,6 +440,7 @@ class Engine:
             now = time.perf_counter()
             for seq in live:
                 seq.t_decode = now
+                seq.first_launch = self.runner.launches  # the next launch: one queued already ran without it
             self._first_unread += live
 
     def _encode(self, prepared: _Prepared, after=None) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
@@ -495,38 +508,53 @@ class Engine:
     def _decode(self, admitting: bool = False) -> None:
         """Decode steps; admitting: an admission is due, its host work done while they run (see step), beside as many
         steps as it has been taking time for (the graphs feed themselves), so that the decode stream does not idle
-        through the rest of it."""
+        through the rest of it. With run-ahead the launch made here is read by the next call (one launch stays
+        queued while the host works on the one before it); with no rows running nothing is launched, and what is
+        still queued is read."""
         running = self.scheduler.running
         steps = self._steps_beside_admission() if admitting else 1
-        self._count_rows(len(running))
         during = admitting and self.admit_during_step
         # what the decode stream queued so far (rows started and stopped): the admission waits for that, not the step
         before_step = self._record_event(self.stream) if during else None
         t0 = time.perf_counter()
-        self.runner.launch_decode(max(running) + 1, read_tokens=bool(self._first_unread), steps=steps)
+        launched = bool(running)
+        if launched:
+            self._count_rows(len(running))
+            first, self._first_unread = self._first_unread, []
+            number = self.runner.launch_decode(max(running) + 1, read_tokens=bool(first), steps=steps)
+            self._unread.append(_Launch(number, first))
+            self.steps += steps
+            self.counters["decode_launches"] += 1
         t1 = time.perf_counter()
         seqs, prepared = self._prepare_admission() if admitting else ([], None)
         self._scheduled = seqs  # neither waiting nor running until admitted: if the step fails, fail_all finishes them
         if during:
             self._admit_scheduled(seqs, prepared, after=before_step)
         t2 = time.perf_counter()
-        out, fed = self.runner.read_decode()
-        t3 = time.perf_counter()
-        self.seconds["decode_gpu"] += (t1 - t0) + (t3 - t2)
+        keep = 1 if launched and self.run_ahead else 0
+        waited, reads = 0.0, 0
+        while len(self._unread) > keep:
+            reads += 1
+            t3 = time.perf_counter()
+            launch = self._unread.popleft()
+            out, fed = self.runner.read_decode()
+            waited += time.perf_counter() - t3
+            self._take_first_tokens(launch.first, fed)
+            for i, step_out in enumerate(out.numpy()):  # in order: a row finished by one step is not running in the next
+                if i:
+                    self._count_rows(len(self.scheduler.running))
+                self._postprocess(step_out, launch.number)
+        t4 = time.perf_counter()
+        self.seconds["decode_gpu"] += (t1 - t0) + waited
         self.seconds["admit"] += t2 - t1
-        self.steps += steps
-        self.counters["decode_launches"] += 1
+        self.seconds["decode_host"] += t4 - t2 - waited
         if admitting:
             self._admission_host_s = _moving_average(self._admission_host_s, t2 - t1)
-        else:
-            self._step_s = _moving_average(self._step_s, t3 - t0)
-        self._take_first_tokens(fed)
-        for i, step_out in enumerate(out.numpy()):  # in order: a row finished by one step is not running in the next
-            if i:
-                self._count_rows(len(self.scheduler.running))
-            self._postprocess(step_out)
-        t4 = time.perf_counter()
-        self.seconds["decode_host"] += t4 - t3
+        if self.runner.last_step_s is not None:  # CUDA: a step's device time (with run-ahead the host waits only
+            if reads:  # for the rest of a step it launched one call before)
+                self._step_s = _moving_average(self._step_s, self.runner.last_step_s)
+        elif launched and not admitting:
+            self._step_s = _moving_average(self._step_s, t1 - t0 + waited)
         if admitting and not during:
             self._admit_scheduled(seqs, prepared)
             self.seconds["admit"] += self._last_admission - t4
@@ -555,25 +583,25 @@ class Engine:
         self._scheduled = []
         self._last_admission = time.perf_counter()
 
-    def _take_first_tokens(self, fed) -> None:
-        """The first tokens of the rows started since the last step (fed to this step): record each, finish those
-        it ends (their rows were left idle on the device, see ModelRunner.start_rows), before this step's tokens."""
-        unread, self._first_unread = self._first_unread, []
+    def _take_first_tokens(self, started: list[Sequence], fed) -> None:
+        """The first tokens of the rows started before a launch (fed to its first step): record each, finish those
+        it ends (their rows were left idle on the device, see ModelRunner.start_rows), before its steps' tokens."""
         if fed is None:
             return
         fed = fed.numpy()
-        for seq in unread:
+        for seq in started:
             if self.scheduler.running.get(seq.slot) is not seq:  # cancelled meanwhile
                 continue
             reason = postprocess.stop_reason(seq, int(fed[seq.slot]), self.eos_ids)
             if reason:
                 self._complete(seq, reason)
 
-    def _postprocess(self, out) -> None:
-        """out: [2, rows] (token or -1 for an idle row, finished on the device) -> finish what stopped."""
+    def _postprocess(self, out, launch: int) -> None:
+        """out: [2, rows] (token or -1 for an idle row, finished on the device), a step of launch number `launch` ->
+        finish what stopped."""
         stopped = []
         for slot, seq in list(self.scheduler.running.items()):
-            if slot >= out.shape[1]:  # placed by an admission during the step: not in it
+            if slot >= out.shape[1] or seq.first_launch > launch:  # placed or started after the launch: not in it
                 continue
             tok, finished = int(out[0, slot]), bool(out[1, slot])
             if tok < 0:
@@ -615,6 +643,8 @@ class Engine:
 
     def fail_all(self, error: BaseException) -> None:
         self._first_unread = []
+        self._unread.clear()  # nothing will read them
+        self.runner.forget_launches()
         self._admitted = []  # their sequences are running (placed): drained below
         scheduled, self._scheduled = self._scheduled, []
         for seq in scheduled:  # finished already if admitted (finish is once)

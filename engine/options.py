@@ -24,6 +24,11 @@ class EngineOptions:
     # 4 for live serving, where 1,000 streams held p95 <= 250 ms with it (launches averaging 1.3-1.7 steps); with 16
     # they averaged 3.1-4.6 and one check on a slow lease gave p95 353 / 255 / 353 ms, not comparable across leases
     # (session 14). Offline work takes OFFLINE_DECODE_STEPS_AHEAD. 1: one step, as before
+    decode_run_ahead: bool | None = None  # queue the next decode step before reading the last one's output, so the
+    # GPU does not wait while the host finishes rows, sends results and launches again (~0.17-0.25 ms a step on an
+    # H200's host, session 20: ~7-10 ms of a 40-token clip at batch 1). A row the host stops (repetition, cancel)
+    # then decodes one step more, unread. None: on CUDA (off the CPU, where a step runs whole at its launch and
+    # running one ahead only delays each result by a step)
     max_audio_seconds: float = 60.0  # longest audio one request may carry
     base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
     tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)

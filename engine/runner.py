@@ -7,6 +7,7 @@ The decode step feeds its own argmax back and checks EOS and token budgets on th
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
@@ -219,6 +220,34 @@ class PrefillBucket:
         return self.first[:B]
 
 
+MAX_LAUNCHES_IN_FLIGHT = 2  # the engine's run-ahead: the step it reads, and the next one queued before the read
+
+
+class _HostOutputs:
+    """Pinned host memory that one launch's outputs are copied to, and (on CUDA) the event after the copies."""
+
+    def __init__(self, slots: int, device: torch.device):
+        self.pinned = device.type == "cuda"
+        self.out = torch.zeros(1, 2, slots, dtype=torch.long, pin_memory=self.pinned)  # [steps, 2, rows]
+        self.tokens = torch.zeros(slots, dtype=torch.long, pin_memory=self.pinned)  # the tokens a first step is fed
+        # around the launch's steps on the device: their time, whenever the GPU got to them (elapsed_time)
+        self.started = torch.cuda.Event(enable_timing=True) if self.pinned else None
+        self.copied = torch.cuda.Event(enable_timing=True) if self.pinned else None
+
+    def make_room(self, steps: int) -> None:
+        if steps > self.out.shape[0]:
+            self.out = torch.zeros(steps, *self.out.shape[1:], dtype=torch.long, pin_memory=self.pinned)
+
+
+@dataclass
+class _Launched:
+    number: int
+    rows: int
+    read_tokens: bool
+    steps: int
+    host: _HostOutputs
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -245,11 +274,11 @@ class ModelRunner:
         self.counts = torch.zeros(S, dtype=torch.long, device=self.device)
         self.budgets = torch.zeros(S, dtype=torch.long, device=self.device)
         self.out = torch.zeros(2, S, dtype=torch.long, device=self.device)  # [token or -1, finished] per row
-        self.out_host = torch.zeros(1, 2, S, dtype=torch.long, pin_memory=self.device.type == "cuda")  # per step
-        # launched together (launch_decode's steps; grown when more are asked)
-        self.tokens_host = torch.zeros(S, dtype=torch.long, pin_memory=self.device.type == "cuda")  # the tokens fed
-        # to a step, read with its output when asked (the first tokens of rows admitted since the last read)
-        self._launched: tuple[int, bool, int] | None = None  # (rows, tokens asked, steps) launched, not read
+        # where each launch's outputs land on the host, one set per launch that can be in flight (launch_decode)
+        self._host_outputs = [_HostOutputs(S, self.device) for _ in range(MAX_LAUNCHES_IN_FLIGHT)]
+        self._in_flight: collections.deque[_Launched] = collections.deque()  # launched, not read, oldest first
+        self.launches = 0  # decode launches made: the number the next one gets
+        self.last_step_s: float | None = None  # a step's device time in the launch read last (CUDA only)
         self.encoder_positions_run = 0  # encoder positions computed: windows padded to a length bucket, and their
         # number to a graph bucket
         self.conv_chunks_run = 0  # chunks the conv front end computed (their number padded to a graph bucket)
@@ -318,42 +347,65 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, rows: int) -> torch.Tensor:
-        """Run one step over the first `rows` slots (padded up to a bucket) -> host [2, rows] (token|-1, finished)."""
+        """Run one step over the first `rows` slots (padded up to a bucket) -> host [2, rows] (token|-1, finished).
+        Nothing else may be in flight (benches and tests: the engine launches and reads on its own)."""
+        if self._in_flight:
+            raise RuntimeError("decode() with a launch in flight: read it first")
         self.launch_decode(rows)
         return self.read_decode()[0][0]
 
+    @property
+    def launches_in_flight(self) -> int:
+        return len(self._in_flight)
+
     @torch.inference_mode()
-    def launch_decode(self, rows: int, read_tokens: bool = False, steps: int = 1) -> None:
+    def launch_decode(self, rows: int, read_tokens: bool = False, steps: int = 1) -> int:
         """Queue `steps` steps over the first `rows` slots, each feeding on the one before on the device, with the
         copy of each one's [2, B] output to the host, and return at once on CUDA (a graph's replay is asynchronous):
         the host works on while they run; `read_decode` waits for them. read_tokens: also copy the tokens the first
-        step is fed, as they are before it (first tokens of rows started since the last step), in the same read."""
-        if self._launched is not None:
-            raise RuntimeError("a decode step is already launched and not read")
-        if steps > self.out_host.shape[0]:
-            self.out_host = torch.zeros(steps, *self.out_host.shape[1:], dtype=torch.long,
-                                        pin_memory=self.device.type == "cuda")
+        step is fed, as they are before it (first tokens of rows started since the last step), in the same read.
+        Up to MAX_LAUNCHES_IN_FLIGHT launches may wait for their reads, which come in launch order: the engine
+        queues the next step before it reads the last, so the GPU never waits for the host's work on a step's output.
+        -> this launch's number (`launches` before it)."""
+        if len(self._in_flight) >= MAX_LAUNCHES_IN_FLIGHT:
+            raise RuntimeError(f"{MAX_LAUNCHES_IN_FLIGHT} decode launches are in flight, none read")
+        host = self._host_outputs[self.launches % MAX_LAUNCHES_IN_FLIGHT]  # free: its last launch was read
+        host.make_room(steps)
         B = self.bucket_for(rows)
         if read_tokens:
-            self.tokens_host[:B].copy_(self.tokens[:B], non_blocking=True)
+            host.tokens[:B].copy_(self.tokens[:B], non_blocking=True)
+        if host.started is not None:
+            host.started.record()
         for i in range(steps):
             if B in self.graphs:
                 self.graphs[B].replay()
             else:
                 self._step(B)
-            self.out_host[i, :, :B].copy_(self.out[:, :B], non_blocking=True)
-        self._launched = (rows, read_tokens, steps)
+            host.out[i, :, :B].copy_(self.out[:, :B], non_blocking=True)
+        if host.copied is not None:
+            host.copied.record()
+        self._in_flight.append(_Launched(self.launches, rows, read_tokens, steps, host))
+        self.launches += 1
+        return self.launches - 1
 
     def read_decode(self) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Wait for the steps launched -> host [steps, 2, rows] (token|-1, finished per step, in order) and, if asked
-        at the launch, the tokens the first was fed [rows] (else None). One wait for all."""
-        if self._launched is None:
+        """Wait for the oldest launch's steps -> host [steps, 2, rows] (token|-1, finished per step, in order) and,
+        if asked at its launch, the tokens its first step was fed [rows] (else None). One wait for all its steps, and
+        not for a launch queued after it."""
+        if not self._in_flight:
             raise RuntimeError("no decode step launched")
-        (rows, read_tokens, steps), self._launched = self._launched, None
-        if self.device.type == "cuda":
-            torch.cuda.current_stream().synchronize()
+        launched = self._in_flight.popleft()
+        host = launched.host
+        if host.copied is not None:
+            host.copied.synchronize()
+            self.last_step_s = host.started.elapsed_time(host.copied) / 1e3 / launched.steps
         self.host_reads += 1
-        return self.out_host[:steps, :, :rows], self.tokens_host[:rows] if read_tokens else None
+        fed = host.tokens[: launched.rows] if launched.read_tokens else None
+        return host.out[: launched.steps, :, : launched.rows], fed
+
+    def forget_launches(self) -> None:
+        """Drop the launches not read (the engine failed: nothing will read them)."""
+        self._in_flight.clear()
 
     def to_device(self, values, dtype=torch.long) -> torch.Tensor:
         """A small host list (or CPU tensor) on the device without waiting: on CUDA, through pinned memory and

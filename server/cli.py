@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-steps-ahead", type=int, default=engine.decode_steps_ahead,
                         help="decode steps queued at once beside an admission's host work, at most (as many as fit "
                              "in the time it has been taking; 1: one step)")
+    parser.add_argument("--no-decode-run-ahead", dest="decode_run_ahead", action="store_false", default=None,
+                        help="read each decode step before queuing the next (by default on CUDA the next step is "
+                             "queued first, so the GPU does not wait while the host handles the last one's tokens)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--workers", type=int, default=1,
@@ -203,7 +206,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          base_tokens=args.base_tokens,
                          tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
                          admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
-                         decode_steps_ahead=args.decode_steps_ahead,
+                         decode_steps_ahead=args.decode_steps_ahead, decode_run_ahead=args.decode_run_ahead,
                          max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner)
 
 

@@ -164,9 +164,9 @@ def test_steps_queued_beside_an_admission_give_the_tokens_of_one_step_at_a_time(
         read[0] = 0
         return launch(rows, read_tokens, steps)
 
-    def counting_postprocess(out):
+    def counting_postprocess(out, launch):
         read[0] += 1
-        return postprocess(out)
+        return postprocess(out, launch)
 
     monkeypatch.setattr(engine.runner, "launch_decode", counting_launch)
     monkeypatch.setattr(engine, "_postprocess", counting_postprocess)
