@@ -148,6 +148,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
         assert len(r.token_ids) == args.tokens, r.finish_reason
     out["qasr_bs1_latency_ms"] = statistics.median(lat)
     out["qasr_bs1_breakdown_ms"] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    out["engine_step_ms"] = engine_step_ms(engine, clip, args.tokens)
 
     # throughput at the engine's concurrency (all clips queued at once; continuous batching)
     clips = [speech_like(args.clip_seconds, seed=100 + i) for i in range(args.num_clips)]
@@ -170,6 +171,31 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+ENGINE_STEP_ROWS = (1, 16, 128)
+
+
+def engine_step_ms(engine: Engine, clip: np.ndarray, tokens: int, runs: int = 3) -> dict[str, dict[int, float]]:
+    """A decode step as the engine loop makes it (launch, read, the host's work on the tokens): the median over rows
+    and runs of a request's decode time / its steps, `rows` copies of the clip admitted together, each step read
+    before the next is launched and with run-ahead, in this one process (so both run the same kernels). Against the
+    graph's own replay time (decode_step_ms) the difference is what the loop adds."""
+    out = {}
+    ahead = engine.run_ahead
+    try:
+        for mode, run_ahead in (("read_each", False), ("run_ahead", True)):
+            engine.run_ahead = run_ahead
+            out[mode] = {}
+            for rows in (r for r in ENGINE_STEP_ROWS if r <= engine.options.num_slots):
+                per_step = []
+                for _ in range(runs):
+                    results = engine.transcribe(requests([clip] * rows, tokens))
+                    per_step += [r.timings["decode_ms"] / (tokens - 1) for r in results]
+                out[mode][rows] = statistics.median(per_step)
+    finally:
+        engine.run_ahead = ahead
+    return out
 
 
 def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_seconds: float) -> dict:

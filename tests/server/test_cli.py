@@ -36,6 +36,14 @@ def test_options_become_limits_and_defaults():
             config.defaults.vad.end_silence_ms, config.defaults.vad.max_segment_s) == (700, 3, 800, 20)
 
 
+def test_run_ahead_is_the_engines_choice_unless_turned_off():
+    def options(*flags):
+        return cli.engine_options(cli.build_parser().parse_args(["--model", "m", "--device", "cpu", *flags]))
+
+    assert options().decode_run_ahead is None  # the engine's default: on on CUDA
+    assert options("--no-decode-run-ahead").decode_run_ahead is False
+
+
 @pytest.mark.parametrize("argv", [
     [], ["--model", "m", "--max-sessions", "0"], ["--model", "m", "--partial-interval-ms", "10"],
     ["--model", "m", "--vad-aggressiveness", "5"], ["--model", "m", "--port", "70000"],
