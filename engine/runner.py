@@ -381,7 +381,9 @@ class ModelRunner:
                 self.graphs[B].replay()
             else:
                 self._step(B)
-            host.out[i, :, :B].copy_(self.out[:, :B], non_blocking=True)
+            # every slot, not [:, :B]: PyTorch may copy a strided slice to the host through a pageable temporary,
+            # which makes the host wait for the step; a contiguous copy into pinned memory is a plain async memcpy
+            host.out[i].copy_(self.out, non_blocking=True)
         if host.copied is not None:
             host.copied.record()
         self._in_flight.append(_Launched(self.launches, rows, read_tokens, steps, host))

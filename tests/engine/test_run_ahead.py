@@ -122,6 +122,10 @@ def test_the_runner_reads_launches_in_order_and_holds_two_at_most(tiny_model_dir
         runner.launch_decode(1)
     with pytest.raises(RuntimeError, match="in flight"):
         runner.decode(1)
+    # each launch copies every slot's output (a contiguous copy: on CUDA a plain asynchronous memcpy), rows past
+    # the ones asked for included
+    last = runner._host_outputs[(runner.launches - 1) % len(runner._host_outputs)]
+    assert torch.equal(last.out[0], runner.out) and runner.out.shape[1] == engine.options.num_slots > 1
     queued = [runner.read_decode()[0][0].clone() for _ in range(2)]
     assert all(torch.equal(a, b) for a, b in zip(queued, sequential))
     assert not torch.equal(queued[0][0], queued[1][0]) or queued[0][0, 0] == -1  # two steps, not one read twice
