@@ -58,7 +58,8 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--admission-interval-ms", type=float,
                    help="decoding between two admissions, ms (default: the engine's)")
     p.add_argument("--no-decode-run-ahead", dest="decode_run_ahead", action="store_false", default=None,
-                   help="read each decode step before queuing the next (default: the engine's, on on CUDA)")
+                   help="read each decode step before queuing the next (default: offline's run-ahead, the next step "
+                        "queued before the last is read)")
     p.add_argument("--context", type=int, default=200,
                    help="cached tokens per row while the decode step is timed, GPU only (default: %(default)s)")
     p.add_argument("--latency-runs", type=int, default=20,

@@ -19,8 +19,8 @@
 # the engine rows below are then summed over the engines), ADMISSION_MS=N (qasr-server --admission-target-ms: 0 turns
 # admission control off to see raw capacity; each run prints the streams it refused and the partials it thinned),
 # INTERVAL_MS=N (qasr-server --admission-interval-ms: decoding between two admissions), STEPS_AHEAD=N (qasr-server
-# --decode-steps-ahead: decode steps queued beside an admission's host work, at most), RUN_AHEAD=0 (qasr-server
-# --no-decode-run-ahead: each decode step read before the next is queued),
+# --decode-steps-ahead: decode steps queued beside an admission's host work, at most), RUN_AHEAD=1 (qasr-server
+# --decode-run-ahead: the next decode step queued before the last is read),
 # PROFILE=N (the engine's GPU timeline, engine/gpu_timeline.py: a ${PROFILE_S:-2} s window of torch's profiler mid-run
 # in run N only, or every run with PROFILE=all; prints each CUDA stream's busy share and top kernels, JSON in OUTDIR).
 # After each run it prints where the engine's time went and how late the event loop ran (from /metrics).
@@ -40,7 +40,7 @@ if [ -n "${ALIGNER:-}" ]; then
 fi
 [ -n "${PROFILE:-}" ] && export QASR_ENGINE_PROFILE="$out/profile" QASR_ENGINE_PROFILE_S=${PROFILE_S:-2}
 python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --workers "${WORKERS:-1}" --device cuda ${DEVICES:+--devices "$DEVICES"} \
-  ${ADMISSION_MS:+--admission-target-ms "$ADMISSION_MS"} ${INTERVAL_MS:+--admission-interval-ms "$INTERVAL_MS"} ${STEPS_AHEAD:+--decode-steps-ahead "$STEPS_AHEAD"} ${RUN_AHEAD:+$([ "$RUN_AHEAD" = 0 ] && echo --no-decode-run-ahead)} --port 8765 --slots 256 --retained-slots 1024 \
+  ${ADMISSION_MS:+--admission-target-ms "$ADMISSION_MS"} ${INTERVAL_MS:+--admission-interval-ms "$INTERVAL_MS"} ${STEPS_AHEAD:+--decode-steps-ahead "$STEPS_AHEAD"} ${RUN_AHEAD:+$([ "$RUN_AHEAD" = 1 ] && echo --decode-run-ahead)} --port 8765 --slots 256 --retained-slots 1024 \
   --max-len 640 --max-sessions 2048 --max-pending-per-address 4096 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
   > "$out/server.log" 2>&1 &
 server=$!

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from qasr.engine import gpu_timeline
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
+from qasr.engine.options import OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD
 from qasr.engine.request import DecodeRequest
 from qasr.model import gemv
 
@@ -113,9 +113,9 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 
 
 def engine_overrides(args) -> dict:
-    """The engine options the command line set (None: the engine's default; steps ahead: the offline one)."""
+    """The engine options the command line set (None: the engine's default; steps ahead and run-ahead: offline's)."""
     names = ("decode_steps_ahead", "admission_interval_ms", "decode_run_ahead")
-    overrides = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD}
+    overrides = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": OFFLINE_DECODE_RUN_AHEAD}
     return overrides | {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 

@@ -138,8 +138,7 @@ class Engine:
         self._admission_host_s: float | None = None
         self._first_unread: list[Sequence] = []  # admitted, their first token on the device: read with the next step
         # decode launches not read yet, oldest first: with run-ahead one stays queued while the host works on the last
-        self.run_ahead = (options.decode_run_ahead if options.decode_run_ahead is not None
-                          else self.runner.device.type == "cuda")
+        self.run_ahead = options.decode_run_ahead
         self._unread: collections.deque[_Launch] = collections.deque()
         self._scheduled: list[Sequence] = []  # taken from the queue by an admission not done yet (fail_all's too)
         # cumulative work, to measure what partials reuse: prompt positions prefilled vs copied from a retained

@@ -24,11 +24,14 @@ class EngineOptions:
     # 4 for live serving, where 1,000 streams held p95 <= 250 ms with it (launches averaging 1.3-1.7 steps); with 16
     # they averaged 3.1-4.6 and one check on a slow lease gave p95 353 / 255 / 353 ms, not comparable across leases
     # (session 14). Offline work takes OFFLINE_DECODE_STEPS_AHEAD. 1: one step, as before
-    decode_run_ahead: bool | None = None  # queue the next decode step before reading the last one's output, so the
-    # GPU does not wait while the host finishes rows, sends results and launches again (~0.17-0.25 ms a step on an
-    # H200's host, session 20: ~7-10 ms of a 40-token clip at batch 1). A row the host stops (repetition, cancel)
-    # then decodes one step more, unread. None: on CUDA (off the CPU, where a step runs whole at its launch and
-    # running one ahead only delays each result by a step)
+    decode_run_ahead: bool = False  # queue the next decode step before reading the last one's output, so the GPU
+    # does not wait while the host finishes rows, hands out results and launches again; a row the host stops
+    # (repetition, cancel) then decodes one step more, unread. Offline work takes OFFLINE_DECODE_RUN_AHEAD: on an
+    # H200 (session 20) the engine loop's step came to the graph's own (0.81 vs 0.80 ms at one row, 2.10 vs 2.05 at
+    # 128; reading each step 0.88-0.91 and 2.26-2.46), a 40-token clip 38.9 / 39.0 ms against 43.0 / 46.7, throughput
+    # +4-10%. Off for live serving until an A/B there: the one 1,000-stream run with it on (one lease, nothing
+    # beside it) made 86 steps a second where earlier leases made 130-190 without it. On the CPU a step runs whole
+    # at its launch: running one ahead only delays each result by a step
     max_audio_seconds: float = 60.0  # longest audio one request may carry
     base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
     tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)
@@ -69,6 +72,7 @@ class EngineOptions:
 # than 4 steps, and on one H200 16 gave 7,990 / 7,927 / 7,916 audio-s/s against 4's 7,669 / 6,796 / 7,515
 # (bench.offline_sweep, alternating, session 14)
 OFFLINE_DECODE_STEPS_AHEAD = 16
+OFFLINE_DECODE_RUN_AHEAD = True  # decode_run_ahead for offline work (see there)
 
 # the least value of each numeric option (qasr-server checks its flags against these before it loads a model)
 MINIMUMS = {"num_slots": 1, "max_len": 64, "num_retained": 0, "max_prefill_tokens": 1, "admission_interval_ms": 0,

@@ -104,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-steps-ahead", type=int, default=engine.decode_steps_ahead,
                         help="decode steps queued at once beside an admission's host work, at most (as many as fit "
                              "in the time it has been taking; 1: one step)")
-    parser.add_argument("--no-decode-run-ahead", dest="decode_run_ahead", action="store_false", default=None,
-                        help="read each decode step before queuing the next (by default on CUDA the next step is "
-                             "queued first, so the GPU does not wait while the host handles the last one's tokens)")
+    parser.add_argument("--decode-run-ahead", action="store_true",
+                        help="queue the next decode step before reading the last, so the GPU does not wait while "
+                             "the host handles its tokens (offline work does; live serving not yet measured with it)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--workers", type=int, default=1,

@@ -46,7 +46,7 @@ def test_offline_reports_the_throughput_runs_engine_thread_split_and_timeline(tm
     loop = out["engine_step_ms"]  # a step as the engine loop makes it, reading each step and running ahead
     assert set(loop) == {"read_each", "run_ahead"} and all(set(by_rows) == {1} for by_rows in loop.values())
     assert all(ms > 0 for by_rows in loop.values() for ms in by_rows.values())
-    assert out["engine_options"]["decode_run_ahead"] is False  # the engine's own default on the CPU
+    assert out["engine_options"]["decode_run_ahead"] is True  # offline's
     timeline = out["qasr_throughput_timeline"]
     assert timeline["kernels"] > 0 and 0 < timeline["gpu_busy_fraction"] <= 1.0
     assert timeline["streams"] and all(s["top_kernels"] for s in timeline["streams"].values())
@@ -59,8 +59,9 @@ def test_offline_takes_the_engines_admission_options_from_its_command_line():
     from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
 
     # the engine's offline default
-    assert engine_overrides(offline_parser().parse_args([])) == {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD}
+    assert engine_overrides(offline_parser().parse_args([])) == {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD,
+                                                                 "decode_run_ahead": True}
     args = offline_parser().parse_args(["--decode-steps-ahead", "2", "--admission-interval-ms", "0"])
-    assert engine_overrides(args) == {"decode_steps_ahead": 2, "admission_interval_ms": 0.0}
+    assert engine_overrides(args) == {"decode_steps_ahead": 2, "admission_interval_ms": 0.0, "decode_run_ahead": True}
     args = offline_parser().parse_args(["--no-decode-run-ahead"])
     assert engine_overrides(args) == {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": False}

@@ -1,4 +1,4 @@
-"""Run-ahead (EngineOptions.decode_run_ahead, on by default on CUDA): the engine queues the next decode step before it
+"""Run-ahead (EngineOptions.decode_run_ahead, offline work's default): the engine queues the next decode step before it
 reads the last one, so the GPU is not idle while the host finishes rows and launches again. On the CPU a launch runs
 its step whole, so queuing ahead means computing the next step before reading the last: the same order of device
 effects as on a GPU, which is what these tests check. Rows the host stops (repetition, cancel) decode one more step,
@@ -22,9 +22,11 @@ def ahead(tiny_model_dir):
     return make_engine(tiny_model_dir, admission_interval_ms=0, decode_run_ahead=True)
 
 
-def test_run_ahead_is_on_by_default_on_cuda_only(tiny_model_dir, ahead):
-    assert make_engine(tiny_model_dir).run_ahead is False  # the CPU: a result would wait for a step more
-    assert make_engine(tiny_model_dir, decode_run_ahead=False).run_ahead is False
+def test_offline_work_runs_ahead_and_live_serving_does_not_by_default(tiny_model_dir, ahead):
+    from qasr.engine.transcribe import Transcriber
+
+    assert make_engine(tiny_model_dir).run_ahead is False
+    assert Transcriber.from_pretrained(str(tiny_model_dir), device="cpu", max_batch=2).engine.run_ahead is True
     assert ahead.run_ahead is True
 
 
