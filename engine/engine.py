@@ -599,14 +599,17 @@ class Engine:
         """out: [2, rows] (token or -1 for an idle row, finished on the device), a step of launch number `launch` ->
         finish what stopped."""
         stopped = []
+        tokens, finished_rows = out.tolist()  # Python ints at once: this loop runs per row per step
+        rows = len(tokens)
+        window = self.options.repetition_window
         for slot, seq in list(self.scheduler.running.items()):
-            if slot >= out.shape[1] or seq.first_launch > launch:  # placed or started after the launch: not in it
+            if slot >= rows or seq.first_launch > launch:  # placed or started after the launch: not in it
                 continue
-            tok, finished = int(out[0, slot]), bool(out[1, slot])
+            tok, finished = tokens[slot], finished_rows[slot]
             if tok < 0:
                 continue
-            reason = postprocess.stop_reason(seq, tok, self.eos_ids, finished)
-            if reason is None and postprocess.is_repeating(seq.generated, self.options.repetition_window):
+            reason = postprocess.stop_reason(seq, tok, self.eos_ids, bool(finished))
+            if reason is None and postprocess.is_repeating(seq.generated, window):
                 stopped.append(slot)  # the device does not know: idle its row
                 reason = "repetition"
             if reason:

@@ -27,6 +27,8 @@ def is_repeating(tokens: list[int], window: int) -> bool:
     """Token-level runaway guard: the last `window` tokens are one pattern of <= 8 tokens repeated (0: off)."""
     if not window or len(tokens) < window:
         return False
+    if window > MAX_PATTERN_TOKENS and tokens[-1] not in tokens[-1 - MAX_PATTERN_TOKENS:-1]:
+        return False  # a pattern of p tokens repeats the newest one p back: most rows fail this at once
     tail = tokens[-window:]
     # compare from the newest token back: a sequence that is not looping fails at once (this runs per row per step)
     return any(all(tail[i] == tail[i - p] for i in range(window - 1, p - 1, -1))

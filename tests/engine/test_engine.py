@@ -268,6 +268,26 @@ def test_token_repetition_guard(engine):
     assert not is_repeating([9] * w, 0)  # off
 
 
+def test_the_repetition_guards_quick_reject_changes_no_answer():
+    """is_repeating first rejects a tail whose newest token is not among the 8 before it (this runs per row per
+    step); a pattern of p <= 8 tokens always repeats the newest one p back, so the answers are the full check's
+    (windows of 8 tokens or fewer, where every tail is trivially a pattern, skip the reject)."""
+    def full_check(tokens, window):
+        tail = tokens[-window:]
+        return len(tokens) >= window and any(all(tail[i] == tail[i - p] for i in range(p, window))
+                                             for p in range(1, 9))
+
+    rng = np.random.default_rng(0)
+    cases = [list(rng.integers(0, vocab, rng.integers(1, 80))) for vocab in (2, 3, 5, 50) for _ in range(300)]
+    cases += [list(rng.integers(0, 50, p)) * (80 // p) + list(rng.integers(0, 50, k)) for p in range(1, 10)
+              for k in range(3)]  # loops of every period, some broken by a few tokens after them
+    for tokens in cases:
+        for window in (8, 16, 64):
+            assert is_repeating(tokens, window) == full_check(tokens, window), (tokens, window)
+    looping = sum(is_repeating(t, 16) for t in cases)
+    assert 9 <= looping < len(cases) // 2  # every period's unbroken loop, and most cases not looping
+
+
 def test_async_engine_results_cancel_and_close(tiny_model_dir):
     async def scenario():
         eng = AsyncEngine(make_engine(tiny_model_dir))
