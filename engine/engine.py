@@ -603,8 +603,8 @@ class Engine:
         rows = len(tokens)
         window = self.options.repetition_window
         for slot, seq in list(self.scheduler.running.items()):
-            if slot >= rows or seq.first_launch > launch:  # placed or started after the launch: not in it
-                continue
+            if slot >= rows or seq.first_launch is None or seq.first_launch > launch:  # not started, or started
+                continue  # after the launch: not in it (its slot's output is the row before's, or idle)
             tok, finished = tokens[slot], finished_rows[slot]
             if tok < 0:
                 continue

@@ -35,8 +35,8 @@ class Sequence:
     finish_reason: str = ""
     t_submit: float = field(default_factory=time.perf_counter)
     t_decode: float = 0.0  # when its first token was made (end of prefill)
-    first_launch: int = 0  # the first decode launch its row is in: outputs of launches before it (queued ahead,
-    # while the slot was another row's or idle) are not its own
+    first_launch: int | None = None  # the first decode launch its row is in (None: not started); outputs of
+    # launches before it (queued ahead, while the slot was another row's or idle) are not its own
     timings: dict[str, float] = field(default_factory=dict)
 
     @property

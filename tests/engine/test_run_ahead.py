@@ -97,6 +97,45 @@ def test_a_slot_the_host_frees_while_its_row_is_queued_ahead_gives_the_next_row_
     assert_idle(engine)
 
 
+@pytest.mark.parametrize("how", ["cancelled", "repetition"])
+def test_a_row_placed_while_the_slots_last_row_is_queued_ahead_gets_only_its_own_tokens(tiny_model_dir, how):
+    """Two slots, one row decoding on: the other slot's row is stopped (a cancel, the repetition guard) while a launch
+    with it is queued, and the next request is placed there by an admission overlapping the steps (before its rows
+    start). Reading the queued launch must not hand the stopped row's token to the placed request."""
+    engine = make_engine(tiny_model_dir, num_slots=2, admission_interval_ms=0, decode_run_ahead=True)
+    engine.admit_during_step = True  # as on CUDA (an admission stream): placed between the launch and the read
+    long, short, second = speech(3.1, seed=7), speech(1.3, seed=1), speech(1.7, seed=5)
+    second_alone = alone(engine, second, 9)
+    results = {}
+    engine.add(DecodeRequest(audio=long, max_new_tokens=40), lambda r: results.__setitem__("long", r))
+    engine.step()
+    victim = engine.add(DecodeRequest(audio=short, max_new_tokens=40), lambda r: results.__setitem__("short", r))
+    for _ in range(4):
+        engine.step()
+    assert len(engine.scheduler.running) == 2 and len(victim.generated) > 1 and engine.runner.launches_in_flight == 1
+    is_repeating = postprocess.is_repeating
+    if how == "cancelled":
+        victim.cancelled = True
+    else:  # stopped at the next read, the launch after it queued already
+        postprocess.is_repeating = lambda generated, window: generated is victim.generated or is_repeating(generated,
+                                                                                                           window)
+    try:
+        placed = engine.add(DecodeRequest(audio=second, max_new_tokens=9),
+                            lambda r: results.__setitem__("second", r))
+        while placed.slot < 0:  # an admission beside the steps places it in the freed slot, not started yet
+            engine.step()
+        assert placed.slot == victim.slot and placed.first_launch is None and engine.runner.launches_in_flight
+        engine.run_until_done()
+    finally:
+        postprocess.is_repeating = is_repeating
+    if how == "cancelled":
+        assert isinstance(results["short"], asyncio.CancelledError)
+    else:
+        assert results["short"].finish_reason == "repetition"
+    assert results["second"].token_ids == second_alone and len(second_alone) == 9
+    assert_idle(engine)
+
+
 def test_a_failed_engine_forgets_the_launch_it_had_queued(tiny_model_dir):
     engine = make_engine(tiny_model_dir, decode_run_ahead=True)
     got = []
