@@ -549,8 +549,10 @@ class Engine:
         self.seconds["decode_host"] += t4 - t2 - waited
         if admitting:
             self._admission_host_s = _moving_average(self._admission_host_s, t2 - t1)
-        if self.runner.last_step_s is not None:  # CUDA: a step's device time (with run-ahead the host waits only
-            if reads:  # for the rest of a step it launched one call before)
+        # a step's time, for the steps to queue beside an admission: on CUDA the device's, from its launch's events
+        # (with run-ahead the host waits only for the rest of a step launched one call before), else the host's
+        if self.runner.last_step_s is not None:
+            if reads:
                 self._step_s = _moving_average(self._step_s, self.runner.last_step_s)
         elif launched and not admitting:
             self._step_s = _moving_average(self._step_s, t1 - t0 + waited)

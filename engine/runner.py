@@ -361,11 +361,11 @@ class ModelRunner:
     @torch.inference_mode()
     def launch_decode(self, rows: int, read_tokens: bool = False, steps: int = 1) -> int:
         """Queue `steps` steps over the first `rows` slots, each feeding on the one before on the device, with the
-        copy of each one's [2, B] output to the host, and return at once on CUDA (a graph's replay is asynchronous):
+        copy of each one's [2, slots] output to the host, and return at once on CUDA (a graph's replay is asynchronous):
         the host works on while they run; `read_decode` waits for them. read_tokens: also copy the tokens the first
         step is fed, as they are before it (first tokens of rows started since the last step), in the same read.
-        Up to MAX_LAUNCHES_IN_FLIGHT launches may wait for their reads, which come in launch order: the engine
-        queues the next step before it reads the last, so the GPU never waits for the host's work on a step's output.
+        Up to MAX_LAUNCHES_IN_FLIGHT launches may wait for their reads, which come in launch order (the engine's
+        run-ahead queues the next step before it reads the last, so the GPU does not wait for the host's work).
         -> this launch's number (`launches` before it)."""
         if len(self._in_flight) >= MAX_LAUNCHES_IN_FLIGHT:
             raise RuntimeError(f"{MAX_LAUNCHES_IN_FLIGHT} decode launches are in flight, none read")
