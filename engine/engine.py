@@ -539,7 +539,7 @@ class Engine:
             out, fed = self.runner.read_decode()
             waited += time.perf_counter() - t3
             self._take_first_tokens(launch.first, fed)
-            for i, step_out in enumerate(out.numpy()):  # in order: a row finished by one step is not running in the next
+            for i, step_out in enumerate(out.numpy()):  # in order: a row one step finished is not running in the next
                 if i:
                     self._count_rows(len(self.scheduler.running))
                 self._postprocess(step_out, launch.number)
