@@ -40,7 +40,7 @@ if [ -n "${ALIGNER:-}" ]; then
 fi
 [ -n "${PROFILE:-}" ] && export QASR_ENGINE_PROFILE="$out/profile" QASR_ENGINE_PROFILE_S=${PROFILE_S:-2}
 python3 -m qasr.server.cli --model /tmp/m06 "${aligner[@]}" --workers "${WORKERS:-1}" --device cuda ${DEVICES:+--devices "$DEVICES"} \
-  ${ADMISSION_MS:+--admission-target-ms "$ADMISSION_MS"} ${INTERVAL_MS:+--admission-interval-ms "$INTERVAL_MS"} ${STEPS_AHEAD:+--decode-steps-ahead "$STEPS_AHEAD"} ${RUN_AHEAD:+$([ "$RUN_AHEAD" = 1 ] && echo --decode-run-ahead)} --port 8765 --slots 256 --retained-slots 1024 \
+  ${ADMISSION_MS:+--admission-target-ms "$ADMISSION_MS"} ${INTERVAL_MS:+--admission-interval-ms "$INTERVAL_MS"} ${STEPS_AHEAD:+--decode-steps-ahead "$STEPS_AHEAD"} $([ "${RUN_AHEAD:-}" = 1 ] && echo --decode-run-ahead) --port 8765 --slots 256 --retained-slots 1024 \
   --max-len 640 --max-sessions 2048 --max-pending-per-address 4096 --base-tokens 0 --tokens-per-second 3.7 --ignore-eos --log-level warning \
   > "$out/server.log" 2>&1 &
 server=$!

@@ -241,7 +241,6 @@ class _HostOutputs:
 
 @dataclass
 class _Launched:
-    number: int
     rows: int
     read_tokens: bool
     steps: int
@@ -386,7 +385,7 @@ class ModelRunner:
             host.out[i].copy_(self.out, non_blocking=True)
         if host.copied is not None:
             host.copied.record()
-        self._in_flight.append(_Launched(self.launches, rows, read_tokens, steps, host))
+        self._in_flight.append(_Launched(rows, read_tokens, steps, host))
         self.launches += 1
         return self.launches - 1
 

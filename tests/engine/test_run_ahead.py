@@ -63,9 +63,26 @@ def alone(engine, clip, tokens):
     return result.token_ids
 
 
+def stop(seq, how, monkeypatch) -> None:
+    """Have the host stop `seq`'s row at its next step: cancelled, or the repetition guard firing on it alone."""
+    if how == "cancelled":
+        seq.cancelled = True
+        return
+    is_repeating = postprocess.is_repeating
+    monkeypatch.setattr(postprocess, "is_repeating",
+                        lambda generated, window: generated is seq.generated or is_repeating(generated, window))
+
+
+def assert_stopped(result, how, alone_tokens) -> None:
+    if how == "cancelled":
+        assert isinstance(result, asyncio.CancelledError)
+    else:
+        assert result.finish_reason == "repetition" and result.token_ids == alone_tokens[: len(result.token_ids)]
+
+
 @pytest.mark.parametrize("how", ["cancelled", "repetition"])
 def test_a_slot_the_host_frees_while_its_row_is_queued_ahead_gives_the_next_row_only_its_own_tokens(tiny_model_dir,
-                                                                                                     how):
+                                                                                                     how, monkeypatch):
     """One slot: the host stops its row (a cancel, or the repetition guard) while the step after is already queued
     with that row in it; the next request takes the slot and must get exactly the tokens it gets alone."""
     engine = make_engine(tiny_model_dir, num_slots=1, admission_interval_ms=0, decode_run_ahead=True)
@@ -76,36 +93,24 @@ def test_a_slot_the_host_frees_while_its_row_is_queued_ahead_gives_the_next_row_
     for _ in range(4):
         engine.step()
     assert engine.runner.launches_in_flight == 1 and 0 < len(seq.generated) < 30
-    if how == "cancelled":
-        seq.cancelled = True
-    else:  # the guard fires on this sequence at its next read
-        is_repeating = postprocess.is_repeating
-        postprocess.is_repeating = lambda generated, window: generated is seq.generated or is_repeating(generated,
-                                                                                                         window)
-    try:
-        engine.add(DecodeRequest(audio=second, max_new_tokens=9), lambda r: results.__setitem__("second", r))
-        engine.run_until_done()
-    finally:
-        if how == "repetition":
-            postprocess.is_repeating = is_repeating
-    if how == "cancelled":
-        assert isinstance(results["first"], asyncio.CancelledError)
-    else:
-        assert results["first"].finish_reason == "repetition"
-        assert results["first"].token_ids == first_alone[: len(results["first"].token_ids)]
+    stop(seq, how, monkeypatch)
+    engine.add(DecodeRequest(audio=second, max_new_tokens=9), lambda r: results.__setitem__("second", r))
+    engine.run_until_done()
+    assert_stopped(results["first"], how, first_alone)
     assert results["second"].token_ids == second_alone and len(second_alone) == 9
     assert_idle(engine)
 
 
 @pytest.mark.parametrize("how", ["cancelled", "repetition"])
-def test_a_row_placed_while_the_slots_last_row_is_queued_ahead_gets_only_its_own_tokens(tiny_model_dir, how):
+def test_a_row_placed_while_the_slots_last_row_is_queued_ahead_gets_only_its_own_tokens(tiny_model_dir, how,
+                                                                                        monkeypatch):
     """Two slots, one row decoding on: the other slot's row is stopped (a cancel, the repetition guard) while a launch
     with it is queued, and the next request is placed there by an admission overlapping the steps (before its rows
     start). Reading the queued launch must not hand the stopped row's token to the placed request."""
     engine = make_engine(tiny_model_dir, num_slots=2, admission_interval_ms=0, decode_run_ahead=True)
     engine.admit_during_step = True  # as on CUDA (an admission stream): placed between the launch and the read
     long, short, second = speech(3.1, seed=7), speech(1.3, seed=1), speech(1.7, seed=5)
-    second_alone = alone(engine, second, 9)
+    short_alone, second_alone = alone(engine, short, 40), alone(engine, second, 9)
     results = {}
     engine.add(DecodeRequest(audio=long, max_new_tokens=40), lambda r: results.__setitem__("long", r))
     engine.step()
@@ -113,25 +118,13 @@ def test_a_row_placed_while_the_slots_last_row_is_queued_ahead_gets_only_its_own
     for _ in range(4):
         engine.step()
     assert len(engine.scheduler.running) == 2 and len(victim.generated) > 1 and engine.runner.launches_in_flight == 1
-    is_repeating = postprocess.is_repeating
-    if how == "cancelled":
-        victim.cancelled = True
-    else:  # stopped at the next read, the launch after it queued already
-        postprocess.is_repeating = lambda generated, window: generated is victim.generated or is_repeating(generated,
-                                                                                                           window)
-    try:
-        placed = engine.add(DecodeRequest(audio=second, max_new_tokens=9),
-                            lambda r: results.__setitem__("second", r))
-        while placed.slot < 0:  # an admission beside the steps places it in the freed slot, not started yet
-            engine.step()
-        assert placed.slot == victim.slot and placed.first_launch is None and engine.runner.launches_in_flight
-        engine.run_until_done()
-    finally:
-        postprocess.is_repeating = is_repeating
-    if how == "cancelled":
-        assert isinstance(results["short"], asyncio.CancelledError)
-    else:
-        assert results["short"].finish_reason == "repetition"
+    stop(victim, how, monkeypatch)
+    placed = engine.add(DecodeRequest(audio=second, max_new_tokens=9), lambda r: results.__setitem__("second", r))
+    while placed.slot < 0:  # an admission beside the steps places it in the freed slot, not started yet
+        engine.step()
+    assert placed.slot == victim.slot and placed.first_launch is None and engine.runner.launches_in_flight
+    engine.run_until_done()
+    assert_stopped(results["short"], how, short_alone)
     assert results["second"].token_ids == second_alone and len(second_alone) == 9
     assert_idle(engine)
 
