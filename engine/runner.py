@@ -22,6 +22,8 @@ from qasr.model import conv_kernels, kernels
 from qasr.model.modeling import FusedLayerOps, PlainLayerOps, Qwen3ASR, prefill_keys, window_lengths
 from qasr.model.prompt import Prompt
 
+from . import host_copy
+
 log = logging.getLogger(__name__)
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
@@ -536,7 +538,7 @@ class ModelRunner:
         tails = [clip[qaudio.stft_start_sample(first):] for clip, first in zip(clips, first_frames)]
         # concatenated straight into (pinned) memory of the tensor's own: one copy of the samples, not two
         flat = torch.empty(sum(tail.size for tail in tails), dtype=torch.float32, pin_memory=self.device.type == "cuda")
-        np.concatenate(tails, out=flat.numpy(), casting="same_kind")  # float32 audio, or a cast to it
+        host_copy.copy_samples(tails, flat.numpy())
         return flat
 
     @torch.inference_mode()

@@ -1,0 +1,60 @@
+"""engine/host_copy.py: an admission's audio tails into one (pinned) host buffer, by several threads past a size, the
+same samples in the same order as one np.concatenate."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from qasr.engine import host_copy
+
+
+@pytest.mark.parametrize("parallel_from", [1, 10**9])  # every copy on the threads; none
+def test_copy_equals_one_concatenate(monkeypatch, parallel_from):
+    monkeypatch.setattr(host_copy, "PARALLEL_COPY_SAMPLES", parallel_from)
+    rng = np.random.default_rng(0)
+    sizes = [5, 0, 1234, 7, 40_000, 3, 0, 999, 16_000]  # uneven runs for the threads, empty tails among them
+    tails = [rng.standard_normal(n).astype(np.float32) for n in sizes]
+    tails[3] = tails[3].astype(np.float64)  # cast as np.concatenate(..., casting="same_kind") does
+    out = np.full(sum(sizes), np.nan, dtype=np.float32)
+    host_copy.copy_samples(tails, out)
+    assert np.array_equal(out, np.concatenate(tails).astype(np.float32))
+
+
+def test_an_uncastable_tail_raises_from_the_threads(monkeypatch):
+    monkeypatch.setattr(host_copy, "PARALLEL_COPY_SAMPLES", 1)
+    tails = [np.zeros(10, np.float32), np.zeros(10, np.complex64)]  # complex to float32: not a same-kind cast
+    with pytest.raises(TypeError):
+        host_copy.copy_samples(tails, np.empty(20, np.float32))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_copies_on_threads_of_its_own(monkeypatch):
+    monkeypatch.setattr(host_copy, "PARALLEL_COPY_SAMPLES", 1)
+    tails = [np.arange(n, dtype=np.float32) for n in (3, 4, 5)]
+    # the parent's copy threads all started (each holds the barrier until all four are running), then idle: a
+    # pool forked as it is would hand the child's work to those threads, which the child does not have
+    barrier = threading.Barrier(host_copy.COPY_THREADS + 1)
+    waits = [host_copy._copy_threads().submit(barrier.wait) for _ in range(host_copy.COPY_THREADS)]
+    barrier.wait()
+    for wait in waits:
+        wait.result()
+    time.sleep(0.2)
+    pid = os.fork()
+    if pid == 0:  # the child: its copy must not wait for threads that were not forked with it
+        out = np.empty(12, np.float32)
+        host_copy.copy_samples(tails, out)
+        os._exit(0 if np.array_equal(out, np.concatenate(tails)) else 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's copy hung")
