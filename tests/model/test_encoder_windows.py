@@ -1,0 +1,34 @@
+"""AudioEncoder.pack_windows: a batch's clips cut into fixed attention windows by one gather, exactly as a pad of each
+clip to whole windows would cut them (the encoder's input must not change with how it is packed)."""
+
+import torch
+import torch.nn.functional as F
+
+from qasr.model.config import AudioEncoderConfig
+from qasr.model.modeling import AudioEncoder, window_lengths
+
+
+def padded_per_clip(clips: list[torch.Tensor], size: int) -> torch.Tensor:
+    """The plain reference: each clip zero-padded to whole windows, then stacked."""
+    pieces = []
+    for x in clips:
+        k = len(window_lengths(x.shape[0], size))
+        pieces.append(F.pad(x, (0, 0, 0, k * size - x.shape[0])).view(k, size, x.shape[1]))
+    return torch.cat(pieces)
+
+
+def test_one_gather_cuts_clips_as_padding_each_would():
+    encoder = AudioEncoder(AudioEncoderConfig(encoder_layers=0, d_model=8, encoder_attention_heads=2,
+                                              encoder_ffn_dim=16, output_dim=8, downsample_hidden_size=4))
+    size = encoder.cfg.window_tokens
+    torch.manual_seed(0)
+    # a token short of, exactly at and past window boundaries; a one-token clip; a clip of several windows
+    clips = [torch.randn(n, 8) for n in (size - 1, size, size + 1, 1, 3 * size + 17, 13)]
+    windows, lengths, owners = encoder.pack_windows(clips)
+    assert torch.equal(windows, padded_per_clip(clips, size))
+    assert lengths.tolist() == [n for x in clips for n in window_lengths(x.shape[0], size)]
+    assert owners == [i for i, x in enumerate(clips) for _ in window_lengths(x.shape[0], size)]
+    assert not windows[0, size - 1].any() and windows[0, size - 2].any()  # the padding is zeros, the tokens kept
+    # one clip alone, as a stream's partial brings it
+    alone, _, _ = encoder.pack_windows(clips[4:5])
+    assert torch.equal(alone, padded_per_clip(clips[4:5], size))
