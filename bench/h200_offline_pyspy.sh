@@ -31,7 +31,8 @@ python3 -m qasr.bench.offline_sweep --model "$model" --device "${DEVICE:-cuda}" 
   --tokens "${TOKENS:-40}" --vary max_prefill_tokens="${PREFILL:-65536}" > "$out/passes.jsonl" 2> "$out/passes.log" &
 sweep=$!
 until grep -q '^{"run"' "$out/passes.jsonl" 2> /dev/null; do  # the first pass is done: warm from here on
-  kill -0 "$sweep" 2> /dev/null || { echo "the passes ended before one was timed:" >&2; tail -20 "$out/passes.log" >&2; exit 1; }
+  kill -0 "$sweep" 2> /dev/null \
+    || { echo "the passes ended before one was timed:" >&2; tail -20 "$out/passes.log" >&2; exit 1; }
   sleep 0.2
 done
 py-spy record --pid "$sweep" --threads --idle --duration "${SPY_S:-8}" --rate "${RATE:-200}" --format raw \
@@ -43,7 +44,8 @@ import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     thread = ', '.join(f'{k} {v:.0%}' for k, v in r['qasr_throughput_engine_thread'].items())
-    print(f\"pass {r['run']}: {r['qasr_throughput_audio_s_per_s']:,.0f} audio-s/s, mean batch {r['qasr_mean_decode_batch']:.0f}; engine thread: {thread}\")"
+    print(f\"pass {r['run']}: {r['qasr_throughput_audio_s_per_s']:,.0f} audio-s/s,\",
+          f\"mean batch {r['qasr_mean_decode_batch']:.0f}; engine thread: {thread}\")"
   echo "py-spy, the engine thread (MainThread), ${SPY_S:-8} s from the second pass on:"
   python3 -m qasr.bench.pyspy_summary "$out/pyspy.txt" --thread MainThread
 } > "$out/summary.txt" 2>&1

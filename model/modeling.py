@@ -169,12 +169,11 @@ class AudioEncoder(nn.Module):
         # one cat and one gather for the whole batch: a pad per clip, ~400 launches in an admission of 512 offline
         # rows, held 7% of the engine thread (py-spy on the H200, session 21). Row r of window j of clip i is the
         # clip's token j * size + r, or past its last token the zero row appended after the clips
-        tokens = np.array([x.shape[0] for x in clips])
-        padded = np.array([len(cut) * size for cut in cuts])
-        slot_start = np.repeat(np.cumsum(padded) - padded, padded)
-        local = np.arange(padded.sum()) - slot_start  # a row's place in its clip's padded windows
+        tokens = np.array([x.shape[0] for x in clips])  # each clip's tokens
+        padded = np.array([len(cut) * size for cut in cuts])  # and its rows in whole windows
+        local = np.arange(padded.sum()) - np.repeat(np.cumsum(padded) - padded, padded)  # a row's place in its clip
         index = np.repeat(np.cumsum(tokens) - tokens, padded) + local
-        index[local >= np.repeat(tokens, padded)] = tokens.sum()
+        index[local >= np.repeat(tokens, padded)] = tokens.sum()  # past the clip's tokens: the zero row
         flat = torch.cat([*clips, clips[0].new_zeros(1, clips[0].shape[1])])
         # through pinned memory: a list put on a CUDA device directly is copied from pageable memory, which waits
         # for everything queued on the stream (a decode step, the admission's convolutions)
