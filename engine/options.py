@@ -29,9 +29,9 @@ class EngineOptions:
     # (repetition, cancel) then decodes one step more, unread. Offline work takes OFFLINE_DECODE_RUN_AHEAD: on an
     # H200 (session 20) the engine loop's step came to the graph's own (0.81 vs 0.80 ms at one row, 2.10 vs 2.05 at
     # 128; reading each step 0.88-0.91 and 2.26-2.46), a 40-token clip 38.9 / 39.0 ms against 43.0 / 46.7, throughput
-    # +4-10%. Off for live serving until an A/B there: the one 1,000-stream run with it on (one lease, nothing
-    # beside it) made 86 steps a second where earlier leases made 130-190 without it. On the CPU a step runs whole
-    # at its launch: running one ahead only delays each result by a step
+    # +4-10%. Off for live serving: on one lease, three 1,000-stream runs each way, it made ~10% more steps a second
+    # and a worse final p95 in every run (238-300 ms against 176-221, session 21). On the CPU a step runs whole at its
+    # launch: running one ahead only delays each result by a step
     max_audio_seconds: float = 60.0  # longest audio one request may carry
     base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
     tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)

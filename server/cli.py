@@ -106,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "in the time it has been taking; 1: one step)")
     parser.add_argument("--decode-run-ahead", action="store_true",
                         help="queue the next decode step before reading the last, so the GPU does not wait while "
-                             "the host handles its tokens (offline work does; live serving not yet measured with it)")
+                             "the host handles its tokens (offline work does; live, it gave a worse final p95)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--workers", type=int, default=1,
