@@ -155,8 +155,9 @@ def run_socket(framing: str, requests: dict[float, DecodeRequest], count: int) -
 
 
 def finite_check(seconds: float, repeats: int = 200) -> dict:
-    """prompting.validate's finiteness check on `seconds` of audio: the whole-array isfinite before, qasr's now."""
-    from qasr.engine.prompting import all_finite
+    """The admission's finiteness check (host_copy.all_finite) on `seconds` of audio: the whole-array isfinite
+    before, qasr's now."""
+    from qasr.engine.host_copy import all_finite
 
     audio = np.random.default_rng(1).normal(0, 0.1, int(16000 * seconds)).astype(np.float32)
     out = {}

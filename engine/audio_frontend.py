@@ -48,6 +48,7 @@ class _Clip:
     clip_max: float = -np.inf
     staged: object = None  # the samples its first mel reads, staged on the host (ModelRunner.stage_samples, shared
     # by the batch: set on the first clip of a prepared batch)
+    finite: bool = True  # every sample of the clip is finite (checked by prepare, as its samples are staged)
 
     @property
     def num_new_frames(self) -> int:
@@ -69,14 +70,17 @@ class AudioFrontEnd:
 
     def prepare(self, clips: list[np.ndarray], states: list[StreamState | None]) -> list[_Clip]:
         """The host's part, before any device work (the engine does it while a decode step runs): what each clip
-        keeps, where its new frames start, and the samples they read staged for the device."""
+        keeps, where its new frames start, the samples they read staged for the device, and whether each clip's
+        samples are all finite (a clip that is not must not run: its NaNs would reach the device)."""
         work = [_Clip(audio, state) for audio, state in zip(clips, states)]
         for clip in work:
             if clip.state is not None and not clip.state.continues(clip.audio):
                 clip.state.restart_audio()  # not this stream's audio: nothing kept applies
             clip.first_frame = clip.state.num_chunks * qaudio.CHUNK_FRAMES if clip.state else 0
         if work:
-            work[0].staged = self.runner.stage_samples(clips, [clip.first_frame for clip in work])
+            work[0].staged, finite = self.runner.stage_samples(clips, [clip.first_frame for clip in work])
+            for clip, ok in zip(work, finite):
+                clip.finite = ok
         return work
 
     def run(self, work: list[_Clip]) -> list[AudioEmbedding]:

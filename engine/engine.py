@@ -325,8 +325,8 @@ class Engine:
             return seqs, None
 
     def _prepare(self, seqs: list[Sequence]) -> _Prepared:
-        """Prompts and the audio front end's host part for `seqs`; a request whose prompt cannot fit is finished
-        with its error here (it alone)."""
+        """Prompts and the audio front end's host part for `seqs`; a request whose prompt cannot fit, or whose audio
+        is not all finite, is finished with its error here (it alone)."""
         started = time.perf_counter()
         busy = self.scheduler.running_streams()
         fitting = []
@@ -340,9 +340,19 @@ class Engine:
                 seq.finish(e)
                 continue
             fitting.append(seq)
-        clips = (self.frontend.prepare([seq.request.audio for seq in fitting],
-                                       [self._stream_state(seq) for seq in fitting]) if fitting else None)
+        clips = self._prepare_audio(fitting)
+        if clips and not all(clip.finite for clip in clips):  # those requests fail alone; the rest staged again
+            for seq, clip in zip(fitting, clips):
+                if not clip.finite:
+                    seq.finish(ValueError("audio contains NaN or infinite samples"))
+            fitting = [seq for seq, clip in zip(fitting, clips) if clip.finite]
+            clips = self._prepare_audio(fitting)
         return _Prepared(fitting, clips, busy, started)
+
+    def _prepare_audio(self, seqs: list[Sequence]) -> list | None:
+        if not seqs:
+            return None
+        return self.frontend.prepare([seq.request.audio for seq in seqs], [self._stream_state(seq) for seq in seqs])
 
     def _admit_apart(self, seqs: list[Sequence], prepared: _Prepared | None = None, after=None) -> None:
         """Admit `seqs` together; if that raises, each on its own, so that a request the encoder or the prefill cannot

@@ -524,22 +524,25 @@ class ModelRunner:
         -> [B, mels, n_max] on the device, zero past clip i's num_frames(len) - first_frames[i] frames.
 
         Only the samples those frames read cross to the device, all clips in one copy (one per clip cost ~0.3 ms of
-        CPU each in a large admission). staged: stage_samples' answer for these clips, if taken before."""
-        staged = self.stage_samples(clips, first_frames) if staged is None else staged
+        CPU each in a large admission). staged: stage_samples' samples for these clips, if taken before."""
+        staged = self.stage_samples(clips, first_frames)[0] if staged is None else staged
         flat = staged.to(self.device, non_blocking=self.device.type == "cuda")
         sizes = [clip.size - qaudio.stft_start_sample(first) for clip, first in zip(clips, first_frames)]
         log_spec, _ = qaudio.log_spectrogram_batch(list(torch.split(flat, sizes)),
                                                    [clip.size for clip in clips], first_frames, device=self.device)
         return log_spec
 
-    def stage_samples(self, clips: list[np.ndarray], first_frames: list[int]) -> torch.Tensor:
+    def stage_samples(self, clips: list[np.ndarray], first_frames: list[int]) -> tuple[torch.Tensor, list[bool]]:
         """The host half of log_spectrogram (it can run while the device decodes): the samples its frames read, all
-        clips' in one host tensor, pinned on CUDA (so that their copy waits for nothing)."""
-        tails = [clip[qaudio.stft_start_sample(first):] for clip, first in zip(clips, first_frames)]
+        clips' in one host tensor, pinned on CUDA (so that their copy waits for nothing) -> (that tensor, whether each
+        clip's samples are all finite: those copied as they are, the rest of the clip, which kept chunks stand for,
+        apart)."""
+        starts = [qaudio.stft_start_sample(first) for first in first_frames]
+        tails = [clip[start:] for clip, start in zip(clips, starts)]
         # concatenated straight into (pinned) memory of the tensor's own: one copy of the samples, not two
         flat = torch.empty(sum(tail.size for tail in tails), dtype=torch.float32, pin_memory=self.device.type == "cuda")
-        host_copy.copy_samples(tails, flat.numpy())
-        return flat
+        finite = host_copy.copy_samples(tails, flat.numpy())
+        return flat, [ok and host_copy.all_finite(clip[:start]) for ok, clip, start in zip(finite, clips, starts)]
 
     @torch.inference_mode()
     def chunk_extremes(self, log_spec: torch.Tensor, counts: list[int]) -> np.ndarray:

@@ -28,6 +28,7 @@ from qasr.model.audio import AudioError
 from qasr.model.prompt import normalize_language
 
 from .engine import Engine, EngineOptions
+from .host_copy import all_finite
 from .options import OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD
 from .request import DecodeRequest, WordTime
 from .transcribe_cli import DEFAULT_MODEL
@@ -135,7 +136,7 @@ def _checked_samples(samples, name: str) -> np.ndarray:
                          f"(convert PCM with qasr.audio.decode_pcm)")
     if samples.size == 0:
         raise AudioError(f"{name} contains no audio samples")
-    if not np.isfinite(samples).all():
+    if not all_finite(samples):
         raise AudioError(f"{name} contains NaN or infinite samples")
     return np.ascontiguousarray(samples, dtype=np.float32)
 

@@ -233,7 +233,6 @@ def test_newer_partial_supersedes_queued_one_and_finals_go_first(engine):
 @pytest.mark.parametrize(
     "audio, message",
     [
-        (np.full(16000, np.nan, dtype=np.float32), "NaN"),
         (np.zeros(10, dtype=np.float32), "too short"),
         (np.zeros((2, 16000), dtype=np.float32), "1-D"),
     ],
@@ -244,6 +243,41 @@ def test_bad_audio_fails_that_request_only(engine, audio, message):
     assert isinstance(got[0], ValueError) and message in str(got[0])
     (ok,) = engine.transcribe([DecodeRequest(audio=speech(1.0, seed=9), max_new_tokens=4)])
     assert len(ok.token_ids) == 4
+
+
+def test_audio_not_all_finite_fails_at_admission_alone(engine, alone):
+    """The samples are checked as their admission stages them: a NaN or an infinity anywhere fails that request with
+    its message, and the requests admitted with it decode as they do alone."""
+    clips, budgets, out = alone
+    nan_inside, inf_last = speech(1.0, seed=3), speech(2.0, seed=4)
+    nan_inside[7_777] = np.nan
+    inf_last[-1] = np.inf
+    requests = [DecodeRequest(audio=clips[1], max_new_tokens=budgets[1]), DecodeRequest(audio=nan_inside),
+                DecodeRequest(audio=clips[2], max_new_tokens=budgets[2]), DecodeRequest(audio=inf_last)]
+    got = {}
+    for i, request in enumerate(requests):
+        engine.add(request, lambda result, i=i: got.__setitem__(i, result))
+    assert not got  # nothing is refused when added: the check is the admission's
+    engine.run_until_done()
+    for i in (1, 3):
+        assert isinstance(got[i], ValueError) and "audio contains NaN or infinite samples" in str(got[i])
+    assert got[0].token_ids == out[1].token_ids and got[2].token_ids == out[2].token_ids
+    assert_idle(engine)
+
+
+def test_a_nan_where_a_streams_kept_chunks_stand_is_refused(engine):
+    """A stream's partial stages only the samples after its kept chunks; the samples before them are checked too (a
+    NaN there passes the stream's fingerprint of the audio seen, and the kept features would hide it)."""
+    first = speech(2.5, seed=5)
+    engine.transcribe([DecodeRequest(audio=first, priority=Priority.PARTIAL, stream_id="nan/0", max_new_tokens=2)])
+    assert engine.streams.peek("nan/0").num_chunks >= 2  # the next partial stages only what follows them
+    grown = np.concatenate([first, speech(0.5, seed=6)])
+    grown[8_000] = np.nan  # inside the kept chunks, away from the fingerprinted ends
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        engine.transcribe([DecodeRequest(audio=grown, priority=Priority.PARTIAL, stream_id="nan/0", max_new_tokens=2)])
+    engine.release_stream("nan/0")
+    engine.step()
+    assert_idle(engine)
 
 
 def test_too_long_audio_is_refused(tiny_model_dir):

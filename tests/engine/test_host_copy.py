@@ -1,5 +1,5 @@
 """engine/host_copy.py: an admission's audio tails into one (pinned) host buffer, by several threads past a size, the
-same samples in the same order as one np.concatenate."""
+same samples in the same order as one np.concatenate, each tail checked finite."""
 
 import os
 import signal
@@ -20,8 +20,25 @@ def test_copy_equals_one_concatenate(monkeypatch, parallel_from):
     tails = [rng.standard_normal(n).astype(np.float32) for n in sizes]
     tails[3] = tails[3].astype(np.float64)  # cast as np.concatenate(..., casting="same_kind") does
     out = np.full(sum(sizes), np.nan, dtype=np.float32)
-    host_copy.copy_samples(tails, out)
+    assert host_copy.copy_samples(tails, out) == [True] * len(sizes)
     assert np.array_equal(out, np.concatenate(tails).astype(np.float32))
+
+
+@pytest.mark.parametrize("parallel_from", [1, 10**9])
+def test_each_tail_is_checked_finite_as_it_is_copied(monkeypatch, parallel_from):
+    monkeypatch.setattr(host_copy, "PARALLEL_COPY_SAMPLES", parallel_from)
+    tails = [np.ones(n, np.float32) for n in (100, 5, 3_000, 0, 64, 2_000)]
+    tails[1][4] = np.nan
+    tails[4][0] = -np.inf
+    tails.append(np.array([1e300, 0.0]))  # finite as float64, infinite as the float32 it is copied to
+    out = np.empty(sum(tail.size for tail in tails), np.float32)
+    assert host_copy.copy_samples(tails, out) == [True, False, True, True, False, True, False]
+    assert np.array_equal(out[:100], np.ones(100, np.float32))  # the copies are made all the same
+
+
+def test_a_buffer_of_the_wrong_size_is_refused():
+    with pytest.raises(ValueError, match="room"):
+        host_copy.copy_samples([np.zeros(10, np.float32)], np.empty(11, np.float32))
 
 
 def test_an_uncastable_tail_raises_from_the_threads(monkeypatch):
