@@ -30,8 +30,14 @@ from .stream_cache import StreamState
 
 @dataclass
 class AudioEmbedding:
-    audio: torch.Tensor  # [num_audio_tokens, out]: what replaces the prompt's audio placeholders
+    windows: list[torch.Tensor]  # [tokens, out] each, in order: what replaces the prompt's audio placeholders (the
+    # engine writes all clips' into their prompts at once: a cat per clip was a launch each)
     kept_windows: int  # leading windows taken from the stream's cache (their KV may be reused too)
+
+    @property
+    def audio(self) -> torch.Tensor:
+        """[num_audio_tokens, out]: the windows as one tensor."""
+        return torch.cat(self.windows)
 
 
 @dataclass
@@ -101,7 +107,7 @@ class AudioFrontEnd:
             self.counters["reused_windows"] += len(kept)
             if clip.state is not None:
                 self._keep(clip, clip_tokens, clip_windows)
-            out.append(AudioEmbedding(torch.cat(kept + clip_windows), len(kept)))
+            out.append(AudioEmbedding(kept + clip_windows, len(kept)))
         return out
 
     def _log_spectrogram(self, work: list[_Clip], staged=None) -> None:
@@ -187,5 +193,6 @@ class AudioFrontEnd:
         state.windows += windows[: whole - first_window]
         start = (whole - first_window) * qaudio.WINDOW_TOKENS
         end = (complete - first_window * qaudio.WINDOW_CHUNKS) * qaudio.TOKENS_PER_CHUNK
-        state.chunk_tokens = tokens[start:end] if tokens is not None and end > start else None
+        # a copy: tokens may be a view of the conv graph's output (overwritten by its next replay) or of the batch's
+        state.chunk_tokens = tokens[start:end].clone() if tokens is not None and end > start else None
         state.saw(clip.audio)

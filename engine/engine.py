@@ -471,7 +471,7 @@ class Engine:
                 stream.wait_event(after)
         with torch.cuda.stream(stream):  # a no-op context off CUDA
             embedded = self.frontend.run(prepared.clips)
-            embeds = self.runner.embed_prompts([seq.prompt for seq in fitting], [e.audio for e in embedded])
+            embeds = self.runner.embed_prompts([seq.prompt for seq in fitting], [e.windows for e in embedded])
         starts = [self._reusable_positions(seq, e.kept_windows) for seq, e in zip(fitting, embedded)]
         return fitting, embeds, starts
 

@@ -131,33 +131,37 @@ class AudioEncoder(nn.Module):
         official encoder convolves unpadded (the padding would leak into its edge tokens through the convs).
         `tails[i]` marks mel i as the tail of a longer clip (whose earlier windows are cached): padded like a long clip.
         Full-length chunks of all clips share one conv call: `embed_chunks` (default: self.embed_chunks; the engine's
-        runner passes its graphed one), whose output is read before it is called again.
+        runner passes its graphed one). Its output is read before it is called again: the clips' tokens are views of
+        it, read before the next call (a caller keeping some copies them).
         """
         size, dtype = self.cfg.chunk_frames, self.conv_out.weight.dtype
-        full, counts, short = [], [], {}
-        for i, mel in enumerate(mels):
-            frames = mel.shape[-1]
-            if frames == 0:
+        for mel in mels:
+            if mel.shape[-1] == 0:
                 raise ValueError("cannot encode an empty clip (0 mel frames)")
-            if frames < size and not (tails and tails[i]):
-                short[i] = self.embed_chunks(mel[None].to(dtype))[0, : self.cfg.num_tokens(frames)]
-                continue
-            n = -(-frames // size)
-            full.append(F.pad(mel, (0, n * size - frames)).view(mel.shape[0], n, size).transpose(0, 1))
-            counts.append([self.cfg.tokens_per_chunk] * (n - 1) + [self.cfg.num_tokens(frames - (n - 1) * size)])
-        embedded = (embed_chunks or self.embed_chunks)(torch.cat(full).to(dtype)) if full else None
-        out, row, k = [], 0, 0
-        for i in range(len(mels)):
+        short = {i: self.embed_chunks(mel[None].to(dtype))[0, : self.cfg.num_tokens(mel.shape[-1])]
+                 for i, mel in enumerate(mels) if mel.shape[-1] < size and not (tails and tails[i])}
+        full = [mel for i, mel in enumerate(mels) if i not in short]
+        if not full:
+            return [short[i] for i in range(len(mels))]
+        # the chunks of every clip by one cat and one gather (a pad per clip was a launch each: ~400 in an offline
+        # admission of 512 rows), the last chunk's missing frames reading the zero column after the clips
+        frames = np.array([mel.shape[-1] for mel in full])
+        index = gather_index(padded_gather(frames, size), full[0].device)
+        flat = torch.cat([*full, full[0].new_zeros(full[0].shape[0], 1)], dim=1)  # [mels, frames + 1]
+        chunks = flat.index_select(1, index).view(flat.shape[0], -1, size)  # [mels, N, size]
+        embedded = (embed_chunks or self.embed_chunks)(
+            torch.empty(chunks.shape[1], flat.shape[0], size, dtype=dtype, device=flat.device).copy_(
+                chunks.transpose(0, 1)))
+        # a clip's tokens are its chunks' rows flattened, cut after its last chunk's (every chunk but the last whole)
+        out, row = [], 0
+        for i, mel in enumerate(mels):
             if i in short:
                 out.append(short[i])
                 continue
-            # chunk j's tokens are embedded[row + j, :counts[k][j]], and every chunk but the last is whole: the
-            # clip's tokens are its chunks' rows flattened, cut after the last chunk's (one copy, not a cat of
-            # slices; a copy, so a stream keeping some of them does not keep the whole batch's)
-            n = len(counts[k])
-            out.append(embedded[row : row + n].flatten(0, 1)[: sum(counts[k])].clone())
+            n = -(-mel.shape[-1] // size)
+            count = (n - 1) * self.cfg.tokens_per_chunk + self.cfg.num_tokens(mel.shape[-1] - (n - 1) * size)
+            out.append(embedded[row : row + n].flatten(0, 1)[:count])
             row += n
-            k += 1
         return out
 
     def pack_windows(self, clips: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -167,19 +171,11 @@ class AudioEncoder(nn.Module):
         lengths = [n for cut in cuts for n in cut]
         owners = [i for i, cut in enumerate(cuts) for _ in cut]
         # one cat and one gather for the whole batch: a pad per clip, ~400 launches in an admission of 512 offline
-        # rows, held 7% of the engine thread (py-spy on the H200, session 21). Row r of window j of clip i is the
-        # clip's token j * size + r, or past its last token the zero row appended after the clips
-        tokens = np.array([x.shape[0] for x in clips])  # each clip's tokens
-        padded = np.array([len(cut) * size for cut in cuts])  # and its rows in whole windows
-        local = np.arange(padded.sum()) - np.repeat(np.cumsum(padded) - padded, padded)  # a row's place in its clip
-        index = np.repeat(np.cumsum(tokens) - tokens, padded) + local
-        index[local >= np.repeat(tokens, padded)] = tokens.sum()  # past the clip's tokens: the zero row
+        # rows, held 7% of the engine thread (py-spy on the H200, session 21)
         flat = torch.cat([*clips, clips[0].new_zeros(1, clips[0].shape[1])])
-        # through pinned memory: a list put on a CUDA device directly is copied from pageable memory, which waits
-        # for everything queued on the stream (a decode step, the admission's convolutions)
+        index = gather_index(padded_gather(np.array([x.shape[0] for x in clips]), size), flat.device)
+        windows = flat.index_select(0, index).view(len(lengths), size, -1)
         on_cuda = flat.device.type == "cuda"
-        index = torch.from_numpy(index).pin_memory() if on_cuda else torch.from_numpy(index)
-        windows = flat.index_select(0, index.to(flat.device, non_blocking=on_cuda)).view(len(lengths), size, -1)
         lengths = torch.tensor(lengths, pin_memory=on_cuda).to(flat.device, non_blocking=on_cuda)
         return windows, lengths, owners
 
@@ -189,6 +185,24 @@ class AudioEncoder(nn.Module):
         for w, (n, owner) in enumerate(zip(lengths.tolist(), owners)):
             parts[owner].append(out[w, :n])
         return [torch.cat(p) for p in parts]
+
+
+def padded_gather(sizes: np.ndarray, multiple: int) -> np.ndarray:
+    """Pieces of sizes[i] rows laid one after the other, then one zero row -> the rows that lay each piece out padded
+    to a whole number of `multiple` rows: row r of piece i is its row r, or past its last row the zero row."""
+    padded = -(-sizes // multiple) * multiple
+    local = np.arange(padded.sum()) - np.repeat(np.cumsum(padded) - padded, padded)  # a row's place in its piece
+    index = np.repeat(np.cumsum(sizes) - sizes, padded) + local
+    index[local >= np.repeat(sizes, padded)] = sizes.sum()
+    return index
+
+
+def gather_index(index: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host-built index on the device. Through pinned memory: a list put on a CUDA device directly is copied from
+    pageable memory, which waits for everything queued on the stream (a decode step, the admission's convolutions)."""
+    if device.type != "cuda":
+        return torch.from_numpy(index)
+    return torch.from_numpy(index).pin_memory().to(device, non_blocking=True)
 
 
 def window_lengths(num_tokens: int, size: int) -> list[int]:

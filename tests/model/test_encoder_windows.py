@@ -32,3 +32,38 @@ def test_one_gather_cuts_clips_as_padding_each_would():
     # one clip alone, as a stream's partial brings it
     alone, _, _ = encoder.pack_windows(clips[4:5])
     assert torch.equal(alone, padded_per_clip(clips[4:5], size))
+
+
+def test_one_gather_chunks_clips_as_padding_each_would():
+    """embed_clips: every clip's chunks for the conv front end by one gather, as a pad of each clip's last chunk with
+    zeros would make them; a clip under one chunk runs apart, unpadded, unless it continues a longer clip."""
+    encoder = AudioEncoder(AudioEncoderConfig(encoder_layers=0, d_model=8, encoder_attention_heads=2,
+                                              encoder_ffn_dim=16, output_dim=8, downsample_hidden_size=4,
+                                              num_mel_bins=16))
+    cfg, size = encoder.cfg, encoder.cfg.chunk_frames
+    torch.manual_seed(1)
+    frames = [size - 1, size, size + 1, 3 * size + 17, 40, 2 * size]  # around chunk edges; a short clip (40)
+    batch = torch.randn(len(frames), cfg.num_mel_bins, max(frames))
+    mels = [batch[i, :, :f] for i, f in enumerate(frames)]  # views of one batch, as the engine's features are
+    for tails in (None, [False, False, False, False, True, False]):
+        seen = []
+
+        def embed_chunks(chunks):
+            seen.append(chunks.clone())
+            return encoder.embed_chunks(chunks)
+
+        got = encoder.embed_clips(mels, tails, embed_chunks)
+        padded = [i for i, f in enumerate(frames) if f >= size or (tails and tails[i])]
+        reference = torch.cat([F.pad(mels[i], (0, -(-frames[i] // size) * size - frames[i]))
+                               .view(cfg.num_mel_bins, -1, size).transpose(0, 1) for i in padded])
+        assert len(seen) == 1 and torch.equal(seen[0], reference)  # the short clip is not among them
+        out = encoder.embed_chunks(reference)
+        row = 0
+        for i, f in enumerate(frames):
+            assert got[i].shape == (cfg.num_tokens(f), cfg.d_model)
+            if i not in padded:
+                assert torch.equal(got[i], encoder.embed_chunks(mels[i][None])[0, : cfg.num_tokens(f)])
+                continue
+            n = -(-f // size)
+            assert torch.equal(got[i], out[row : row + n].flatten(0, 1)[: cfg.num_tokens(f)])
+            row += n
