@@ -610,7 +610,7 @@ class Engine:
     def _postprocess(self, out, launch: int) -> None:
         """out: [2, rows] (token or -1 for an idle row, finished on the device), a step of launch number `launch` ->
         finish what stopped."""
-        stopped = []
+        stopped, done = [], []
         tokens, finished_rows = out.tolist()  # Python ints at once: this loop runs per row per step
         rows = len(tokens)
         window = self.options.repetition_window
@@ -625,23 +625,33 @@ class Engine:
                 stopped.append(slot)  # the device does not know: idle its row
                 reason = "repetition"
             if reason:
-                self._complete(seq, reason)
+                done.append((seq, reason))
+        self._complete_all(done)
         self.runner.stop_rows(stopped)
 
     def _complete(self, seq: Sequence, reason: str) -> None:
-        seq.finish_reason = reason
-        seq.timings["engine_ms"] = (time.perf_counter() - seq.t_submit) * 1e3  # submit to result: the pieces and
-        # the gaps between them (admission's front end, the steps before its first decode); align_ms comes after
-        self.scheduler.release(seq)
-        if seq.request.priority is Priority.PARTIAL and seq.stream_id is not None:
-            state = self.streams.peek(seq.stream_id)  # None once released: a late partial does not bring it back
-            if state is not None:
-                state.answer_ids = postprocess.answer_ids(seq)
-        result = postprocess.result_of(seq, self.tokenizer, reason)
-        if seq.request.words:
-            self.aligner.park(seq, result)  # finished once its word times are known
-        else:
-            seq.finish(result)
+        self._complete_all([(seq, reason)])
+
+    def _complete_all(self, finished: list[tuple[Sequence, str]]) -> None:
+        """Release each (sequence, reason)'s slot and give it its result; their texts decoded in one batch (a decode
+        a row was 4.7% of the engine thread offline, where a step finishes hundreds of rows together)."""
+        if not finished:
+            return
+        now = time.perf_counter()
+        for seq, reason in finished:
+            seq.finish_reason = reason
+            seq.timings["engine_ms"] = (now - seq.t_submit) * 1e3  # submit to result: the pieces and the gaps
+            # between them (admission's front end, the steps before its first decode); align_ms comes after
+            self.scheduler.release(seq)
+            if seq.request.priority is Priority.PARTIAL and seq.stream_id is not None:
+                state = self.streams.peek(seq.stream_id)  # None once released: a late partial does not bring it back
+                if state is not None:
+                    state.answer_ids = postprocess.answer_ids(seq)
+        for (seq, _), result in zip(finished, postprocess.results_of(finished, self.tokenizer)):
+            if seq.request.words:
+                self.aligner.park(seq, result)  # finished once its word times are known
+            else:
+                seq.finish(result)
 
     def _drop_cancelled(self) -> None:
         dropped = self.scheduler.drop_cancelled()

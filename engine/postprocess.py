@@ -35,9 +35,14 @@ def is_repeating(tokens: list[int], window: int) -> bool:
                for p in range(1, MAX_PATTERN_TOKENS + 1))
 
 
-def result_of(seq: Sequence, tokenizer: Tokenizer, reason: str) -> DecodeResult:
-    """The finished sequence's result: its answer (a given prefix + what it generated) read as language and text."""
-    raw = tokenizer.decode(answer_ids(seq))
+def results_of(finished: list[tuple[Sequence, str]], tokenizer: Tokenizer) -> list[DecodeResult]:
+    """Each finished (sequence, reason)'s result: its answer (a given prefix + what it generated) read as language
+    and text, all answers decoded in one batch."""
+    raws = tokenizer.decode_batch([answer_ids(seq) for seq, _ in finished])
+    return [_result(seq, raw, reason) for (seq, reason), raw in zip(finished, raws)]
+
+
+def _result(seq: Sequence, raw: str, reason: str) -> DecodeResult:
     language, text = parse_output(raw, seq.prompt.language)
     seq.timings["decode_ms"] = (time.perf_counter() - seq.t_decode) * 1e3
     return DecodeResult(text=text, language=language, raw_text=raw, token_ids=tuple(seq.generated),

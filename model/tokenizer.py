@@ -93,6 +93,11 @@ class Tokenizer:
         """
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def decode_batch(self, ids: list[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
+        """decode() of each list of ids, in one call: the backend decodes them on its threads, without the GIL (the
+        rows an offline decode step finishes together, hundreds at a time)."""
+        return self._backend.decode_batch([list(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
     def token_id(self, token: str) -> int:
         """Id of one token given as its vocabulary string (e.g. "<|im_start|>"); ValueError if unknown."""
         token_id = self._backend.token_to_id(token)

@@ -157,7 +157,7 @@ def test_steps_queued_beside_an_admission_give_the_tokens_of_one_step_at_a_time(
     single = workload(make_engine(tiny_model_dir, admission_interval_ms=0, decode_steps_ahead=1))
     engine = make_engine(tiny_model_dir, admission_interval_ms=0)
     launched, read, ended = [], [0], []  # steps of each launch; outputs read of the last; (output, of steps) at an end
-    launch, postprocess, complete = engine.runner.launch_decode, engine._postprocess, engine._complete
+    launch, postprocess, complete_all = engine.runner.launch_decode, engine._postprocess, engine._complete_all
 
     def counting_launch(rows, read_tokens=False, steps=1):
         launched.append(steps)
@@ -170,8 +170,8 @@ def test_steps_queued_beside_an_admission_give_the_tokens_of_one_step_at_a_time(
 
     monkeypatch.setattr(engine.runner, "launch_decode", counting_launch)
     monkeypatch.setattr(engine, "_postprocess", counting_postprocess)
-    monkeypatch.setattr(engine, "_complete", lambda seq, reason: ended.append((read[0], launched[-1]))
-                        or complete(seq, reason))
+    monkeypatch.setattr(engine, "_complete_all",
+                        lambda finished: ended.extend((read[0], launched[-1]) for _ in finished) or complete_all(finished))
     monkeypatch.setattr(engine, "_steps_beside_admission", lambda: 3)
     steps_before, launches_before = engine.steps, engine.counters["decode_launches"]
     assert workload(engine) == single and len(single) == 10

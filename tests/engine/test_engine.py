@@ -442,3 +442,16 @@ def test_check_context_refuses_a_context_that_leaves_no_room_for_the_longest_seg
     engine.check_context("Names: Qasr, Qwen.", max_audio_seconds=2.0)  # fits: no error
     with pytest.raises(ValueError, match="context too long"):
         engine.check_context("word " * 200, max_audio_seconds=2.0)  # max_len is 256 in these tests
+
+
+def test_rows_finishing_in_one_step_get_the_texts_of_one_at_a_time(engine, alone):
+    """A step's finished rows have their answers decoded in one batch (Tokenizer.decode_batch): each result is the
+    one a decode of its own gives."""
+    clips, budgets, out = alone
+    same_end = [DecodeRequest(audio=clip, max_new_tokens=5) for clip in clips[:4]]  # all four end in one step
+    results = engine.transcribe(same_end)
+    assert {len(r.token_ids) for r in results} == {5}  # no EOS before the budget: all four ended in one step
+    for result in results:
+        assert result.raw_text == engine.tokenizer.decode(result.token_ids) and result.finish_reason
+    assert engine.tokenizer.decode_batch([r.token_ids for r in results]) == [r.raw_text for r in results]
+    assert_idle(engine)
