@@ -149,6 +149,9 @@ for path in sorted(glob.glob(f"{sys.argv[1]}/engine-*-{sys.argv[2]}.json")):
     for stream, v in s["streams"].items():
         top = ", ".join(f"{k['name'][:40]} {k['ms']:.0f} ms" for k in v["top_kernels"][:4])
         print(f"  stream {stream}: busy {v['busy_fraction']:.0%} ({v['kernels']} kernels): {top}")
+    idle = s["idle"]
+    lengths = ", ".join(f"{name} {v['count']} / {v['ms']:.0f} ms" for name, v in idle["by_length"].items())
+    print(f"  idle between kernels {idle['between_kernels_ms']:.0f} ms by stretch length (count / ms): {lengths}")
 PY
 }
 if [ -n "${WARMUP:-}" ]; then  # WARMUP=N: N clients for 10 s first, not reported (first-use costs of a fresh server)

@@ -4,7 +4,7 @@ nvidia-smi says how busy the GPU was and py-spy where the engine thread's time w
 the GPU while the engine waits for it. At 1,000 streams (#15) the engine thread waited for decode steps ~35% of its
 time while nvidia-smi had the GPU ~55% busy on average. This measures the split: per CUDA stream (decoding, the
 admissions, the aligner each have their own), the time it kept the GPU busy, its kernels by total time, and how much
-of the window the GPU ran nothing at all.
+of the window the GPU ran nothing at all, in stretches of which lengths (launch gaps, or waits for host work).
 
 Off by default. `$QASR_ENGINE_PROFILE=DIR` arms it in every engine process; writing a label into DIR/start (`echo
 1000-r3 > DIR/start`) opens a window of `$QASR_ENGINE_PROFILE_S` seconds (default 2) at the engine's next step, after
@@ -28,6 +28,10 @@ PROFILE_ENV = "QASR_ENGINE_PROFILE"
 PROFILE_SECONDS_ENV = "QASR_ENGINE_PROFILE_S"
 TRIGGER_POLL_S = 0.5  # how often the engine looks for a new label (a stat() per look)
 TOP_KERNELS = 30  # enough to name what is left once the largest are fused (the JSON stays small)
+# the GPU's idle stretches by length: launch gaps between kernels (under 10-100 us) are the host keeping up with the
+# device kernel by kernel; stretches of milliseconds are the device waiting for a whole piece of host work
+IDLE_EDGES_US = (10.0, 100.0, 1_000.0, 10_000.0)
+LONGEST_GAPS = 10
 
 
 class Kernel(NamedTuple):
@@ -46,6 +50,38 @@ def busy_us(kernels: Iterable[Kernel]) -> float:
             total += end - max(start, reach)
             reach = end
     return total
+
+
+def idle_gaps(kernels: Iterable[Kernel]) -> list[tuple[float, float]]:
+    """(start_us, length_us) of each stretch between the first kernel's start and the last one's end in which none of
+    `kernels` ran."""
+    gaps, reach = [], None
+    for start, duration in sorted((k.start_us, k.duration_us) for k in kernels):
+        if reach is not None and start > reach:
+            gaps.append((reach, start - reach))
+        reach = start + duration if reach is None else max(reach, start + duration)
+    return gaps
+
+
+def idle_summary(kernels: list[Kernel], window_us: float) -> dict:
+    """Where the GPU ran nothing: its idle time by the length of the stretch (IDLE_EDGES_US), the longest stretches
+    (ms after the first kernel's start), and the window's time before the first kernel or after the last."""
+    gaps = idle_gaps(kernels)
+    edges = (0.0, *IDLE_EDGES_US, float("inf"))
+    by_length = {}
+    for low, high in zip(edges, edges[1:]):
+        inside = [length for _, length in gaps if low <= length < high]
+        name = f"{low:g}-{high:g} us" if high != float("inf") else f">= {low:g} us"
+        by_length[name] = {"count": len(inside), "ms": sum(inside) / 1e3}
+    first = min((k.start_us for k in kernels), default=0.0)
+    span = max((k.start_us + k.duration_us for k in kernels), default=first) - first
+    longest = sorted(gaps, key=lambda gap: -gap[1])[:LONGEST_GAPS]
+    return {
+        "between_kernels_ms": sum(length for _, length in gaps) / 1e3,
+        "by_length": by_length,
+        "longest": [{"at_ms": (start - first) / 1e3, "ms": length / 1e3} for start, length in longest],
+        "outside_kernels_ms": max(0.0, window_us - span) / 1e3,  # the window's head and tail
+    }
 
 
 def summarize(kernels: list[Kernel], window_s: float) -> dict:
@@ -75,6 +111,7 @@ def summarize(kernels: list[Kernel], window_s: float) -> dict:
         "gpu_busy_fraction": busy / window_us if window_us else 0.0,  # any stream running something
         "streams_overlap_ms": (sum(s["busy_ms"] for s in streams.values()) - busy / 1e3),  # two or more at once
         "streams": dict(sorted(streams.items(), key=lambda item: -item[1]["busy_ms"])),
+        "idle": idle_summary(kernels, window_us),
     }
 
 

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from qasr.engine.engine_process import EngineProcess
-from qasr.engine.gpu_timeline import PROFILE_ENV, PROFILE_SECONDS_ENV, EngineProfiler, Kernel, busy_us, summarize
+from qasr.engine.gpu_timeline import (PROFILE_ENV, PROFILE_SECONDS_ENV, EngineProfiler, Kernel, busy_us, idle_gaps,
+                                      summarize)
 from qasr.engine.request import DecodeRequest
 
 from test_engine import make_engine, speech
@@ -35,6 +36,26 @@ def test_the_summary_splits_busy_time_by_stream_and_counts_what_ran_on_two_at_on
     assert admission["busy_ms"] == pytest.approx(0.8)
     assert summary["gpu_busy_fraction"] == pytest.approx(1.1 / 2)  # 0-1.1 ms: something ran
     assert summary["streams_overlap_ms"] == pytest.approx(0.6)  # 0.3-0.4 and 0.5-1.0 ms: both streams
+
+
+def test_the_idle_stretches_are_sorted_by_length_and_the_longest_named():
+    # on two streams: 0-50 and 40-100 overlap, then 5 us idle, 105-200, 2 ms idle, 2200-2300, 30 us idle, 2330-2400
+    kernels = [Kernel(7, "a", 0, 50), Kernel(13, "b", 40, 60), Kernel(7, "c", 105, 95), Kernel(13, "d", 2200, 100),
+               Kernel(7, "e", 2330, 70)]
+    assert idle_gaps(kernels) == [(100, 5), (200, 2000), (2300, 30)]
+    assert idle_gaps([]) == [] and idle_gaps(kernels[:1]) == []
+    idle = summarize(kernels, window_s=0.003)["idle"]
+    assert idle["between_kernels_ms"] == pytest.approx(2.035)
+    assert idle["by_length"]["0-10 us"] == {"count": 1, "ms": pytest.approx(0.005)}
+    assert idle["by_length"]["10-100 us"] == {"count": 1, "ms": pytest.approx(0.03)}
+    assert idle["by_length"]["1000-10000 us"] == {"count": 1, "ms": pytest.approx(2.0)}
+    assert idle["by_length"]["100-1000 us"]["count"] == idle["by_length"][">= 10000 us"]["count"] == 0
+    assert idle["longest"][0] == {"at_ms": pytest.approx(0.2), "ms": pytest.approx(2.0)}
+    assert [gap["ms"] for gap in idle["longest"]] == pytest.approx([2.0, 0.03, 0.005])
+    assert idle["outside_kernels_ms"] == pytest.approx(0.6)  # a 3 ms window, kernels over 2.4 of it
+    # busy + idle between kernels + outside them = the window
+    busy_ms = summarize(kernels, window_s=0.003)["gpu_busy_fraction"] * 3
+    assert busy_ms + idle["between_kernels_ms"] + idle["outside_kernels_ms"] == pytest.approx(3.0)
 
 
 def test_a_window_opens_for_each_new_label_and_writes_its_summary(tiny_model_dir, tmp_path):
