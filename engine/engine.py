@@ -600,12 +600,14 @@ class Engine:
         if fed is None:
             return
         fed = fed.numpy()
+        done = []
         for seq in started:
             if self.scheduler.running.get(seq.slot) is not seq:  # cancelled meanwhile
                 continue
             reason = postprocess.stop_reason(seq, int(fed[seq.slot]), self.eos_ids)
             if reason:
-                self._complete(seq, reason)
+                done.append((seq, reason))
+        self._complete_all(done)
 
     def _postprocess(self, out, launch: int) -> None:
         """out: [2, rows] (token or -1 for an idle row, finished on the device), a step of launch number `launch` ->
@@ -628,9 +630,6 @@ class Engine:
                 done.append((seq, reason))
         self._complete_all(done)
         self.runner.stop_rows(stopped)
-
-    def _complete(self, seq: Sequence, reason: str) -> None:
-        self._complete_all([(seq, reason)])
 
     def _complete_all(self, finished: list[tuple[Sequence, str]]) -> None:
         """Release each (sequence, reason)'s slot and give it its result; their texts decoded in one batch (a decode

@@ -20,7 +20,8 @@ import torch
 
 from qasr.model import audio as qaudio
 from qasr.model import conv_kernels, kernels
-from qasr.model.modeling import FusedLayerOps, PlainLayerOps, Qwen3ASR, prefill_keys, window_lengths
+from qasr.model.modeling import (FusedLayerOps, PlainLayerOps, Qwen3ASR, host_to_device, prefill_keys, ranges,
+                                 window_lengths)
 from qasr.model.prompt import Prompt
 
 from . import host_copy
@@ -80,13 +81,6 @@ def bucketed_pieces(items, buckets: tuple[int, ...]) -> list[tuple[object, int]]
     how a call larger than its largest graph replays graphs."""
     top = buckets[-1]
     return [(items[c : c + top], bucket_of(len(items[c : c + top]), buckets)) for c in range(0, len(items), top)]
-
-
-def ranges(starts, lengths) -> np.ndarray:
-    """[start, start + length) for each (start, length), one after the other: an index built without a loop in Python
-    (an np.arange a sequence cost 1-2% of the engine thread in an offline run of 512 rows, py-spy on an H100)."""
-    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
-    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(lengths.sum())
 
 
 def prefill_graphed(batch: int, length: int, max_tokens: int = PREFILL_GRAPH_TOKENS) -> bool:
@@ -421,14 +415,9 @@ class ModelRunner:
         self._in_flight.clear()
 
     def to_device(self, values, dtype=torch.long) -> torch.Tensor:
-        """A small host list (or CPU tensor) on the device without waiting: on CUDA, through pinned memory and
-        non-blocking (a copy from pageable memory synchronizes the stream: the host would wait for every launch
-        queued before it, the decode step among them)."""
-        on_cuda = self.device.type == "cuda"
-        host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
-        if not on_cuda:
-            return host.to(self.device)
-        return host.pin_memory().to(self.device, non_blocking=True)
+        """A small host list (or CPU tensor) on the device without waiting (host_to_device)."""
+        return host_to_device(values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype),
+                              self.device)
 
     def start_rows(self, slots: list[int], first_tokens: list[int] | torch.Tensor, positions: list[int],
                    budgets: list[int]) -> None:

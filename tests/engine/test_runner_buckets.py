@@ -5,14 +5,12 @@ What a bucket pads must not change what the real positions compute: a window run
 outputs of the whole window, whatever lies in its padding. The graphed path is driven with stand-in graphs that run
 what capture would have recorded (the eager encoder on the static buffers)."""
 
-import numpy as np
 import pytest
 import torch
 
 from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.runner import (bucket_of, encoder_replays, prefill_graphed, prefill_length_buckets, prefill_replays,
-                               ranges)
+from qasr.engine.runner import bucket_of, encoder_replays, prefill_graphed, prefill_length_buckets, prefill_replays
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +18,6 @@ def runner(tiny_model_dir) -> runner_module.ModelRunner:
     engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", dtype="float32",
                                     options=EngineOptions(num_slots=4, max_len=256, num_retained=2))
     return engine.runner
-
-
-def test_ranges_are_each_start_and_length_laid_out_in_order():
-    starts, lengths = [7, 0, 100, 3, 50], [3, 0, 1, 4, 2]  # an empty one among them; starts in any order
-    expected = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
-    assert ranges(starts, lengths).tolist() == expected.tolist() == [7, 8, 9, 100, 3, 4, 5, 6, 50, 51]
-    assert ranges([], []).tolist() == []
 
 
 def test_prefill_lengths_are_fine_where_prompts_are_and_coarser_beyond():

@@ -1,11 +1,13 @@
-"""AudioEncoder.pack_windows: a batch's clips cut into fixed attention windows by one gather, exactly as a pad of each
-clip to whole windows would cut them (the encoder's input must not change with how it is packed)."""
+"""AudioEncoder.pack_windows and embed_clips: a batch's clips cut into fixed attention windows (and conv chunks) by one
+gather, exactly as a pad of each clip would cut them (the encoder's input must not change with how it is packed); the
+index helper beneath them."""
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from qasr.model.config import AudioEncoderConfig
-from qasr.model.modeling import AudioEncoder, window_lengths
+from qasr.model.modeling import AudioEncoder, ranges, window_lengths
 
 
 def padded_per_clip(clips: list[torch.Tensor], size: int) -> torch.Tensor:
@@ -67,3 +69,10 @@ def test_one_gather_chunks_clips_as_padding_each_would():
             n = -(-f // size)
             assert torch.equal(got[i], out[row : row + n].flatten(0, 1)[: cfg.num_tokens(f)])
             row += n
+
+
+def test_ranges_are_each_start_and_length_laid_out_in_order():
+    starts, lengths = [7, 0, 100, 3, 50], [3, 0, 1, 4, 2]  # an empty one among them; starts in any order
+    expected = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths)])
+    assert ranges(starts, lengths).tolist() == expected.tolist() == [7, 8, 9, 100, 3, 4, 5, 6, 50, 51]
+    assert ranges([], []).tolist() == []
