@@ -60,6 +60,9 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode-run-ahead", dest="decode_run_ahead", action="store_false", default=None,
                    help="read each decode step before queuing the next (default: offline's run-ahead, the next step "
                         "queued before the last is read)")
+    p.add_argument("--no-encode-ahead", dest="encode_ahead", action="store_false", default=None,
+                   help="encode waiting clips only once slots are free for them (default: offline's encoding ahead, "
+                        "the next clips' host work and encoder while rows decode)")
     p.add_argument("--context", type=int, default=200,
                    help="cached tokens per row while the decode step is timed, GPU only (default: %(default)s)")
     p.add_argument("--latency-runs", type=int, default=20,

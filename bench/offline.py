@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from qasr.engine import gpu_timeline
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.options import OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD
+from qasr.engine.options import OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD, OFFLINE_ENCODE_AHEAD
 from qasr.engine.request import DecodeRequest
 from qasr.model import gemv
 
@@ -113,9 +113,11 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 
 
 def engine_overrides(args) -> dict:
-    """The engine options the command line set (None: the engine's default; steps ahead and run-ahead: offline's)."""
-    names = ("decode_steps_ahead", "admission_interval_ms", "decode_run_ahead")
-    overrides = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": OFFLINE_DECODE_RUN_AHEAD}
+    """The engine options the command line set (None: the engine's default; steps ahead, run-ahead and encoding
+    ahead: offline's)."""
+    names = ("decode_steps_ahead", "admission_interval_ms", "decode_run_ahead", "encode_ahead")
+    overrides = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": OFFLINE_DECODE_RUN_AHEAD,
+                 "encode_ahead": OFFLINE_ENCODE_AHEAD}
     return overrides | {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -133,7 +135,8 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
     out["engine_options"] = {"decode_steps_ahead": opts.decode_steps_ahead,
-                             "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead}
+                             "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead,
+                             "encode_ahead": opts.encode_ahead}
 
     # batch-1 latency, features included: audio array in -> text out
     for _ in range(3):
@@ -206,7 +209,7 @@ def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_se
     energy = Energy()
     _sync(device)
     e0, t = energy.joules(), time.perf_counter()
-    rows0, steps0 = engine.counters["decode_rows"], engine.steps
+    rows0, steps0, ahead0 = engine.counters["decode_rows"], engine.steps, engine.counters["encoded_ahead"]
     engine.recent_batch_sizes = collections.deque()  # every step of this run, for the batch-size histogram
     seconds0 = dict(engine.seconds)
     results = engine.transcribe(requests(clips, tokens))
@@ -218,6 +221,7 @@ def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_se
     out["qasr_throughput_audio_s_per_s"] = audio_s / elapsed
     out["qasr_throughput_tokens_per_s"] = sum(len(r.token_ids) for r in results) / elapsed
     out["qasr_throughput_clips"] = len(clips)
+    out["qasr_throughput_encoded_ahead"] = engine.counters["encoded_ahead"] - ahead0  # clips encoded before a slot
     if e0 is not None:
         out["qasr_energy_j_per_audio_hour"] = joules_per_audio_hour(e0, e1, audio_s)
         out["qasr_avg_power_w"] = (e1 - e0) / elapsed

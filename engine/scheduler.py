@@ -44,19 +44,27 @@ class Scheduler:
     def can_admit(self) -> bool:
         return bool(self._free_slots) and len(self) > 0
 
-    def schedule(self, max_tokens: int, cost: Callable[[Sequence], int]) -> list[Sequence]:
-        """The waiting sequences to admit now: as many as there are free slots, within a prefill token budget."""
-        return self.take(len(self._free_slots), max_tokens, cost)
+    def schedule(self, max_tokens: int, cost: Callable[[Sequence], int], placed: int = 0, spent: int = 0
+                 ) -> list[Sequence]:
+        """The waiting sequences to admit now: as many as there are free slots, within a prefill token budget (of
+        which `placed` slots and `spent` tokens go to sequences encoded ahead, admitted with these)."""
+        return self.take(len(self._free_slots) - placed, max_tokens, cost, spent)
 
-    def take(self, max_sequences: int, max_tokens: int, cost: Callable[[Sequence], int]) -> list[Sequence]:
-        """Up to `max_sequences` waiting sequences, finals first then FIFO, within a prefill token budget.
-
-        cost(seq) -> prompt tokens the sequence will prefill. The first one is always taken (so a long prompt
-        cannot starve), the rest while they fit. Cancelled sequences are dropped on the way.
-        """
-        taken, tokens = [], 0
+    def has_waiting(self, priority: Priority) -> bool:
         with self._lock:
-            for priority in Priority:
+            return bool(self._waiting[priority])
+
+    def take(self, max_sequences: int, max_tokens: int, cost: Callable[[Sequence], int], spent: int = 0,
+             priorities: tuple[Priority, ...] = tuple(Priority)) -> list[Sequence]:
+        """Up to `max_sequences` waiting sequences of `priorities`, finals first then FIFO, within a prefill token
+        budget of which `spent` is taken already (by sequences encoded ahead, admitted with these).
+
+        cost(seq) -> prompt tokens the sequence will prefill. With nothing spent the first one is always taken (so a
+        long prompt cannot starve), the rest while they fit. Cancelled sequences are dropped on the way.
+        """
+        taken, tokens = [], spent
+        with self._lock:
+            for priority in priorities:
                 queue = self._waiting[priority]
                 while queue and len(taken) < max_sequences:
                     seq = queue[0]
@@ -64,7 +72,7 @@ class Scheduler:
                         self._forget(queue.popleft())
                         continue
                     need = cost(seq)
-                    if taken and tokens + need > max_tokens:
+                    if (taken or spent) and tokens + need > max_tokens:
                         return taken
                     self._forget(queue.popleft())
                     seq.status = Status.RUNNING
