@@ -331,10 +331,11 @@ class Engine:
         the admission then does it all again, and a request that cannot be prepared fails alone there)."""
         ahead = self._take_ahead(self.scheduler.num_free_slots)
         encoded = [(seq, embeds) for seq, embeds in ahead if embeds is not None]
-        cost = lambda seq: prompting.prefill_cost(seq.request)  # noqa: E731
         fresh = [seq for seq, embeds in ahead if embeds is None]
-        fresh += self.scheduler.schedule(self.options.max_prefill_tokens, cost, placed=len(ahead),
-                                         spent=sum(cost(seq) for seq, _ in ahead))
+        if not encoded:  # an admission of finals encoded ahead takes no others: it only prefills, so the GPU starts
+            # on it at once (the next admission takes the rest, beside the steps its rows decode)
+            fresh += self.scheduler.schedule(self.options.max_prefill_tokens,
+                                             lambda seq: prompting.prefill_cost(seq.request), placed=len(ahead))
         seqs = [seq for seq, _ in encoded] + fresh
         if not seqs:
             return seqs, None

@@ -44,25 +44,24 @@ class Scheduler:
     def can_admit(self) -> bool:
         return bool(self._free_slots) and len(self) > 0
 
-    def schedule(self, max_tokens: int, cost: Callable[[Sequence], int], placed: int = 0, spent: int = 0
-                 ) -> list[Sequence]:
-        """The waiting sequences to admit now: as many as there are free slots, within a prefill token budget (of
-        which `placed` slots and `spent` tokens go to sequences encoded ahead, admitted with these)."""
-        return self.take(len(self._free_slots) - placed, max_tokens, cost, spent)
+    def schedule(self, max_tokens: int, cost: Callable[[Sequence], int], placed: int = 0) -> list[Sequence]:
+        """The waiting sequences to admit now: as many as there are free slots (`placed` of them taken already, by
+        sequences admitted with these), within a prefill token budget."""
+        return self.take(len(self._free_slots) - placed, max_tokens, cost)
 
     def has_waiting(self, priority: Priority) -> bool:
         with self._lock:
             return bool(self._waiting[priority])
 
-    def take(self, max_sequences: int, max_tokens: int, cost: Callable[[Sequence], int], spent: int = 0,
+    def take(self, max_sequences: int, max_tokens: int, cost: Callable[[Sequence], int],
              priorities: tuple[Priority, ...] = tuple(Priority)) -> list[Sequence]:
         """Up to `max_sequences` waiting sequences of `priorities`, finals first then FIFO, within a prefill token
-        budget of which `spent` is taken already (by sequences encoded ahead, admitted with these).
+        budget.
 
-        cost(seq) -> prompt tokens the sequence will prefill. With nothing spent the first one is always taken (so a
-        long prompt cannot starve), the rest while they fit. Cancelled sequences are dropped on the way.
+        cost(seq) -> prompt tokens the sequence will prefill. The first one is always taken (so a long prompt
+        cannot starve), the rest while they fit. Cancelled sequences are dropped on the way.
         """
-        taken, tokens = [], spent
+        taken, tokens = [], 0
         with self._lock:
             for priority in priorities:
                 queue = self._waiting[priority]
@@ -72,7 +71,7 @@ class Scheduler:
                         self._forget(queue.popleft())
                         continue
                     need = cost(seq)
-                    if (taken or spent) and tokens + need > max_tokens:
+                    if taken and tokens + need > max_tokens:
                         return taken
                     self._forget(queue.popleft())
                     seq.status = Status.RUNNING

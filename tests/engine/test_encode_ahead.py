@@ -144,3 +144,29 @@ def test_offline_transcription_encodes_ahead_by_default_and_the_answers_do_not_c
     alone = [engine.transcribe([r])[0].token_ids for r in requests]
     assert got == alone
     assert (engine.counters["encoded_ahead"] > 0) == ahead
+
+
+def test_an_admission_of_finals_encoded_ahead_takes_no_others(tiny_model_dir, monkeypatch):
+    """Slots freed with finals encoded ahead and others queued: the admission prefills those encoded ahead alone (the
+    GPU starts at once), the others come with a later one."""
+    engine = make_engine(tiny_model_dir, num_slots=2, admission_interval_ms=0, encode_ahead=True)
+    results, admissions = {}, []
+    admit = engine._admit_together
+    monkeypatch.setattr(engine, "_admit_together", lambda seqs, prepared=None, after=None: admissions.append(
+        [seq.request.max_new_tokens for seq in seqs]) or admit(seqs, prepared, after))
+
+    def add(key, seconds, budget):
+        engine.add(DecodeRequest(audio=speech(seconds, seed=ord(key)), max_new_tokens=budget),
+                   lambda r: results.__setitem__(key, r))
+
+    add("a", 1.3, 5)
+    add("b", 0.9, 5)
+    engine.step()  # both admitted whole, both slots taken (and freed together)
+    add("c", 2.2, 7)
+    engine.step()  # "c" encoded ahead
+    assert len(engine._ahead) == 1
+    add("d", 1.7, 8)  # queued after it
+    engine.run_until_done()
+    assert admissions == [[5, 5], [7], [8]]  # "c" alone once the slots came free, then "d"
+    assert all(not isinstance(r, BaseException) for r in results.values()) and len(results) == 4
+    assert_idle(engine)
