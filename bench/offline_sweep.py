@@ -5,8 +5,8 @@
 
 Leases differ more than most changes do (docs/benchmarks.md), and a process per setting pays the load and the graph
 captures each time. Here one engine is loaded once, and each run of the options the engine reads at every step
-(max_prefill_tokens, decode_steps_ahead, admission_interval_ms) goes through every combination in turn, so the
-combinations alternate and share the lease's drift. Prints one JSON line per timed run, then the medians.
+(max_prefill_tokens, decode_steps_ahead, admission_interval_ms, encode_ahead: 0 or 1) goes through every
+combination in turn, so the combinations alternate and share the lease's drift. Prints one JSON line per timed run, then the medians.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from .cli import offline_parser
 from .offline import offline_options, requests, throughput_run
 from .synthetic import speech_like
 
-VARIABLE = ("max_prefill_tokens", "decode_steps_ahead", "admission_interval_ms")
+VARIABLE = ("max_prefill_tokens", "decode_steps_ahead", "admission_interval_ms", "encode_ahead")
 
 
 def parse_vary(text: str) -> tuple[str, list[float]]:
@@ -32,6 +32,10 @@ def parse_vary(text: str) -> tuple[str, list[float]]:
     name, _, values = text.partition("=")
     if name not in VARIABLE or not values:
         raise argparse.ArgumentTypeError(f"--vary takes NAME=V1,V2,... with NAME one of {', '.join(VARIABLE)}")
+    if name == "encode_ahead":  # on or off
+        if not set(values.split(",")) <= {"0", "1"}:
+            raise argparse.ArgumentTypeError(f"--vary encode_ahead: values must be 0 or 1, got {values!r}")
+        return name, [v == "1" for v in values.split(",")]
     kind = float if name == "admission_interval_ms" else int
     try:
         parsed = [kind(v) for v in values.split(",")]
