@@ -60,6 +60,9 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode-run-ahead", dest="decode_run_ahead", action="store_false", default=None,
                    help="read each decode step before queuing the next (default: offline's run-ahead, the next step "
                         "queued before the last is read)")
+    p.add_argument("--no-freeze-heap", dest="freeze_heap", action="store_false",
+                   help="leave the loaded engine's objects to Python's collector (default: frozen after loading, as "
+                        "the server's engine process does: a full collection walks them all, ~160 ms on an H100 host)")
     p.add_argument("--no-encode-ahead", dest="encode_ahead", action="store_false", default=None,
                    help="encode waiting clips only once slots are free for them (default: offline's encoding ahead, "
                         "the next clips' host work and encoder while rows decode)")

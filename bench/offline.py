@@ -20,6 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from qasr.engine import gpu_timeline
+from qasr.engine.gc_pauses import GcPauses, freeze_loaded_heap, thaw
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.options import OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD, OFFLINE_ENCODE_AHEAD
 from qasr.engine.request import DecodeRequest
@@ -134,6 +135,8 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
+    if getattr(args, "freeze_heap", True):  # as the engine process does (gc_pauses.py)
+        out["qasr_frozen_objects"] = freeze_loaded_heap()
     out["engine_options"] = {"decode_steps_ahead": opts.decode_steps_ahead,
                              "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead,
                              "encode_ahead": opts.encode_ahead}
@@ -171,6 +174,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
         out["copy_bandwidth_TBps"] = bw / 1e12
         out["decode_floor_ms"] = step_floors(engine, args, bw)
     out["correctness"] = correctness(engine, args)
+    thaw()  # the engine's objects back to the collector: freed once it goes
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -212,9 +216,15 @@ def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_se
     rows0, steps0, ahead0 = engine.counters["decode_rows"], engine.steps, engine.counters["encoded_ahead"]
     engine.recent_batch_sizes = collections.deque()  # every step of this run, for the batch-size histogram
     seconds0 = dict(engine.seconds)
-    results = engine.transcribe(requests(clips, tokens))
-    _sync(device)
+    pauses = GcPauses.watch()  # a full collection holds the engine thread (and so the GPU's next work) throughout
+    try:
+        results = engine.transcribe(requests(clips, tokens))
+        _sync(device)
+    finally:
+        pauses.stop()
     elapsed = time.perf_counter() - t
+    out["qasr_throughput_gc"] = {"collections": pauses.count, "ms": [round(x * 1e3, 1) for x in pauses.seconds],
+                                 "longest_ms": round(pauses.longest_pause * 1e3, 1)}
     out["qasr_throughput_engine_thread"] = {k: (engine.seconds[k] - seconds0[k]) / elapsed for k in seconds0}
     e1 = energy.joules()
     audio_s = len(clips) * clip_seconds

@@ -5,14 +5,15 @@
 
 Leases differ more than most changes do (docs/benchmarks.md), and a process per setting pays the load and the graph
 captures each time. Here one engine is loaded once, and each run of the options the engine reads at every step
-(max_prefill_tokens, decode_steps_ahead, admission_interval_ms, encode_ahead: 0 or 1) goes through every
-combination in turn, so the combinations alternate and share the lease's drift. Prints one JSON line per timed run, then the medians.
+(max_prefill_tokens, decode_steps_ahead, admission_interval_ms, encode_ahead: 0 or 1), or the loaded heap frozen
+or not (freeze_heap: 0 or 1), goes through every combination in turn, so the combinations alternate and share the lease's drift. Prints one JSON line per timed run, then the medians.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import itertools
 import json
 import statistics
@@ -24,7 +25,9 @@ from .cli import offline_parser
 from .offline import offline_options, requests, throughput_run
 from .synthetic import speech_like
 
-VARIABLE = ("max_prefill_tokens", "decode_steps_ahead", "admission_interval_ms", "encode_ahead")
+VARIABLE = ("max_prefill_tokens", "decode_steps_ahead", "admission_interval_ms", "encode_ahead", "freeze_heap")
+SWITCHES = ("encode_ahead", "freeze_heap")  # 0 or 1; freeze_heap is not an engine option: the loaded heap frozen
+# for the run (gc.freeze, as the server's engine process does) or left to the collector
 
 
 def parse_vary(text: str) -> tuple[str, list[float]]:
@@ -32,9 +35,9 @@ def parse_vary(text: str) -> tuple[str, list[float]]:
     name, _, values = text.partition("=")
     if name not in VARIABLE or not values:
         raise argparse.ArgumentTypeError(f"--vary takes NAME=V1,V2,... with NAME one of {', '.join(VARIABLE)}")
-    if name == "encode_ahead":  # on or off
+    if name in SWITCHES:  # on or off
         if not set(values.split(",")) <= {"0", "1"}:
-            raise argparse.ArgumentTypeError(f"--vary encode_ahead: values must be 0 or 1, got {values!r}")
+            raise argparse.ArgumentTypeError(f"--vary {name}: values must be 0 or 1, got {values!r}")
         return name, [v == "1" for v in values.split(",")]
     kind = float if name == "admission_interval_ms" else int
     try:
@@ -57,8 +60,15 @@ def sweep(engine: Engine, clips, tokens: int, clip_seconds: float, settings: lis
     records = []
     for run in range(runs):
         for setting in settings:
-            engine.options = dataclasses.replace(base, **setting)
-            record = {"run": run, **setting, **throughput_run(engine, clips, tokens, clip_seconds)}
+            options = {name: value for name, value in setting.items() if name != "freeze_heap"}
+            engine.options = dataclasses.replace(base, **options)
+            if setting.get("freeze_heap"):
+                gc.collect()
+                gc.freeze()
+            try:
+                record = {"run": run, **setting, **throughput_run(engine, clips, tokens, clip_seconds)}
+            finally:
+                gc.unfreeze()
             print(json.dumps(record), flush=True)
             records.append(record)
     engine.options = base

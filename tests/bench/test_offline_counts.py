@@ -1,6 +1,7 @@
 """The offline bench's arithmetic for energy per audio hour and kernels per decode step (the GPU parts that feed it,
 NVML's counter and the profiler over graph replays, run only on the H200)."""
 
+import gc
 from types import SimpleNamespace
 
 import pytest
@@ -47,6 +48,11 @@ def test_offline_reports_the_throughput_runs_engine_thread_split_and_timeline(tm
     assert set(loop) == {"read_each", "run_ahead"} and all(set(by_rows) == {1} for by_rows in loop.values())
     assert all(ms > 0 for by_rows in loop.values() for ms in by_rows.values())
     assert out["engine_options"]["decode_run_ahead"] is True  # offline's
+    assert out["engine_options"]["encode_ahead"] is True and out["qasr_throughput_encoded_ahead"] >= 0
+    assert out["qasr_frozen_objects"] > 10_000  # the loaded engine out of the collector's sight, as in the server
+    gc_seen = out["qasr_throughput_gc"]  # every collection during the timed run, by generation
+    assert len(gc_seen["collections"]) == 3 and gc_seen["longest_ms"] >= 0
+    assert gc.get_freeze_count() == 0  # thawed once the bench is done
     timeline = out["qasr_throughput_timeline"]
     assert timeline["kernels"] > 0 and 0 < timeline["gpu_busy_fraction"] <= 1.0
     assert timeline["streams"] and all(s["top_kernels"] for s in timeline["streams"].values())
@@ -59,9 +65,9 @@ def test_offline_takes_the_engines_admission_options_from_its_command_line():
     from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
 
     # the engine's offline default
-    assert engine_overrides(offline_parser().parse_args([])) == {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD,
-                                                                 "decode_run_ahead": True}
+    offline = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": True, "encode_ahead": True}
+    assert engine_overrides(offline_parser().parse_args([])) == offline
     args = offline_parser().parse_args(["--decode-steps-ahead", "2", "--admission-interval-ms", "0"])
-    assert engine_overrides(args) == {"decode_steps_ahead": 2, "admission_interval_ms": 0.0, "decode_run_ahead": True}
-    args = offline_parser().parse_args(["--no-decode-run-ahead"])
-    assert engine_overrides(args) == {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": False}
+    assert engine_overrides(args) == offline | {"decode_steps_ahead": 2, "admission_interval_ms": 0.0}
+    args = offline_parser().parse_args(["--no-decode-run-ahead", "--no-encode-ahead"])
+    assert engine_overrides(args) == offline | {"decode_run_ahead": False, "encode_ahead": False}
