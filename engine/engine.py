@@ -257,11 +257,12 @@ class Engine:
         return self.scheduler.can_admit() or (self.scheduler.num_free_slots > 0 and bool(self._ahead))
 
     def _encode_ahead_due(self) -> bool:
-        """Encode finals ahead (options.encode_ahead) while rows decode and nothing encoded ahead waits: a batch of
-        identical clips (an offline run) ends its rows together, and their successors' host work and encoder would
-        otherwise run with nothing else on the GPU."""
-        return (self.options.encode_ahead and bool(self.scheduler.running) and not self._ahead
-                and self.scheduler.has_waiting(Priority.FINAL))
+        """Encode finals ahead (options.encode_ahead) while rows decode, up to a slot's worth for every slot: a batch
+        of identical clips (an offline run) ends its rows together, and their successors' host work and encoder would
+        otherwise run with nothing else on the GPU (one admission's worth held was not enough: the slots it left
+        were filled from the queue, their host work again with the GPU idle)."""
+        return (self.options.encode_ahead and bool(self.scheduler.running)
+                and len(self._ahead) < self.scheduler.num_slots and self.scheduler.has_waiting(Priority.FINAL))
 
     def _admission_due(self) -> bool:
         """Admit at once when nothing decodes; otherwise batch arrivals into one admission per interval of decoding."""
@@ -346,14 +347,20 @@ class Engine:
             return seqs, None
 
     def _take_ahead(self, most: int) -> list[tuple[Sequence, torch.Tensor | None]]:
-        """Up to `most` of the sequences encoded ahead, oldest first (a cancelled one is finished on the way)."""
-        taken = []
+        """Up to `most` of the sequences encoded ahead, oldest first, within the prefill token budget (the first always;
+        a cancelled one is finished on the way)."""
+        taken, tokens = [], 0
         while self._ahead and len(taken) < most:
-            seq, embeds = self._ahead.popleft()
+            seq, embeds = self._ahead[0]
+            need = prompting.prefill_cost(seq.request)
+            if taken and tokens + need > self.options.max_prefill_tokens:
+                break
+            self._ahead.popleft()
             if seq.cancelled:
                 seq.finish(asyncio.CancelledError())
             else:
                 taken.append((seq, embeds))
+                tokens += need
         return taken
 
     def _prepare(self, seqs: list[Sequence], ahead: list[tuple[Sequence, torch.Tensor]] = ()) -> _Prepared:
@@ -503,11 +510,11 @@ class Engine:
             stream.wait_event(after)
 
     def _encode_ahead(self, after=None) -> None:
-        """Take the waiting finals that one admission would (its prefill token budget, at most a slot each) and do
-        their host work and encoder now, while rows decode: the admission that finds slots for them later only
+        """Take the waiting finals that one admission would (its prefill token budget; with those held, at most a
+        slot each) and do their host work and encoder now, while rows decode: the admission that finds slots for them later only
         prefills them. Finals only: they never read a stream's cached state, which a partial's encoding updates. A
         sequence whose encoding fails here is encoded again at its admission (where it fails alone)."""
-        seqs = self.scheduler.take(self.scheduler.num_slots, self.options.max_prefill_tokens,
+        seqs = self.scheduler.take(self.scheduler.num_slots - len(self._ahead), self.options.max_prefill_tokens,
                                    lambda seq: prompting.prefill_cost(seq.request), priorities=(Priority.FINAL,))
         started = time.perf_counter()
         try:

@@ -5,6 +5,7 @@ cached state) is never taken ahead; a final cancelled while it waits, or held wh
 one whose ahead encoding fails is encoded again at its admission."""
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -147,16 +148,16 @@ def test_offline_transcription_encodes_ahead_by_default_and_the_answers_do_not_c
 
 
 def test_an_admission_of_finals_encoded_ahead_takes_no_others(tiny_model_dir, monkeypatch):
-    """Slots freed with finals encoded ahead and others queued: the admission prefills those encoded ahead alone (the
-    GPU starts at once), the others come with a later one."""
+    """Slots freed with a final encoded ahead and a partial queued: the admission prefills the final alone (the GPU
+    starts at once), the partial comes with a later one."""
     engine = make_engine(tiny_model_dir, num_slots=2, admission_interval_ms=0, encode_ahead=True)
     results, admissions = {}, []
     admit = engine._admit_together
     monkeypatch.setattr(engine, "_admit_together", lambda seqs, prepared=None, after=None: admissions.append(
         [seq.request.max_new_tokens for seq in seqs]) or admit(seqs, prepared, after))
 
-    def add(key, seconds, budget):
-        engine.add(DecodeRequest(audio=speech(seconds, seed=ord(key)), max_new_tokens=budget),
+    def add(key, seconds, budget, **kw):
+        engine.add(DecodeRequest(audio=speech(seconds, seed=ord(key)), max_new_tokens=budget, **kw),
                    lambda r: results.__setitem__(key, r))
 
     add("a", 1.3, 5)
@@ -165,8 +166,32 @@ def test_an_admission_of_finals_encoded_ahead_takes_no_others(tiny_model_dir, mo
     add("c", 2.2, 7)
     engine.step()  # "c" encoded ahead
     assert len(engine._ahead) == 1
-    add("d", 1.7, 8)  # queued after it
+    add("p", 1.7, 3, priority=Priority.PARTIAL, stream_id="s")  # never encoded ahead
     engine.run_until_done()
-    assert admissions == [[5, 5], [7], [8]]  # "c" alone once the slots came free, then "d"
+    assert admissions == [[5, 5], [7], [3]]  # "c" alone once the slots came free, then the partial
     assert all(not isinstance(r, BaseException) for r in results.values()) and len(results) == 4
+    engine.release_stream("s")
+    engine.step()
+    assert_idle(engine)
+
+
+def test_finals_are_encoded_ahead_up_to_a_slot_each_and_admitted_within_the_prefill_budget(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, num_slots=2, admission_interval_ms=0, encode_ahead=True)
+    results = {}
+    for key in "ab":
+        engine.add(DecodeRequest(audio=speech(1.0, seed=ord(key)), max_new_tokens=6),
+                   lambda r, key=key: results.__setitem__(key, r))
+    engine.step()
+    for key in "cdef":
+        engine.add(DecodeRequest(audio=speech(1.0, seed=ord(key)), max_new_tokens=4),
+                   lambda r, key=key: results.__setitem__(key, r))
+    engine.step()
+    engine.step()
+    assert len(engine._ahead) == 2 and engine.scheduler.depths()["final"] == 2  # a slot's worth each, no more
+    engine.options = dataclasses.replace(engine.options, max_prefill_tokens=1)  # one prompt an admission
+    taken = engine._take_ahead(2)
+    assert len(taken) == 1 and len(engine._ahead) == 1  # the first always, then the budget
+    engine._ahead.appendleft(taken[0])
+    engine.run_until_done()
+    assert sorted(results) == list("abcdef") and all(r.finish_reason == "length" for r in results.values())
     assert_idle(engine)
