@@ -14,7 +14,7 @@ import argparse
 import importlib
 import sys
 
-from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
+from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD, OFFLINE_ENCODE_AHEAD
 
 MODEL_SIZES = ("tiny", "0.6B", "1.7B")
 DEVICE_HELP = "auto (the GPU if there is one), cpu, cuda, cuda:N (default: %(default)s)"
@@ -60,12 +60,12 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode-run-ahead", dest="decode_run_ahead", action="store_false", default=None,
                    help="read each decode step before queuing the next (default: offline's run-ahead, the next step "
                         "queued before the last is read)")
-    p.add_argument("--no-freeze-heap", dest="freeze_heap", action="store_false",
-                   help="leave the loaded engine's objects to Python's collector (default: frozen after loading, as "
-                        "the server's engine process does: a full collection walks them all, ~160 ms on an H100 host)")
-    p.add_argument("--no-encode-ahead", dest="encode_ahead", action="store_false", default=None,
-                   help="encode waiting clips only once slots are free for them (default: offline's encoding ahead, "
-                        "the next clips' host work and encoder while rows decode)")
+    p.add_argument("--freeze-heap", action="store_true",
+                   help="freeze the loaded engine's objects out of Python's collector (gc.freeze), as the server's "
+                        "engine process does (default: left to it, as a script using the Transcriber has them)")
+    p.add_argument("--encode-ahead", dest="encode_ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="encode waiting clips while rows decode, before slots are free for them (default: offline's, "
+                        f"{'on' if OFFLINE_ENCODE_AHEAD else 'off'})")
     p.add_argument("--context", type=int, default=200,
                    help="cached tokens per row while the decode step is timed, GPU only (default: %(default)s)")
     p.add_argument("--latency-runs", type=int, default=20,

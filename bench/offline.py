@@ -135,7 +135,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
-    if getattr(args, "freeze_heap", True):  # as the engine process does (gc_pauses.py)
+    if getattr(args, "freeze_heap", False):  # as the engine process does (gc_pauses.py)
         out["qasr_frozen_objects"] = freeze_loaded_heap()
     out["engine_options"] = {"decode_steps_ahead": opts.decode_steps_ahead,
                              "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead,
