@@ -151,7 +151,8 @@ class Engine:
         # decode_rows / steps is the mean decode batch
         self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0,
                          "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0, "prefill_computed_tokens": 0,
-                         "decode_launches": 0, "encoded_ahead": 0}  # steps / decode_launches: the steps queued together, on average
+                         "decode_launches": 0,  # steps / decode_launches: the steps queued together, on average
+                         "encoded_ahead": 0}  # finals encoded before a slot was free (options.encode_ahead)
         self.frontend = AudioFrontEnd(self.runner, self.counters)  # mel + encoder, a partial's only for what is new
         # where the engine thread's time goes (wall seconds): admissions (encode + prefill), decode steps (launch and
         # wait for the GPU), the host's per-row work after each step, and (AsyncEngine) waiting for work. Their
@@ -511,8 +512,8 @@ class Engine:
 
     def _encode_ahead(self, after=None) -> None:
         """Take the waiting finals that one admission would (its prefill token budget; with those held, at most a
-        slot each) and do their host work and encoder now, while rows decode: the admission that finds slots for them later only
-        prefills them. Finals only: they never read a stream's cached state, which a partial's encoding updates. A
+        slot each) and do their host work and encoder now, while rows decode: the admission that finds slots for
+        them later only prefills them. Finals only: they never read a stream's cached state, which a partial's encoding updates. A
         sequence whose encoding fails here is encoded again at its admission (where it fails alone)."""
         seqs = self.scheduler.take(self.scheduler.num_slots - len(self._ahead), self.options.max_prefill_tokens,
                                    lambda seq: prompting.prefill_cost(seq.request), priorities=(Priority.FINAL,))
@@ -590,9 +591,9 @@ class Engine:
     def _decode(self, admitting: bool = False, ahead: bool = False) -> None:
         """Decode steps; admitting: an admission is due, its host work done while they run (see step), beside as many
         steps as it has been taking time for (the graphs feed themselves), so that the decode stream does not idle
-        through the rest of it; ahead: finals are encoded ahead (_encode_ahead) the same way. With run-ahead the launch made here is read by the next call (one launch stays
-        queued while the host works on the one before it); with no rows running nothing is launched, and what is
-        still queued is read."""
+        through the rest of it; ahead: finals are encoded ahead (_encode_ahead) the same way. With run-ahead the
+        launch made here is read by the next call (one launch stays queued while the host works on the one before
+        it); with no rows running nothing is launched, and what is still queued is read."""
         running = self.scheduler.running
         steps = self._steps_beside_admission() if admitting or ahead else 1
         during = (admitting or ahead) and self.admit_during_step
