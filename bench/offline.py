@@ -213,7 +213,8 @@ def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_se
     energy = Energy()
     _sync(device)
     e0, t = energy.joules(), time.perf_counter()
-    rows0, steps0, ahead0 = engine.counters["decode_rows"], engine.steps, engine.counters["encoded_ahead"]
+    counters0 = dict(engine.counters)
+    rows0, steps0 = engine.counters["decode_rows"], engine.steps
     engine.recent_batch_sizes = collections.deque()  # every step of this run, for the batch-size histogram
     seconds0 = dict(engine.seconds)
     pauses = GcPauses.watch()  # a full collection holds the engine thread (and so the GPU's next work) throughout
@@ -231,7 +232,10 @@ def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_se
     out["qasr_throughput_audio_s_per_s"] = audio_s / elapsed
     out["qasr_throughput_tokens_per_s"] = sum(len(r.token_ids) for r in results) / elapsed
     out["qasr_throughput_clips"] = len(clips)
-    out["qasr_throughput_encoded_ahead"] = engine.counters["encoded_ahead"] - ahead0  # clips encoded before a slot
+    out["qasr_throughput_encoded_ahead"] = engine.counters["encoded_ahead"] - counters0["encoded_ahead"]  # clips
+    # encoded before a slot was free; admissions, and those with nothing decoding (the GPU idle through their host work)
+    out["qasr_throughput_admissions"] = {key: engine.counters[key] - counters0[key]
+                                         for key in ("admissions", "admissions_alone")}
     if e0 is not None:
         out["qasr_energy_j_per_audio_hour"] = joules_per_audio_hour(e0, e1, audio_s)
         out["qasr_avg_power_w"] = (e1 - e0) / elapsed

@@ -152,7 +152,9 @@ class Engine:
         self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0,
                          "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0, "prefill_computed_tokens": 0,
                          "decode_launches": 0,  # steps / decode_launches: the steps queued together, on average
-                         "encoded_ahead": 0}  # finals encoded before a slot was free (options.encode_ahead)
+                         "encoded_ahead": 0,  # finals encoded before a slot was free (options.encode_ahead)
+                         "admissions": 0, "admissions_alone": 0}  # all, and those with nothing else decoding (the
+        # GPU idle through their host work: an offline run's wave ends)
         self.frontend = AudioFrontEnd(self.runner, self.counters)  # mel + encoder, a partial's only for what is new
         # where the engine thread's time goes (wall seconds): admissions (encode + prefill), decode steps (launch and
         # wait for the GPU), the host's per-row work after each step, and (AsyncEngine) waiting for work. Their
@@ -229,8 +231,11 @@ class Engine:
         self._start_admitted(wait=not self._decoding())
         admitting = self._can_admit() and self._admission_due() and not self._admitted
         ahead = not admitting and self._encode_ahead_due()
+        if admitting:
+            self.counters["admissions"] += 1
         if admitting and not (self.overlap_admissions and self.scheduler.running):
             start = time.perf_counter()
+            self.counters["admissions_alone"] += not self.scheduler.running
             self._admit()
             self._start_admitted(wait=True)  # nothing else decodes: its rows decode in this step
             self._last_admission = time.perf_counter()  # the interval counts from the end: decoding gets it whole

@@ -49,6 +49,8 @@ def test_offline_reports_the_throughput_runs_engine_thread_split_and_timeline(tm
     assert all(ms > 0 for by_rows in loop.values() for ms in by_rows.values())
     assert out["engine_options"]["decode_run_ahead"] is True  # offline's
     assert out["engine_options"]["encode_ahead"] is True and out["qasr_throughput_encoded_ahead"] >= 0  # asked for
+    admissions = out["qasr_throughput_admissions"]  # 3 clips, 4 slots: one admission, with nothing decoding
+    assert admissions == {"admissions": 1, "admissions_alone": 1}
     assert out["qasr_frozen_objects"] > 10_000  # the loaded engine out of the collector's sight, as in the server
     gc_seen = out["qasr_throughput_gc"]  # every collection during the timed run, by generation
     assert len(gc_seen["collections"]) == 3 and gc_seen["longest_ms"] >= 0

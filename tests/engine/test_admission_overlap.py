@@ -199,3 +199,17 @@ def test_the_steps_beside_an_admission_are_as_many_as_fit_in_its_host_time(tiny_
     monkeypatch.setattr(one.runner, "device", torch.device("cuda"))
     one._step_s, one._admission_host_s = 0.002, 0.02
     assert one._steps_beside_admission() == 1
+
+
+def test_admissions_are_counted_and_those_with_nothing_decoding_apart(tiny_model_dir):
+    engine = make_engine(tiny_model_dir, admission_interval_ms=0)
+    engine.add(DecodeRequest(audio=speech(1.3, seed=1), max_new_tokens=6), lambda r: None)
+    engine.step()  # nothing decoding: the GPU has only this admission's work
+    engine.add(DecodeRequest(audio=speech(0.9, seed=2), max_new_tokens=3), lambda r: None)
+    engine.step()  # beside the first one's steps
+    assert (engine.counters["admissions"], engine.counters["admissions_alone"]) == (2, 1)
+    engine.run_until_done()
+    engine.add(DecodeRequest(audio=speech(0.9, seed=2), max_new_tokens=3), lambda r: None)
+    engine.run_until_done()
+    assert (engine.counters["admissions"], engine.counters["admissions_alone"]) == (3, 2)
+    assert_idle(engine)
