@@ -6,7 +6,8 @@
 Leases differ more than most changes do (docs/benchmarks.md), and a process per setting pays the load and the graph
 captures each time. Here one engine is loaded once, and each run of the options the engine reads at every step
 (max_prefill_tokens, decode_steps_ahead, admission_interval_ms, encode_ahead: 0 or 1), or the loaded heap frozen
-or not (freeze_heap: 0 or 1), goes through every combination in turn, so the combinations alternate and share the lease's drift. Prints one JSON line per timed run, then the medians.
+or not (freeze_heap: 0 or 1), goes through every combination in turn, so the combinations alternate and share the
+lease's drift. Prints one JSON line per timed run, then the medians.
 """
 
 from __future__ import annotations

@@ -518,8 +518,9 @@ class Engine:
     def _encode_ahead(self, after=None) -> None:
         """Take the waiting finals that one admission would (its prefill token budget; with those held, at most a
         slot each) and do their host work and encoder now, while rows decode: the admission that finds slots for
-        them later only prefills them. Finals only: they never read a stream's cached state, which a partial's encoding updates. A
-        sequence whose encoding fails here is encoded again at its admission (where it fails alone)."""
+        them later only prefills them. Finals only: they never read a stream's cached state, which a partial's
+        encoding updates. A sequence whose encoding fails here is encoded again at its admission (where it fails
+        alone)."""
         seqs = self.scheduler.take(self.scheduler.num_slots - len(self._ahead), self.options.max_prefill_tokens,
                                    lambda seq: prompting.prefill_cost(seq.request), priorities=(Priority.FINAL,))
         started = time.perf_counter()

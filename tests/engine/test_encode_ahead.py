@@ -25,7 +25,8 @@ def workload(engine) -> dict:
 
     seconds = [0.4, 1.3, 2.2, 3.1, 1.7, 0.9, 2.8, 1.1]
     budgets = [6, 12, 9, 15, 7, 11, 5, 8]
-    finals = [DecodeRequest(audio=speech(s, seed=i), max_new_tokens=b) for i, (s, b) in enumerate(zip(seconds, budgets))]
+    finals = [DecodeRequest(audio=speech(s, seed=i), max_new_tokens=b)
+              for i, (s, b) in enumerate(zip(seconds, budgets))]
     stream = speech(2.6, seed=11)
     arrivals = {0: finals[:4], 3: finals[4:6], 7: finals[6:]}
     for step in range(300):
@@ -137,7 +138,8 @@ def test_a_final_whose_ahead_encoding_fails_is_encoded_again_at_its_admission(ti
 @pytest.mark.parametrize("ahead", [False, True])
 def test_offline_transcription_gives_the_same_answers_encoding_ahead_or_not(tiny_model_dir, ahead):
     engine = make_engine(tiny_model_dir, num_slots=2, admission_interval_ms=0, encode_ahead=ahead)
-    requests = [DecodeRequest(audio=speech(s, seed=i), max_new_tokens=8) for i, s in enumerate([1.0, 2.0, 0.7, 1.5, 2.4])]
+    requests = [DecodeRequest(audio=speech(s, seed=i), max_new_tokens=8)
+                for i, s in enumerate([1.0, 2.0, 0.7, 1.5, 2.4])]
     got = [r.token_ids for r in engine.transcribe(requests)]
     alone = [engine.transcribe([r])[0].token_ids for r in requests]
     assert got == alone
