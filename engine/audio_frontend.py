@@ -30,8 +30,9 @@ from .stream_cache import StreamState
 
 @dataclass
 class AudioEmbedding:
-    windows: list[torch.Tensor]  # [tokens, out] each, in order: what replaces the prompt's audio placeholders (the
-    # engine writes all clips' into their prompts at once: a cat per clip was a launch each)
+    windows: list[torch.Tensor]  # [tokens, out] each, in order (the stream's kept windows, then the new ones as one
+    # piece): what replaces the prompt's audio placeholders (the engine writes all clips' into their prompts at once:
+    # a cat per clip was a launch each)
     kept_windows: int  # leading windows taken from the stream's cache (their KV may be reused too)
 
     @property
@@ -100,14 +101,16 @@ class AudioFrontEnd:
             self._log_spectrogram(redo)
         features = self._floored(work)
         tokens = self._conv_tokens(work, features)
-        windows = self._encode(work, tokens)
+        encoded = self._encode(work, tokens)
         out = []
-        for clip, clip_tokens, clip_windows in zip(work, tokens, windows):
+        for clip, clip_tokens, clip_encoded in zip(work, tokens, encoded):
             kept = clip.state.windows[:] if clip.state else []
             self.counters["reused_windows"] += len(kept)
-            if clip.state is not None:
-                self._keep(clip, clip_tokens, clip_windows)
-            out.append(AudioEmbedding(kept + clip_windows, len(kept)))
+            if clip.state is not None and clip_encoded is not None:  # its new windows apart, to keep the whole ones
+                self._keep(clip, clip_tokens, list(clip_encoded.split(self.runner.window_tokens)))
+            elif clip.state is not None:
+                self._keep(clip, clip_tokens, [])
+            out.append(AudioEmbedding(kept + ([clip_encoded] if clip_encoded is not None else []), len(kept)))
         return out
 
     def _log_spectrogram(self, work: list[_Clip], staged=None) -> None:
@@ -166,17 +169,19 @@ class AudioFrontEnd:
             out.append(torch.cat(parts) if len(parts) > 1 else parts[0] if parts else None)
         return out
 
-    def _encode(self, work: list[_Clip], tokens: list[torch.Tensor | None]) -> list[list[torch.Tensor]]:
-        """The windows from each clip's first kept window on (all clips' in one call) -> per clip, their outputs."""
+    def _encode(self, work: list[_Clip], tokens: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """The windows from each clip's first kept window on (all clips' in one call) -> per clip, their outputs one
+        after the other [tokens, out] (None: no new windows)."""
         todo = [i for i, t in enumerate(tokens) if t is not None]
         run_before = self.runner.encoder_positions_run
         encoded = self.runner.encode([tokens[i] for i in todo]) if todo else []
-        out: list[list[torch.Tensor]] = [[] for _ in work]
-        for i, windows in zip(todo, encoded):
-            out[i] = windows
-        self.counters["encoded_windows"] += sum(len(w) for w in encoded)
+        out: list[torch.Tensor | None] = [None] * len(work)
+        for i, clip in zip(todo, encoded):
+            out[i] = clip
+        size = self.runner.window_tokens
+        self.counters["encoded_windows"] += sum(-(-clip.shape[0] // size) for clip in encoded)
         # what the encoder computed against what was real: a partial's window in progress is mostly padding
-        self.counters["encoder_tokens"] += sum(w.shape[0] for clip in encoded for w in clip)
+        self.counters["encoder_tokens"] += sum(clip.shape[0] for clip in encoded)
         self.counters["encoder_computed_tokens"] += self.runner.encoder_positions_run - run_before
         return out
 

@@ -140,6 +140,23 @@ def test_a_windows_output_does_not_depend_on_its_padding(runner):
 
 
 @torch.inference_mode()
+def test_each_clips_encoder_output_is_one_view_of_its_windows_in_order(runner):
+    """encode -> per clip its windows' outputs one after the other, as a view of the packed output (every window of a
+    clip but its last is whole), equal to the windows cut out one by one."""
+    D = runner.model.encoder.cfg.d_model
+    size = runner.window_tokens
+    clips = [torch.randn(n, D) for n in (size, 2 * size, 2 * size + 37, 5, size + 1)]
+    encoder = runner.model.encoder
+    windows, lengths, owners = encoder.pack_windows(clips)
+    expected = encoder.unpack_windows(encoder.encode_windows(windows, lengths), lengths, owners, len(clips))
+    got = runner.encode(clips)
+    assert [t.shape[0] for t in got] == [c.shape[0] for c in clips]
+    assert len({t.untyped_storage().data_ptr() for t in got}) == 1  # views of one output
+    for t, e in zip(got, expected):
+        torch.testing.assert_close(t, e, rtol=0, atol=1e-5)
+
+
+@torch.inference_mode()
 def test_graphed_encoder_runs_each_length_group_through_its_graphs(runner, monkeypatch):
     encoder = runner.model.encoder
     cfg = encoder.cfg
