@@ -1,6 +1,7 @@
 """One `qasr-bench offline --out` run in two lines, for the H200 scripts' summaries (bench/h200_ab.sh,
 bench/h200_kernels.sh): its decode step per bucket, latency, throughput, energy, kernels a step and the engine
-loop's step (bench.offline.engine_step_ms), then its correctness checks and GEMV picks. Fields a run did not measure
+loop's step (bench.offline.engine_step_ms), then its correctness checks, GEMV picks and what its throughput run
+counted (admissions, those with nothing decoding, garbage collections). Fields a run did not measure
 (the step and energy off a GPU) show as "-".
 
     python -m qasr.bench.offline_summary RUN.json [RUN.json ...]
@@ -23,13 +24,19 @@ def run_lines(run: dict, label: str) -> list[str]:
     loop = run.get("engine_step_ms", {})  # a step as the engine's loop makes it, without and with run-ahead
     loop = "; ".join(f"{mode} " + " / ".join(f"{rows}:{ms:.3f}" for rows, ms in by_rows.items())
                      for mode, by_rows in loop.items())
+    admissions, collections = run.get("qasr_throughput_admissions"), run.get("qasr_throughput_gc")
+    throughput = (f"; throughput run: {admissions['admissions']} admissions, {admissions['admissions_alone']} with "
+                  f"nothing decoding" if admissions else "") + (
+        f"; collections {collections['collections']} (generations 0/1/2), the longest {collections['longest_ms']} ms"
+        if collections else "")
     return [f"{label:<22} step ms {steps} | latency {run['qasr_bs1_latency_ms']:.1f} ms | "
             f"{run['qasr_throughput_audio_s_per_s']:,.0f} audio-s/s | "
             + (f"{energy:.0f} J/audio-h" if energy is not None else "- J/audio-h")
             + (f" | kernels a step {json.dumps(kernels)}" if kernels else "")
             + (f" | engine loop step ms {loop}" if loop else ""),
             f"{'':<22} identical rows failed {c['identical_rows_failed_buckets']}, batch independence "
-            f"{c['batch_independence_exact_match']}, eager {c['eager_bs1_exact_match']}; gemv {picks or '-'}"]
+            f"{c['batch_independence_exact_match']}, eager {c['eager_bs1_exact_match']}; gemv {picks or '-'}"
+            f"{throughput}"]
 
 
 def main(argv: list[str] | None = None) -> None:

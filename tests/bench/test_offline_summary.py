@@ -31,3 +31,12 @@ def test_what_a_cpu_run_did_not_measure_shows_as_a_dash(tmp_path, capsys):
     first, second = capsys.readouterr().out.splitlines()
     assert "step ms - |" in first and "- J/audio-h" in first and "kernels" not in first and "loop" not in first
     assert "identical rows failed [4]" in second and second.endswith("gemv -")
+
+
+def test_the_throughput_runs_admissions_and_collections_follow_the_checks():
+    run = {"qasr_bs1_latency_ms": 40.0, "qasr_throughput_audio_s_per_s": 9000, "gemv_configs": {},
+           "correctness": CHECKS, "qasr_throughput_admissions": {"admissions": 12, "admissions_alone": 3},
+           "qasr_throughput_gc": {"collections": [40, 3, 1], "ms": [1.0, 2.0, 162.0], "longest_ms": 162.0}}
+    _, second = offline_summary.run_lines(run, "0.6B")
+    assert second.endswith("gemv -; throughput run: 12 admissions, 3 with nothing decoding; collections [40, 3, 1] "
+                           "(generations 0/1/2), the longest 162.0 ms")
