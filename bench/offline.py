@@ -174,7 +174,8 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
         out["copy_bandwidth_TBps"] = bw / 1e12
         out["decode_floor_ms"] = step_floors(engine, args, bw)
     out["correctness"] = correctness(engine, args)
-    thaw()  # the engine's objects back to the collector: freed once it goes
+    if getattr(args, "freeze_heap", False):
+        thaw()  # the engine's objects back to the collector: freed once it goes
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -213,8 +214,7 @@ def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_se
     energy = Energy()
     _sync(device)
     e0, t = energy.joules(), time.perf_counter()
-    counters0 = dict(engine.counters)
-    rows0, steps0 = engine.counters["decode_rows"], engine.steps
+    counters0, steps0 = dict(engine.counters), engine.steps
     engine.recent_batch_sizes = collections.deque()  # every step of this run, for the batch-size histogram
     seconds0 = dict(engine.seconds)
     pauses = GcPauses.watch()  # a full collection holds the engine thread (and so the GPU's next work) throughout
@@ -240,7 +240,8 @@ def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_se
         out["qasr_energy_j_per_audio_hour"] = joules_per_audio_hour(e0, e1, audio_s)
         out["qasr_avg_power_w"] = (e1 - e0) / elapsed
     steps = engine.steps - steps0
-    out["qasr_mean_decode_batch"] = (engine.counters["decode_rows"] - rows0) / steps if steps else 0.0
+    rows = engine.counters["decode_rows"] - counters0["decode_rows"]
+    out["qasr_mean_decode_batch"] = rows / steps if steps else 0.0
     sizes = np.array(engine.recent_batch_sizes)
     out["qasr_decode_batch_percentiles"] = ({p: float(np.percentile(sizes, p)) for p in (5, 25, 50, 75, 95)}
                                              if sizes.size else {})

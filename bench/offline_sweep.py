@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import itertools
 import json
 import statistics
 
 from qasr.engine.engine import Engine
+from qasr.engine.gc_pauses import freeze_loaded_heap, thaw
 from qasr.engine.options import MINIMUMS
 
 from .cli import offline_parser
@@ -63,13 +63,14 @@ def sweep(engine: Engine, clips, tokens: int, clip_seconds: float, settings: lis
         for setting in settings:
             options = {name: value for name, value in setting.items() if name != "freeze_heap"}
             engine.options = dataclasses.replace(base, **options)
-            if setting.get("freeze_heap"):
-                gc.collect()
-                gc.freeze()
+            frozen = setting.get("freeze_heap")
+            if frozen:
+                freeze_loaded_heap()
             try:
                 record = {"run": run, **setting, **throughput_run(engine, clips, tokens, clip_seconds)}
             finally:
-                gc.unfreeze()
+                if frozen:
+                    thaw()
             print(json.dumps(record), flush=True)
             records.append(record)
     engine.options = base

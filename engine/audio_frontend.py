@@ -106,11 +106,10 @@ class AudioFrontEnd:
         for clip, clip_tokens, clip_encoded in zip(work, tokens, encoded):
             kept = clip.state.windows[:] if clip.state else []
             self.counters["reused_windows"] += len(kept)
-            if clip.state is not None and clip_encoded is not None:  # its new windows apart, to keep the whole ones
-                self._keep(clip, clip_tokens, list(clip_encoded.split(self.runner.window_tokens)))
-            elif clip.state is not None:
-                self._keep(clip, clip_tokens, [])
-            out.append(AudioEmbedding(kept + ([clip_encoded] if clip_encoded is not None else []), len(kept)))
+            new = [clip_encoded] if clip_encoded is not None else []
+            if clip.state is not None:  # its new windows apart, to keep the whole ones
+                self._keep(clip, clip_tokens, [w for piece in new for w in piece.split(self.runner.window_tokens)])
+            out.append(AudioEmbedding(kept + new, len(kept)))
         return out
 
     def _log_spectrogram(self, work: list[_Clip], staged=None) -> None:

@@ -349,7 +349,7 @@ class Engine:
         try:
             return seqs, self._prepare(fresh, encoded)
         except Exception:
-            log.warning("preparing an admission failed: admitting without the overlap", exc_info=True)
+            log.warning("preparing an admission failed: prepared again as it is admitted", exc_info=True)
             return seqs, None
 
     def _take_ahead(self, most: int) -> list[tuple[Sequence, torch.Tensor | None]]:
