@@ -7,6 +7,7 @@ texts and merged languages, clear errors, and the CLI's output formats and exit 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -21,6 +22,7 @@ from fakes import speech_like  # tests/ is on sys.path (conftest)
 from qasr.model import audio as qaudio
 from qasr.model.audio import AudioError
 from qasr.model.prompt import UnsupportedLanguageError
+from qasr.engine import transcribe_cli
 from qasr.engine.transcribe import Segment, Transcriber, Transcription, join_texts, merge_languages
 from qasr.engine.transcribe_cli import main
 from qasr.engine.request import DecodeRequest
@@ -207,6 +209,24 @@ def test_cli_prints_file_and_text_per_file(tiny_model_dir, audio_files, transcri
     expected = transcriber.transcribe(files)
     assert out.splitlines() == [f"{f}: {r.text}" for f, r in zip(files, expected)]
     assert "transcribing" not in err  # stderr is not a terminal here: no bar unless asked
+
+
+def test_cli_freezes_the_loaded_heap_while_it_transcribes_and_thaws_it(tiny_model_dir, audio_files, monkeypatch,
+                                                                       capsys):
+    # a full collection walks every object the loaded engine holds, with nothing on the GPU meanwhile
+    seen = []
+    transcribe_files = transcribe_cli._transcribe_files
+
+    def watched(*args):
+        seen.append(gc.get_freeze_count())
+        return transcribe_files(*args)
+
+    monkeypatch.setattr(transcribe_cli, "_transcribe_files", watched)
+    assert gc.get_freeze_count() == 0
+    assert cli(str(audio_files["a.wav"]), "--model", str(tiny_model_dir)) == 0
+    assert seen and seen[0] > 10_000  # the model's modules, tensors and tokenizer among them
+    assert gc.get_freeze_count() == 0  # given back: left frozen they are never freed
+    assert capsys.readouterr().out.startswith(str(audio_files["a.wav"]))
 
 
 def test_cli_json_with_a_long_file(tiny_model_dir, audio_files, capsys):
