@@ -14,7 +14,7 @@ import argparse
 import importlib
 import sys
 
-from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD, OFFLINE_ENCODE_AHEAD
+from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
 
 MODEL_SIZES = ("tiny", "0.6B", "1.7B")
 DEVICE_HELP = "auto (the GPU if there is one), cpu, cuda, cuda:N (default: %(default)s)"
@@ -63,9 +63,6 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--freeze-heap", action="store_true",
                    help="freeze the loaded engine's objects out of Python's collector (gc.freeze), as the server's "
                         "engine process does (default: left to it, as a script using the Transcriber has them)")
-    p.add_argument("--encode-ahead", dest="encode_ahead", action=argparse.BooleanOptionalAction, default=None,
-                   help="encode waiting clips while rows decode, before slots are free for them (default: offline's, "
-                        f"{'on' if OFFLINE_ENCODE_AHEAD else 'off'})")
     p.add_argument("--context", type=int, default=200,
                    help="cached tokens per row while the decode step is timed, GPU only (default: %(default)s)")
     p.add_argument("--latency-runs", type=int, default=20,

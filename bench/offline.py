@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 from qasr.engine import gpu_timeline
 from qasr.engine.gc_pauses import GcPauses, freeze_loaded_heap, thaw
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.options import OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD, OFFLINE_ENCODE_AHEAD
+from qasr.engine.options import OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD
 from qasr.engine.request import DecodeRequest
 from qasr.model import gemv
 
@@ -114,11 +114,9 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 
 
 def engine_overrides(args) -> dict:
-    """The engine options the command line set (None: the engine's default; steps ahead, run-ahead and encoding
-    ahead: offline's)."""
-    names = ("decode_steps_ahead", "admission_interval_ms", "decode_run_ahead", "encode_ahead")
-    overrides = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": OFFLINE_DECODE_RUN_AHEAD,
-                 "encode_ahead": OFFLINE_ENCODE_AHEAD}
+    """The engine options the command line set (None: the engine's default; steps ahead and run-ahead: offline's)."""
+    names = ("decode_steps_ahead", "admission_interval_ms", "decode_run_ahead")
+    overrides = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": OFFLINE_DECODE_RUN_AHEAD}
     return overrides | {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
 
@@ -138,8 +136,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     if getattr(args, "freeze_heap", False):  # as the engine process does (gc_pauses.py)
         out["qasr_frozen_objects"] = freeze_loaded_heap()
     out["engine_options"] = {"decode_steps_ahead": opts.decode_steps_ahead,
-                             "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead,
-                             "encode_ahead": opts.encode_ahead}
+                             "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead}
 
     # batch-1 latency, features included: audio array in -> text out
     for _ in range(3):
@@ -232,8 +229,7 @@ def throughput_run(engine: Engine, clips: list[np.ndarray], tokens: int, clip_se
     out["qasr_throughput_audio_s_per_s"] = audio_s / elapsed
     out["qasr_throughput_tokens_per_s"] = sum(len(r.token_ids) for r in results) / elapsed
     out["qasr_throughput_clips"] = len(clips)
-    out["qasr_throughput_encoded_ahead"] = engine.counters["encoded_ahead"] - counters0["encoded_ahead"]  # clips
-    # encoded before a slot was free; admissions, and those with nothing decoding (the GPU idle through their host work)
+    # admissions, and those with nothing decoding (the GPU idle through their host work)
     out["qasr_throughput_admissions"] = {key: engine.counters[key] - counters0[key]
                                          for key in ("admissions", "admissions_alone")}
     if e0 is not None:

@@ -5,9 +5,9 @@
 
 Leases differ more than most changes do (docs/benchmarks.md), and a process per setting pays the load and the graph
 captures each time. Here one engine is loaded once, and each run of the options the engine reads at every step
-(max_prefill_tokens, decode_steps_ahead, admission_interval_ms, encode_ahead: 0 or 1), or the loaded heap frozen
-or not (freeze_heap: 0 or 1), goes through every combination in turn, so the combinations alternate and share the
-lease's drift. Prints one JSON line per timed run, then the medians.
+(max_prefill_tokens, decode_steps_ahead, admission_interval_ms), or the loaded heap frozen or not (freeze_heap: 0
+or 1), goes through every combination in turn, so the combinations alternate and share the lease's drift. Prints
+one JSON line per timed run, then the medians.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from .cli import offline_parser
 from .offline import offline_options, requests, throughput_run
 from .synthetic import speech_like
 
-VARIABLE = ("max_prefill_tokens", "decode_steps_ahead", "admission_interval_ms", "encode_ahead", "freeze_heap")
-SWITCHES = ("encode_ahead", "freeze_heap")  # 0 or 1; freeze_heap is not an engine option: the loaded heap frozen
-# for the run (gc.freeze, as the server's engine process does) or left to the collector
+VARIABLE = ("max_prefill_tokens", "decode_steps_ahead", "admission_interval_ms", "freeze_heap")
+SWITCHES = ("freeze_heap",)  # 0 or 1; freeze_heap is not an engine option: the loaded heap frozen for the run
+# (gc.freeze, as the server's engine process does) or left to the collector
 
 
 def parse_vary(text: str) -> tuple[str, list[float]]:

@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -58,8 +58,6 @@ class _Prepared:
     clips: list | None  # AudioFrontEnd.prepare's answer
     busy: set[str]
     started: float  # perf_counter when the admission began (the end of the sequences' queue delay)
-    ahead: list[tuple[Sequence, torch.Tensor]] = field(default_factory=list)  # sequences encoded ahead (_encode_ahead)
-    # admitted with these, before them: (sequence, its prompt embeddings)
 
 
 @dataclass
@@ -143,16 +141,12 @@ class Engine:
         self.run_ahead = options.decode_run_ahead
         self._unread: collections.deque[_Launch] = collections.deque()
         self._scheduled: list[Sequence] = []  # taken from the queue by an admission not done yet (fail_all's too)
-        # finals taken from the queue while no slot was free, their audio encoded ahead (options.encode_ahead), oldest
-        # first: (sequence, its prompt embeddings on the device; None if encoding it ahead failed: encoded again)
-        self._ahead: collections.deque[tuple[Sequence, torch.Tensor | None]] = collections.deque()
         # cumulative work, to measure what partials reuse: prompt positions prefilled vs copied from a retained
         # prefix, encoder windows computed vs kept from a stream's earlier partial
         # decode_rows / steps is the mean decode batch
         self.counters = {"prefill_tokens": 0, "reused_tokens": 0, "encoded_windows": 0, "reused_windows": 0,
                          "mel_frames": 0, "conv_chunks": 0, "decode_rows": 0, "prefill_computed_tokens": 0,
                          "decode_launches": 0,  # steps / decode_launches: the steps queued together, on average
-                         "encoded_ahead": 0,  # finals encoded before a slot was free (options.encode_ahead)
                          "admissions": 0, "admissions_alone": 0}  # all, and those with nothing else decoding (the
         # GPU idle through their host work: an offline run's wave ends)
         self.frontend = AudioFrontEnd(self.runner, self.counters)  # mel + encoder, a partial's only for what is new
@@ -210,7 +204,7 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return (bool(self.scheduler.running) or len(self.scheduler) > 0 or bool(self._unread) or bool(self._ahead)
+        return (bool(self.scheduler.running) or len(self.scheduler) > 0 or bool(self._unread)
                 or (self.aligner is not None and self.aligner.has_work()))
 
     overlap_admissions = True  # False: admit, then decode, as before the overlap (the tests compare the two)
@@ -229,8 +223,7 @@ class Engine:
         self._apply_releases()
         self._drop_cancelled()
         self._start_admitted(wait=not self._decoding())
-        admitting = self._can_admit() and self._admission_due() and not self._admitted
-        ahead = not admitting and self._encode_ahead_due()
+        admitting = self.scheduler.can_admit() and self._admission_due() and not self._admitted
         if admitting:
             self.counters["admissions"] += 1
         if admitting and not (self.overlap_admissions and self.scheduler.running):
@@ -242,7 +235,7 @@ class Engine:
             self.seconds["admit"] += self._last_admission - start
             admitting = False
         if self.scheduler.running or self._unread:
-            self._decode(admitting, ahead)
+            self._decode(admitting)
         if self.aligner is not None:
             self._align()
 
@@ -258,17 +251,6 @@ class Engine:
             self._last_alignment = time.perf_counter()
             self.aligner.poll()  # on the CPU the forward ran in launch(): its finals go out in this step
         self.seconds["align"] += time.perf_counter() - start
-
-    def _can_admit(self) -> bool:
-        return self.scheduler.can_admit() or (self.scheduler.num_free_slots > 0 and bool(self._ahead))
-
-    def _encode_ahead_due(self) -> bool:
-        """Encode finals ahead (options.encode_ahead) while rows decode, up to a slot's worth for every slot: a batch
-        of identical clips (an offline run) ends its rows together, and their successors' host work and encoder would
-        otherwise run with nothing else on the GPU (one admission's worth held was not enough: the slots it left
-        were filled from the queue, their host work again with the GPU idle)."""
-        return (self.options.encode_ahead and bool(self.scheduler.running)
-                and len(self._ahead) < self.scheduler.num_slots and self.scheduler.has_waiting(Priority.FINAL))
 
     def _admission_due(self) -> bool:
         """Admit at once when nothing decodes; otherwise batch arrivals into one admission per interval of decoding."""
@@ -299,7 +281,6 @@ class Engine:
     def stats(self) -> dict:
         return {
             "queue": self.scheduler.depths(),
-            "encoded_ahead": len(self._ahead),
             "running": len(self.scheduler.running),
             "free_slots": self.scheduler.num_free_slots,
             "streams_cached": len(self.streams),
@@ -334,45 +315,20 @@ class Engine:
 
     def _prepare_admission(self) -> tuple[list[Sequence], _Prepared | None]:
         """The host half of an admission (while a decode step runs, or with nothing decoding) -> the sequences
-        scheduled (those encoded ahead first: they were the queue's head) and their preparation (None if it raised:
-        the admission then does it all again, and a request that cannot be prepared fails alone there)."""
-        ahead = self._take_ahead(self.scheduler.num_free_slots)
-        encoded = [(seq, embeds) for seq, embeds in ahead if embeds is not None]
-        fresh = [seq for seq, embeds in ahead if embeds is None]
-        if not encoded:  # an admission of finals encoded ahead takes no others: it only prefills, so the GPU starts
-            # on it at once (the next admission takes the rest, beside the steps its rows decode)
-            fresh += self.scheduler.schedule(self.options.max_prefill_tokens,
-                                             lambda seq: prompting.prefill_cost(seq.request), placed=len(ahead))
-        seqs = [seq for seq, _ in encoded] + fresh
+        scheduled and their preparation (None if it raised: the admission then does it all again, and a request that
+        cannot be prepared fails alone there)."""
+        seqs = self.scheduler.schedule(self.options.max_prefill_tokens, lambda seq: prompting.prefill_cost(seq.request))
         if not seqs:
             return seqs, None
         try:
-            return seqs, self._prepare(fresh, encoded)
+            return seqs, self._prepare(seqs)
         except Exception:
             log.warning("preparing an admission failed: prepared again as it is admitted", exc_info=True)
             return seqs, None
 
-    def _take_ahead(self, most: int) -> list[tuple[Sequence, torch.Tensor | None]]:
-        """Up to `most` of the sequences encoded ahead, oldest first, within the prefill token budget (the first always;
-        a cancelled one is finished on the way)."""
-        taken, tokens = [], 0
-        while self._ahead and len(taken) < most:
-            seq, embeds = self._ahead[0]
-            need = prompting.prefill_cost(seq.request)
-            if taken and tokens + need > self.options.max_prefill_tokens:
-                break
-            self._ahead.popleft()
-            if seq.cancelled:
-                seq.finish(asyncio.CancelledError())
-            else:
-                taken.append((seq, embeds))
-                tokens += need
-        return taken
-
-    def _prepare(self, seqs: list[Sequence], ahead: list[tuple[Sequence, torch.Tensor]] = ()) -> _Prepared:
-        """Prompts and the audio front end's host part for `seqs` (ahead: sequences encoded ahead, admitted with
-        them); a request whose prompt cannot fit, or whose audio is not all finite, is finished with its error here
-        (it alone)."""
+    def _prepare(self, seqs: list[Sequence]) -> _Prepared:
+        """Prompts and the audio front end's host part for `seqs`; a request whose prompt cannot fit, or whose audio
+        is not all finite, is finished with its error here (it alone)."""
         started = time.perf_counter()
         busy = self.scheduler.running_streams()
         fitting = []
@@ -393,7 +349,7 @@ class Engine:
                     seq.finish(ValueError("audio contains NaN or infinite samples"))
             fitting = [seq for seq, clip in zip(fitting, clips) if clip.finite]
             clips = self._prepare_audio(fitting)
-        return _Prepared(fitting, clips, busy, started, list(ahead))
+        return _Prepared(fitting, clips, busy, started)
 
     def _prepare_audio(self, seqs: list[Sequence]) -> list | None:
         if not seqs:
@@ -438,13 +394,10 @@ class Engine:
         started with their first tokens left on the device (read with the next decode step's output).
         after: see _admit_scheduled."""
         if prepared is None:
-            prepared = self._prepare(seqs)  # those encoded ahead too, again
+            prepared = self._prepare(seqs)
         t0 = prepared.started
         self._order_after_decoding(after)
-        fresh, embeds, starts = self._encode(prepared)
-        encoded = [seq for seq, _ in prepared.ahead]
-        seqs, embeds = encoded + fresh, [e for _, e in prepared.ahead] + embeds
-        starts = [0] * len(encoded) + starts  # (no stream state: nothing reused)
+        seqs, embeds, starts = self._encode(prepared)
         if not seqs:
             return
         t1 = time.perf_counter()
@@ -460,10 +413,9 @@ class Engine:
         self.counters["prefill_computed_tokens"] += first.computed  # the prefill tokens and their buckets' padding
         self.counters["reused_tokens"] += sum(starts)
         t2 = time.perf_counter()
-        for seq in fresh:  # (those encoded ahead have their queue and encode times from then)
-            seq.timings.update(queue_ms=(t0 - seq.t_submit) * 1e3, encode_ms=(t1 - t0) * 1e3)
         for seq in seqs:
-            seq.timings["prefill_ms"] = (t2 - t1) * 1e3
+            seq.timings.update(queue_ms=(t0 - seq.t_submit) * 1e3, encode_ms=(t1 - t0) * 1e3,
+                               prefill_ms=(t2 - t1) * 1e3)
         ordered = [seqs[i] for i in first.order]  # the prefill's order (by length): its tokens' order
         self._admitted.append(_Admitted(ordered, first.tokens, done))
 
@@ -514,30 +466,6 @@ class Engine:
             stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         else:
             stream.wait_event(after)
-
-    def _encode_ahead(self, after=None) -> None:
-        """Take the waiting finals that one admission would (its prefill token budget; with those held, at most a
-        slot each) and do their host work and encoder now, while rows decode: the admission that finds slots for
-        them later only prefills them. Finals only: they never read a stream's cached state, which a partial's
-        encoding updates. A sequence whose encoding fails here is encoded again at its admission (where it fails
-        alone)."""
-        seqs = self.scheduler.take(self.scheduler.num_slots - len(self._ahead), self.options.max_prefill_tokens,
-                                   lambda seq: prompting.prefill_cost(seq.request), priorities=(Priority.FINAL,))
-        started = time.perf_counter()
-        try:
-            prepared = self._prepare(seqs)
-            self._order_after_decoding(after)
-            fitting, embeds, _ = self._encode(prepared)
-        except Exception:
-            log.warning("encoding %d finals ahead failed: each is encoded again at its admission", len(seqs),
-                        exc_info=True)
-            self._ahead.extend((seq, None) for seq in seqs if seq.status is not Status.FINISHED)
-            return
-        done = time.perf_counter()
-        for seq, seq_embeds in zip(fitting, embeds):
-            seq.timings.update(queue_ms=(started - seq.t_submit) * 1e3, encode_ms=(done - started) * 1e3)
-            self._ahead.append((seq, seq_embeds))
-        self.counters["encoded_ahead"] += len(fitting)
 
     def _encode(self, prepared: _Prepared) -> tuple[list[Sequence], list[torch.Tensor], list[int]]:
         """Mel + encoder for the prepared sequences (a stream's partial only what is new; see audio_frontend.py),
@@ -594,15 +522,15 @@ class Engine:
 
     # -- decode and postprocess ------------------------------------------------------------------------------------
 
-    def _decode(self, admitting: bool = False, ahead: bool = False) -> None:
+    def _decode(self, admitting: bool = False) -> None:
         """Decode steps; admitting: an admission is due, its host work done while they run (see step), beside as many
         steps as it has been taking time for (the graphs feed themselves), so that the decode stream does not idle
-        through the rest of it; ahead: finals are encoded ahead (_encode_ahead) the same way. With run-ahead the
-        launch made here is read by the next call (one launch stays queued while the host works on the one before
-        it); with no rows running nothing is launched, and what is still queued is read."""
+        through the rest of it. With run-ahead the launch made here is read by the next call (one launch stays
+        queued while the host works on the one before it); with no rows running nothing is launched, and what is
+        still queued is read."""
         running = self.scheduler.running
-        steps = self._steps_beside_admission() if admitting or ahead else 1
-        during = (admitting or ahead) and self.admit_during_step
+        steps = self._steps_beside_admission() if admitting else 1
+        during = admitting and self.admit_during_step
         # what the decode stream queued so far (rows started and stopped): the admission waits for that, not the step
         before_step = self._record_event(self.stream) if during else None
         t0 = time.perf_counter()
@@ -617,10 +545,8 @@ class Engine:
         t1 = time.perf_counter()
         seqs, prepared = self._prepare_admission() if admitting else ([], None)
         self._scheduled = seqs  # neither waiting nor running until admitted: if the step fails, fail_all finishes them
-        if during and admitting:
+        if during:
             self._admit_scheduled(seqs, prepared, after=before_step)
-        elif during:
-            self._encode_ahead(after=before_step)
         t2 = time.perf_counter()
         keep = 1 if launched and self.run_ahead else 0
         waited, reads = 0.0, 0
@@ -639,7 +565,7 @@ class Engine:
         self.seconds["decode_gpu"] += (t1 - t0) + waited
         self.seconds["admit"] += t2 - t1
         self.seconds["decode_host"] += t4 - t2 - waited
-        if admitting or ahead:
+        if admitting:
             self._admission_host_s = _moving_average(self._admission_host_s, t2 - t1)
         # a step's time, for the steps to queue beside an admission: on CUDA the device's, from its launch's events
         # (with run-ahead the host waits only for the rest of a step launched one call before), else the host's
@@ -651,9 +577,6 @@ class Engine:
         if admitting and not during:
             self._admit_scheduled(seqs, prepared)
             self.seconds["admit"] += self._last_admission - t4
-        elif ahead and not during:
-            self._encode_ahead()
-            self.seconds["admit"] += time.perf_counter() - t4
 
     def _count_rows(self, rows: int) -> None:
         """A decode step's rows, for the mean batch (decode_rows / steps) and the pool's headroom."""
@@ -741,11 +664,6 @@ class Engine:
         dropped = self.scheduler.drop_cancelled()
         for seq in dropped:
             seq.finish(asyncio.CancelledError())
-        if any(seq.cancelled for seq, _ in self._ahead):
-            for seq, _ in self._ahead:
-                if seq.cancelled:
-                    seq.finish(asyncio.CancelledError())
-            self._ahead = collections.deque(entry for entry in self._ahead if not entry[0].cancelled)
         self.runner.stop_rows([seq.slot for seq in dropped])
 
     def _apply_releases(self) -> None:
@@ -761,9 +679,6 @@ class Engine:
         self._admitted = []  # their sequences are running (placed): drained below
         scheduled, self._scheduled = self._scheduled, []
         for seq in scheduled:  # finished already if admitted (finish is once)
-            seq.finish(error)
-        ahead, self._ahead = self._ahead, collections.deque()
-        for seq, _ in ahead:
             seq.finish(error)
         running = list(self.scheduler.running)
         for seq in self.scheduler.drain():

@@ -32,13 +32,6 @@ class EngineOptions:
     # +4-10%. Off for live serving: on one lease, three 1,000-stream runs each way, it made ~10% more steps a second
     # and a worse final p95 in every run (238-300 ms against 176-221, session 21). On the CPU a step runs whole at its
     # launch: running one ahead only delays each result by a step
-    encode_ahead: bool = False  # while rows decode, take the waiting finals an admission would (up to a slot's worth
-    # for every slot) and run their host work and encoder then, beside the decode steps on the admission stream: the
-    # admission that finds them slots only prefills. For offline work, where a batch of equal clips ends its rows
-    # together and the next rows' host work and encoder ran with nothing else on the GPU (idle 16% of an offline run
-    # at 512 rows, session 22). Not on by default anywhere yet: its first form (one admission's worth held) gave no
-    # throughput on an H100 (session 23: 8,721 vs 8,739 audio-s/s, medians of three), and this one has not run on a
-    # GPU (`python -m qasr.bench.offline_sweep --vary encode_ahead=0,1` measures it)
     max_audio_seconds: float = 60.0  # longest audio one request may carry
     base_tokens: int = 24  # default token budget: base_tokens + tokens_per_second x audio seconds
     tokens_per_second: float = 12.0  # (speech is ~3-5 tokens a second; the budget only stops a runaway decode)
@@ -80,7 +73,6 @@ class EngineOptions:
 # (bench.offline_sweep, alternating, session 14)
 OFFLINE_DECODE_STEPS_AHEAD = 16
 OFFLINE_DECODE_RUN_AHEAD = True  # decode_run_ahead for offline work (see there)
-OFFLINE_ENCODE_AHEAD = False  # encode_ahead for offline work (see there: not yet measured to pay)
 
 # the least value of each numeric option (qasr-server checks its flags against these before it loads a model)
 MINIMUMS = {"num_slots": 1, "max_len": 64, "num_retained": 0, "max_prefill_tokens": 1, "admission_interval_ms": 0,

@@ -44,26 +44,19 @@ class Scheduler:
     def can_admit(self) -> bool:
         return bool(self._free_slots) and len(self) > 0
 
-    def schedule(self, max_tokens: int, cost: Callable[[Sequence], int], placed: int = 0) -> list[Sequence]:
-        """The waiting sequences to admit now: as many as there are free slots (`placed` of them taken already, by
-        sequences admitted with these), within a prefill token budget."""
-        return self.take(len(self._free_slots) - placed, max_tokens, cost)
+    def schedule(self, max_tokens: int, cost: Callable[[Sequence], int]) -> list[Sequence]:
+        """The waiting sequences to admit now: as many as there are free slots, within a prefill token budget."""
+        return self.take(len(self._free_slots), max_tokens, cost)
 
-    def has_waiting(self, priority: Priority) -> bool:
-        with self._lock:
-            return bool(self._waiting[priority])
-
-    def take(self, max_sequences: int, max_tokens: int, cost: Callable[[Sequence], int],
-             priorities: tuple[Priority, ...] = tuple(Priority)) -> list[Sequence]:
-        """Up to `max_sequences` waiting sequences of `priorities`, finals first then FIFO, within a prefill token
-        budget.
+    def take(self, max_sequences: int, max_tokens: int, cost: Callable[[Sequence], int]) -> list[Sequence]:
+        """Up to `max_sequences` waiting sequences, finals first then FIFO, within a prefill token budget.
 
         cost(seq) -> prompt tokens the sequence will prefill. The first one is always taken (so a long prompt
         cannot starve), the rest while they fit. Cancelled sequences are dropped on the way.
         """
         taken, tokens = [], 0
         with self._lock:
-            for priority in priorities:
+            for priority in Priority:
                 queue = self._waiting[priority]
                 while queue and len(taken) < max_sequences:
                     seq = queue[0]

@@ -29,7 +29,7 @@ from qasr.model.prompt import normalize_language
 
 from .engine import Engine, EngineOptions
 from .host_copy import all_finite
-from .options import OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD, OFFLINE_ENCODE_AHEAD
+from .options import OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD
 from .request import DecodeRequest, WordTime
 from .transcribe_cli import DEFAULT_MODEL
 
@@ -194,7 +194,7 @@ class Transcriber:
             options = EngineOptions(num_slots=max_batch, num_retained=0,
                                     max_audio_seconds=max(60.0, max_piece_seconds), aligner_max_batch=max_batch,
                                     decode_steps_ahead=OFFLINE_DECODE_STEPS_AHEAD,
-                                    decode_run_ahead=OFFLINE_DECODE_RUN_AHEAD, encode_ahead=OFFLINE_ENCODE_AHEAD)
+                                    decode_run_ahead=OFFLINE_DECODE_RUN_AHEAD)
         if aligner is not None:
             options = dataclasses.replace(options, aligner=str(aligner))
         engine = Engine.from_pretrained(str(model), device=device, dtype=dtype, options=options)

@@ -39,7 +39,7 @@ def test_offline_reports_the_throughput_runs_engine_thread_split_and_timeline(tm
         "--size", "tiny", "--device", "cpu", "--num-clips", "3", "--slots", "4", "--tokens", "3",
         "--clip-seconds", "1.5",
         "--latency-runs", "1", "--step-runs", "1", "--independence-requests", "2", "--eager-requests", "1",
-        "--timeline", "--encode-ahead", "--freeze-heap", "--out", str(tmp_path / "offline.json")]))
+        "--timeline", "--freeze-heap", "--out", str(tmp_path / "offline.json")]))
     split = out["qasr_throughput_engine_thread"]
     assert set(split) >= {"admit", "decode_gpu", "decode_host", "idle"}
     assert split["admit"] > 0 and split["decode_gpu"] > 0  # the run admitted its clips and decoded them
@@ -48,7 +48,6 @@ def test_offline_reports_the_throughput_runs_engine_thread_split_and_timeline(tm
     assert set(loop) == {"read_each", "run_ahead"} and all(set(by_rows) == {1} for by_rows in loop.values())
     assert all(ms > 0 for by_rows in loop.values() for ms in by_rows.values())
     assert out["engine_options"]["decode_run_ahead"] is True  # offline's
-    assert out["engine_options"]["encode_ahead"] is True and out["qasr_throughput_encoded_ahead"] >= 0  # asked for
     admissions = out["qasr_throughput_admissions"]  # 3 clips, 4 slots: one admission, with nothing decoding
     assert admissions == {"admissions": 1, "admissions_alone": 1}
     assert out["qasr_frozen_objects"] > 10_000  # the loaded engine out of the collector's sight, as in the server
@@ -64,14 +63,12 @@ def test_offline_takes_the_engines_admission_options_from_its_command_line():
     from qasr.bench.cli import offline_parser
     from qasr.bench.offline import engine_overrides
 
-    from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD, OFFLINE_ENCODE_AHEAD
+    from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
 
     # the engine's offline default
-    offline = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": True,
-               "encode_ahead": OFFLINE_ENCODE_AHEAD}
+    offline = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": True}
     assert engine_overrides(offline_parser().parse_args([])) == offline
     args = offline_parser().parse_args(["--decode-steps-ahead", "2", "--admission-interval-ms", "0"])
     assert engine_overrides(args) == offline | {"decode_steps_ahead": 2, "admission_interval_ms": 0.0}
-    args = offline_parser().parse_args(["--no-decode-run-ahead", "--no-encode-ahead"])
-    assert engine_overrides(args) == offline | {"decode_run_ahead": False, "encode_ahead": False}
-    assert engine_overrides(offline_parser().parse_args(["--encode-ahead"]))["encode_ahead"] is True
+    args = offline_parser().parse_args(["--no-decode-run-ahead"])
+    assert engine_overrides(args) == offline | {"decode_run_ahead": False}

@@ -13,10 +13,9 @@ from qasr.bench.offline_sweep import combinations, main, parse_vary  # noqa: E40
 def test_vary_parses_an_option_and_its_values_and_refuses_others():
     assert parse_vary("max_prefill_tokens=8192,32768") == ("max_prefill_tokens", [8192, 32768])
     assert parse_vary("admission_interval_ms=0,2.5") == ("admission_interval_ms", [0.0, 2.5])
-    assert parse_vary("encode_ahead=0,1") == ("encode_ahead", [False, True])
     assert parse_vary("freeze_heap=1") == ("freeze_heap", [True])
     for bad in ("num_slots=4", "decode_steps_ahead=", "decode_steps_ahead=four", "decode_steps_ahead=0",
-                "max_prefill_tokens=64,-1", "encode_ahead=2", "encode_ahead=yes"):
+                "max_prefill_tokens=64,-1", "freeze_heap=2", "freeze_heap=yes"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_vary(bad)
     assert combinations([("decode_steps_ahead", [1, 4]), ("max_prefill_tokens", [64])]) == [

@@ -42,15 +42,3 @@ def test_slots_lowest_first_returned_on_release_and_cancelled_ones_dropped():
     assert scheduler.free_slots == [2]
     left = scheduler.drain()
     assert len(left) == 3 and not scheduler.running and scheduler.free_slots == [0, 1, 2] and len(scheduler) == 0
-
-
-def test_taking_ahead_takes_one_priority_and_an_admission_beside_it_the_slots_left():
-    scheduler = Scheduler(num_slots=4)
-    partial, finals = sequence(Priority.PARTIAL, "s/0"), [sequence() for _ in range(3)]
-    for seq in (partial, *finals):
-        scheduler.add(seq)
-    assert scheduler.has_waiting(Priority.PARTIAL) and scheduler.has_waiting(Priority.FINAL)
-    assert scheduler.take(4, max_tokens=2, cost=lambda s: 1, priorities=(Priority.FINAL,)) == finals[:2]
-    assert scheduler.schedule(max_tokens=3, cost=lambda s: 1, placed=3) == [finals[2]]  # one slot left
-    assert not scheduler.has_waiting(Priority.FINAL) and scheduler.schedule(3, lambda s: 1, placed=4) == []
-    assert scheduler.schedule(3, lambda s: 1) == [partial]
