@@ -60,9 +60,10 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode-run-ahead", dest="decode_run_ahead", action="store_false", default=None,
                    help="read each decode step before queuing the next (default: offline's run-ahead, the next step "
                         "queued before the last is read)")
-    p.add_argument("--freeze-heap", action="store_true",
-                   help="freeze the loaded engine's objects out of Python's collector (gc.freeze), as the server's "
-                        "engine process does (default: left to it, as a script using the Transcriber has them)")
+    p.add_argument("--freeze-heap", action=argparse.BooleanOptionalAction, default=True,
+                   help="freeze the loaded engine's objects out of Python's collector (gc.freeze), as qasr-transcribe "
+                        "and the server's engine process do (default: on; --no-freeze-heap leaves them to it, as a "
+                        "script using the Transcriber has them)")
     p.add_argument("--context", type=int, default=200,
                    help="cached tokens per row while the decode step is timed, GPU only (default: %(default)s)")
     p.add_argument("--latency-runs", type=int, default=20,

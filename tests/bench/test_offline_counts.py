@@ -72,3 +72,11 @@ def test_offline_takes_the_engines_admission_options_from_its_command_line():
     assert engine_overrides(args) == offline | {"decode_steps_ahead": 2, "admission_interval_ms": 0.0}
     args = offline_parser().parse_args(["--no-decode-run-ahead"])
     assert engine_overrides(args) == offline | {"decode_run_ahead": False}
+
+
+def test_the_offline_bench_freezes_the_loaded_heap_unless_told_not_to():
+    # as qasr-transcribe does: a full collection of the loaded engine stalled the GPU 129-183 ms (session 24)
+    from qasr.bench.cli import offline_parser
+
+    assert offline_parser().parse_args([]).freeze_heap is True
+    assert offline_parser().parse_args(["--no-freeze-heap"]).freeze_heap is False
