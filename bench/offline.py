@@ -133,7 +133,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(str(model_dir), device=device, dtype=args.dtype, options=opts)
     out["qasr_load_and_capture_s"] = time.perf_counter() - t0
-    if getattr(args, "freeze_heap", False):  # as the engine process does (gc_pauses.py)
+    if args.freeze_heap:  # as qasr-transcribe and the engine process do (gc_pauses.py)
         out["qasr_frozen_objects"] = freeze_loaded_heap()
     out["engine_options"] = {"decode_steps_ahead": opts.decode_steps_ahead,
                              "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead}
@@ -171,7 +171,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
         out["copy_bandwidth_TBps"] = bw / 1e12
         out["decode_floor_ms"] = step_floors(engine, args, bw)
     out["correctness"] = correctness(engine, args)
-    if getattr(args, "freeze_heap", False):
+    if args.freeze_heap:
         thaw()  # the engine's objects back to the collector: freed once it goes
     del engine
     if device.type == "cuda":

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from .gc_pauses import freeze_loaded_heap, thaw  # torch-free
+
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 
 
@@ -80,8 +82,6 @@ def main(argv: list[str] | None = None) -> int:
                                                   aligner=args.aligner)
     except (CheckpointError, ValueError, OSError) as error:
         return _fail(f"cannot load model {args.model}: {error}")
-
-    from .gc_pauses import freeze_loaded_heap, thaw
 
     bar = _cli_progress_bar(args.progress, len(present), sum(_duration_hint(file) for file in present))
     # This process is the engine's, as the server's engine process is: a full collection would walk the loaded model
