@@ -44,6 +44,7 @@ DEFAULT_URL = "ws://127.0.0.1:8765/v1/stream"
 API_KEY_ENV = "QASR_API_KEY"
 EXIT_OK, EXIT_STREAM_FAILED, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_NO_AUDIO, EXIT_REFUSED, EXIT_INTERRUPTED = \
     0, 1, 2, 3, 4, 5, 130
+EXIT_OUTPUT_CLOSED = 141  # as a shell reports a tool that SIGPIPE stopped (128 + 13)
 CLEAR_LINE = "\r\x1b[K"  # carriage return + erase to the end of the line
 
 
@@ -51,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qasr-mic", description=__doc__.split("\n\n")[0],
                                      epilog="Exit codes: 0 done, 1 stream closed or lost, 2 usage, 3 no server, "
                                             "4 no audio input, 5 refused (API key, forbidden, too many "
-                                            "connections), 130 interrupted twice.")
+                                            "connections), 130 interrupted twice, 141 stdout closed (the reader "
+                                            "of a pipe left).")
     parser.add_argument("--url", default=DEFAULT_URL, help=f"the server's stream URL (default {DEFAULT_URL})")
     parser.add_argument("--api-key", default=None, metavar="KEY",
                         help=f"API key for a server that requires one (default ${API_KEY_ENV}, which a process "
@@ -116,12 +118,12 @@ class TranscriptPrinter:
                 fields["words_reason"] = final.words_reason
         record = json.dumps(fields, ensure_ascii=False)
         line = f"[{final.start:.2f}-{final.end:.2f}] {final.text}" + _word_times(final)
+        if self.output is not None:  # flushed per final, and first: an interrupted run (or a closed stdout) keeps
+            self.output.write((record if self.jsonl else final.text) + "\n")  # everything it heard
+            self.output.flush()
         self.clear_line()
         self.out.write((record if self.jsonl and self.output is None else line) + "\n")
         self.out.flush()
-        if self.output is not None:  # flushed per final: an interrupted run keeps everything it heard
-            self.output.write((record if self.jsonl else final.text) + "\n")
-            self.output.flush()
 
     def _redraw(self) -> None:
         if not self.live:
@@ -329,6 +331,14 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, asyncio.CancelledError):
         note("interrupted")
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `qasr-mic | head -3`: stop quietly, as the other tools of a pipeline do
+        _silence_stdout()
+        return EXIT_OUTPUT_CLOSED
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null: else Python reports the closed pipe again when it flushes stdout at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

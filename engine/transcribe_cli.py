@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from .gc_pauses import freeze_loaded_heap, thaw  # torch-free
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
-
-
-
+EXIT_OUTPUT_CLOSED = 141  # as a shell reports a tool that SIGPIPE stopped (128 + 13)
 PROGRESS_MIN_FILES = 4  # with a TTY on stderr, show the bar for this many files or more ...
 PROGRESS_MIN_SECONDS = 60.0  # ... or this much audio
 
@@ -96,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:  # e.g. a context too long for the engine: the same for every file
         _close(bar)
         return _fail(str(error))
+    except BrokenPipeError:  # `qasr-transcribe *.wav | head -3`: stop quietly, as the other tools of a pipeline do
+        _close(bar)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else Python reports it again at exit
+        return EXIT_OUTPUT_CLOSED
     finally:
         thaw()
     _close(bar)

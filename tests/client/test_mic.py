@@ -289,6 +289,23 @@ def test_the_console_script_streams_a_file_with_the_real_engine(tiny_model_dir, 
     assert "Traceback" not in stderr
 
 
+def test_a_closed_stdout_stops_quietly_with_exit_141_and_the_output_file_keeps_the_final(server, tmp_path):
+    """`qasr-mic --file F --output talk.txt | head -1` once head has left: no traceback, exit 141 (as a shell reports
+    a tool that SIGPIPE stopped), and the final whose print failed is in the output file (written first)."""
+    spoken_wav(tmp_path / "spoken.wav", ["hello there", "general kenobi"])
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has left before the first final: that print fails whatever the timing
+    try:
+        process = start_mic("--url", server.url, "--file", str(tmp_path / "spoken.wav"), "--speed", "4",
+                            "--output", str(tmp_path / "talk.txt"), stdout=write_end)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        os.close(write_end)
+    assert process.returncode == 141, stderr
+    assert "Traceback" not in stderr and "Broken pipe" not in stderr
+    assert len((tmp_path / "talk.txt").read_text().splitlines()) == 1
+
+
 def test_ctrl_c_mid_speech_ends_cleanly_and_the_open_segments_final_is_kept(server, tmp_path):
     write_wav(tmp_path / "long.wav", [("silence", 0.3), ("speech", 1.0), ("silence", 0.8), ("speech", 30.0)])
     out = tmp_path / "finals.jsonl"

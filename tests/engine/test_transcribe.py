@@ -314,3 +314,22 @@ def test_console_script(tiny_model_dir, audio_files, tmp_path):
     assert good["file"] == str(audio_files["a.wav"]) and good["duration"] == pytest.approx(3.0)
     assert bad == {"file": missing, "error": f"audio file not found: {missing}"}
     assert "Traceback" not in run.stderr and f"audio file not found: {missing}" in run.stderr
+
+
+def test_console_script_stops_quietly_when_its_reader_leaves(tiny_model_dir, audio_files):
+    """`qasr-transcribe *.wav | head -1`: stdout's pipe closed by its reader is exit 141 (as a shell reports a tool
+    that SIGPIPE stopped), not a traceback, and nothing more is transcribed into it."""
+    script = Path(sys.executable).parent / "qasr-transcribe"
+    if not script.exists():
+        pytest.skip("the qasr-transcribe console script is not installed next to this python")
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has left before the first line: its write fails whatever the timing
+    try:
+        run = subprocess.run([str(script), str(audio_files["a.wav"]), str(audio_files["a.wav"]), "--model",
+                              str(tiny_model_dir), "--device", "cpu", "--max-new-tokens", str(MAX_NEW_TOKENS)],
+                             stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+                             env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    finally:
+        os.close(write_end)
+    assert run.returncode == 141, run.stderr
+    assert run.stderr == ""
