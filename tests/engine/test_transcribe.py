@@ -318,7 +318,7 @@ def test_console_script(tiny_model_dir, audio_files, tmp_path):
 
 def test_console_script_stops_quietly_when_its_reader_leaves(tiny_model_dir, audio_files):
     """`qasr-transcribe *.wav | head -1`: stdout's pipe closed by its reader is exit 141 (as a shell reports a tool
-    that SIGPIPE stopped), not a traceback, and nothing more is transcribed into it."""
+    that SIGPIPE stopped), with nothing on stderr (no traceback)."""
     script = Path(sys.executable).parent / "qasr-transcribe"
     if not script.exists():
         pytest.skip("the qasr-transcribe console script is not installed next to this python")
