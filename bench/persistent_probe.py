@@ -71,18 +71,33 @@ def layer_products(size: str, programs: int, block_k: int = BLOCK_K) -> list[Pro
 if triton is not None:
 
     @triton.jit
-    def _item(W, X, Y, item, N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-        # Y[cols] (+)= W[cols, this split's k] . X[this split's k], in float32 (atomics when split)
+    def _first_tile(W, item, limit, K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        # an item's first weight tile (zeros unless item < limit): weights are no kernel's output, so it may be read
+        # before waiting for the inputs
+        cols = (item // SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = (item % SPLIT) * (K // SPLIT) + tl.arange(0, BLOCK_K)
+        whole = tl.arange(0, BLOCK_K)[None, :] < BLOCK_K * (item < limit).to(tl.int32)  # all or none
+        return tl.load(W + cols[:, None].to(tl.int64) * K + k[None, :], mask=whole & (cols[:, None] >= 0), other=0.0)
+
+    @triton.jit
+    def _item(W, X, Y, item, w_first, N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, HAS_FIRST: tl.constexpr):
+        # Y[cols] (+)= W[cols, this split's k] . X[this split's k], in float32 (atomics when split); with HAS_FIRST
+        # the first weight tile is w_first, read already
         cols = (item // SPLIT) * BLOCK_N + tl.arange(0, BLOCK_N)
         k_per: tl.constexpr = K // SPLIT
         k_start = (item % SPLIT) * k_per
-        acc = tl.zeros([BLOCK_N], tl.float32)
-        for k0 in range(0, k_per, BLOCK_K):
+        if HAS_FIRST:
+            acc = tl.sum(w_first.to(tl.float32) * tl.load(X + k_start + tl.arange(0, BLOCK_K))[None, :], axis=1)
+            begin: tl.constexpr = BLOCK_K
+        else:
+            acc = tl.zeros([BLOCK_N], tl.float32)
+            begin: tl.constexpr = 0
+        for k0 in range(begin, k_per, BLOCK_K):
             k = k_start + k0 + tl.arange(0, BLOCK_K)
             w = tl.load(W + cols[:, None].to(tl.int64) * K + k[None, :]).to(tl.float32)
-            x = tl.load(X + k)
-            acc += tl.sum(w * x[None, :], axis=1)
+            acc += tl.sum(w * tl.load(X + k)[None, :], axis=1)
         if SPLIT == 1:
             tl.store(Y + cols, acc)
         else:
@@ -119,15 +134,34 @@ if triton is not None:
 
     @triton.jit
     def _product_kernel(W, X, Y, N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+        item = tl.program_id(0)
+        w_first = 0
+        if EARLY:
+            w_first = _first_tile(W, item, (N // BLOCK_N) * SPLIT, K, SPLIT, BLOCK_N, BLOCK_K)
         kernels._await_inputs(PDL)
-        _item(W, X, Y, tl.program_id(0), N, K, SPLIT, BLOCK_N, BLOCK_K)
+        _item(W, X, Y, item, w_first, N, K, SPLIT, BLOCK_N, BLOCK_K, EARLY)
 
     @triton.jit
-    def _phase(W, X, Y, N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-        for item in range(tl.program_id(0), (N // BLOCK_N) * SPLIT, tl.num_programs(0)):
-            _item(W, X, Y, item, N, K, SPLIT, BLOCK_N, BLOCK_K)
+    def _phase(W, X, Y, w_first, N: tl.constexpr, K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, EARLY: tl.constexpr):
+        # this program's items of a product: the first with its first tile read already (EARLY), the rest after
+        ITEMS: tl.constexpr = (N // BLOCK_N) * SPLIT
+        pid, programs = tl.program_id(0), tl.num_programs(0)
+        if pid < ITEMS:
+            _item(W, X, Y, pid, w_first, N, K, SPLIT, BLOCK_N, BLOCK_K, EARLY)
+        for item in range(pid + programs, ITEMS, programs):
+            _item(W, X, Y, item, 0, N, K, SPLIT, BLOCK_N, BLOCK_K, False)
+
+    @triton.jit
+    def _next_first_tile(W, exists, K: tl.constexpr, SPLIT: tl.constexpr, N: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EARLY: tl.constexpr):
+        # with EARLY, this program's first tile of the next product (if it `exists`: 1 or 0), read before the barrier
+        # in front of it
+        if EARLY:
+            return _first_tile(W, tl.program_id(0), exists * ((N // BLOCK_N) * SPLIT), K, SPLIT, BLOCK_N, BLOCK_K)
+        else:
+            return 0
 
     @triton.jit
     def _persistent_chain_kernel(W0, W1, W2, W3, Y, COUNTER, ERROR, LAYERS, ARRIVALS, STRIDE: tl.constexpr,
@@ -135,26 +169,34 @@ if triton is not None:
                                  N1: tl.constexpr, K1: tl.constexpr, S1: tl.constexpr,
                                  N2: tl.constexpr, K2: tl.constexpr, S2: tl.constexpr,
                                  N3: tl.constexpr, K3: tl.constexpr, S3: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPINS: tl.constexpr):
+                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAX_SPINS: tl.constexpr,
+                                 EARLY: tl.constexpr):
         # Y: [LAYERS + 1, STRIDE] float32, each layer's outputs at offsets 0, N0, N0+N1, N0+N1+N2 (layer 0's "down"
-        # output is the input); a barrier after every product
+        # output is the input); a barrier after every product. EARLY: each program reads its first weight tile of
+        # the next product before the barrier
         OFF1: tl.constexpr = N0
         OFF2: tl.constexpr = N0 + N1
         OFF3: tl.constexpr = N0 + N1 + N2
         barriers = 0
+        w0 = _next_first_tile(W0, 1, K0, S0, N0, BLOCK_N, BLOCK_K, EARLY)
         for layer in range(LAYERS):
             before = Y + layer * STRIDE
             out = before + STRIDE
-            _phase(W0 + layer * N0 * K0, before + OFF3, out, N0, K0, S0, BLOCK_N, BLOCK_K)
+            _phase(W0 + layer * N0 * K0, before + OFF3, out, w0, N0, K0, S0, BLOCK_N, BLOCK_K, EARLY)
+            w1 = _next_first_tile(W1 + layer * N1 * K1, 1, K1, S1, N1, BLOCK_N, BLOCK_K, EARLY)
             barriers += 1
             _grid_barrier(COUNTER, ERROR, barriers * ARRIVALS, MAX_SPINS)
-            _phase(W1 + layer * N1 * K1, out, out + OFF1, N1, K1, S1, BLOCK_N, BLOCK_K)
+            _phase(W1 + layer * N1 * K1, out, out + OFF1, w1, N1, K1, S1, BLOCK_N, BLOCK_K, EARLY)
+            w2 = _next_first_tile(W2 + layer * N2 * K2, 1, K2, S2, N2, BLOCK_N, BLOCK_K, EARLY)
             barriers += 1
             _grid_barrier(COUNTER, ERROR, barriers * ARRIVALS, MAX_SPINS)
-            _phase(W2 + layer * N2 * K2, out + OFF1, out + OFF2, N2, K2, S2, BLOCK_N, BLOCK_K)
+            _phase(W2 + layer * N2 * K2, out + OFF1, out + OFF2, w2, N2, K2, S2, BLOCK_N, BLOCK_K, EARLY)
+            w3 = _next_first_tile(W3 + layer * N3 * K3, 1, K3, S3, N3, BLOCK_N, BLOCK_K, EARLY)
             barriers += 1
             _grid_barrier(COUNTER, ERROR, barriers * ARRIVALS, MAX_SPINS)
-            _phase(W3 + layer * N3 * K3, out + OFF2, out + OFF3, N3, K3, S3, BLOCK_N, BLOCK_K)
+            _phase(W3 + layer * N3 * K3, out + OFF2, out + OFF3, w3, N3, K3, S3, BLOCK_N, BLOCK_K, EARLY)
+            w0 = _next_first_tile(W0 + (layer + 1) * N0 * K0, (layer + 1 < LAYERS).to(tl.int32), K0, S0, N0, BLOCK_N, BLOCK_K,
+                                  EARLY)
             barriers += 1
             _grid_barrier(COUNTER, ERROR, barriers * ARRIVALS, MAX_SPINS)
 
@@ -213,19 +255,20 @@ class Chain:
     def output(self) -> torch.Tensor:
         return self.y[self.layers, self.offsets[-1]:]
 
-    def launch_separate(self, pdl: bool) -> None:
-        """One kernel a product, each over its items."""
+    def launch_separate(self, pdl: bool, early: bool = False) -> None:
+        """One kernel a product, each over its items (early: each reads its first weight tile before the wait)."""
         for layer in range(self.layers):
             for i, (p, w) in enumerate(zip(self.products, self.weights)):
                 x, y = self.inputs_outputs(layer, i)
                 _product_kernel[(p.items,)](w[layer], x, y, p.n, p.k, p.split, BLOCK_N, self.block_k, PDL=pdl,
-                                            launch_pdl=pdl)
+                                            EARLY=early, launch_pdl=pdl)
 
-    def launch_persistent(self, programs: int, arrivals: int) -> None:
+    def launch_persistent(self, programs: int, arrivals: int, early: bool = False) -> None:
         (a, b, c, d) = self.products
         _persistent_chain_kernel[(programs,)](
             *self.weights, self.y, self.counter, self.error, self.layers, arrivals * programs, self.stride,
-            a.n, a.k, a.split, b.n, b.k, b.split, c.n, c.k, c.split, d.n, d.k, d.split, BLOCK_N, self.block_k, MAX_SPINS)
+            a.n, a.k, a.split, b.n, b.k, b.split, c.n, c.k, c.split, d.n, d.k, d.split, BLOCK_N, self.block_k, MAX_SPINS,
+            EARLY=early)
 
 
 def _graph(fn) -> torch.cuda.CUDAGraph:
@@ -262,7 +305,9 @@ def probe_chain(size: str, device: torch.device, programs: int, arrivals: int, l
               "products": [f"{p.name} {p.n}x{p.k} split {p.split} ({p.items} items)" for p in chain.products],
               "weight_MB": chain.bytes() / 1e6, "floor_us_a_layer": chain.bytes() / bandwidth * 1e6 / layers}
     for name, fn in (("separate", lambda: chain.launch_separate(pdl)),
-                     ("persistent", lambda: chain.launch_persistent(programs, arrivals))):
+                     ("separate_early", lambda: chain.launch_separate(pdl, early=True)),
+                     ("persistent", lambda: chain.launch_persistent(programs, arrivals)),
+                     ("persistent_early", lambda: chain.launch_persistent(programs, arrivals, early=True))):
         chain.reset()
         graph = _graph(lambda: (chain.reset(), fn()))
         ms = replay_ms(graph)

@@ -19,13 +19,14 @@ device = torch.device("cpu")
 chain = pp.Chain(pp.layer_products("tiny", programs=16, block_k=16), layers=2, device=device, block_k=16)
 expected = chain.reference()
 out = {"arrivals": pp.arrivals_per_program(device), "splits": [p.split for p in chain.products]}
-chain.reset()
-chain.launch_separate(pdl=False)
-out["separate"] = pp._agreement(chain.output(), expected)
-chain.reset()
-chain.launch_persistent(programs=1, arrivals=out["arrivals"])
-out["persistent"] = pp._agreement(chain.output(), expected)
-out["counter"] = int(chain.counter.item())
+for early in (False, True):
+    chain.reset()
+    chain.launch_separate(pdl=False, early=early)
+    out[f"separate {early}"] = pp._agreement(chain.output(), expected)
+    chain.reset()  # one program: the interpreter runs programs one after another, so more would wait forever
+    chain.launch_persistent(programs=1, arrivals=out["arrivals"], early=early)
+    out[f"persistent {early}"] = pp._agreement(chain.output(), expected)
+    out[f"counter {early}"] = int(chain.counter.item())
 out["timeouts"] = int(chain.error.item())
 print(json.dumps(out))
 """
@@ -47,6 +48,7 @@ def test_both_variants_compute_the_chain_of_products_in_the_interpreter():
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["arrivals"] == 1
     assert max(out["splits"]) > 1  # the atomics' path runs too
-    assert out["separate"] < 1e-5 and out["persistent"] < 1e-5
-    assert out["counter"] == 2 * 4  # one arrival a product a layer, the one program's own
+    errors = {k: v for k, v in out.items() if k.startswith(("separate", "persistent"))}
+    assert len(errors) == 4 and max(errors.values()) < 1e-5, errors
+    assert out["counter False"] == out["counter True"] == 2 * 4  # one arrival a product a layer, the program's own
     assert out["timeouts"] == 0
