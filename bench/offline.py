@@ -260,6 +260,7 @@ def throughput_timeline(engine: Engine, clips: list[np.ndarray], tokens: int) ->
 
 def step_times(engine: Engine, args) -> dict[int, float]:
     """Median replay time of each bucket's graph with every row live at a context of ~args.context tokens."""
+    engine.drain()  # run-ahead leaves a launch queued after a call's last rows: runner.decode needs none in flight
     runner = engine.runner
     times = {}
     for B in runner.buckets:

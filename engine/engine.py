@@ -204,7 +204,12 @@ class Engine:
     # -- the loop --------------------------------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return (bool(self.scheduler.running) or len(self.scheduler) > 0 or bool(self._unread)
+        """Is anything left to step for: requests (has_requests), or a launch still to read?"""
+        return self.has_requests() or bool(self._unread)
+
+    def has_requests(self) -> bool:
+        """Is a request added still without its result (queued, decoding, or waiting for its word times)?"""
+        return (bool(self.scheduler.running) or len(self.scheduler) > 0
                 or (self.aligner is not None and self.aligner.has_work()))
 
     overlap_admissions = True  # False: admit, then decode, as before the overlap (the tests compare the two)
@@ -264,6 +269,14 @@ class Engine:
         return not self.scheduler.running or time.perf_counter() - self._last_alignment >= interval
 
     def run_until_done(self) -> None:
+        """Step until every request added has its result. With run-ahead a launch queued before the last rows
+        finished may still be on the device, with no row in it: the next step reads it, and the results come back
+        without waiting for it (one step of a 40-token clip's 40)."""
+        while self.has_requests():
+            self.step()
+
+    def drain(self) -> None:
+        """run_until_done, then read the launches still queued: before driving the runner directly (the benches)."""
         while self.has_work():
             self.step()
 

@@ -12,6 +12,7 @@ import torch
 
 from qasr.engine import postprocess
 from qasr.engine.request import DecodeRequest
+from qasr.engine.sequence import Status
 
 from test_admission_overlap import workload
 from test_engine import assert_idle, make_engine, speech
@@ -37,7 +38,7 @@ def test_run_ahead_gives_the_tokens_of_reading_each_step_before_the_next(tiny_mo
     assert workload(ahead) == one_at_a_time and len(one_at_a_time) == 10
 
 
-def test_the_next_step_is_launched_before_the_last_is_read_and_the_last_launch_is_read_at_the_end(ahead):
+def test_the_next_step_is_launched_before_the_last_is_read_and_the_last_launch_is_read_by_the_next_step(ahead):
     events = []
     launch, read = ahead.runner.launch_decode, ahead.runner.read_decode
     ahead.runner.launch_decode = lambda *a, **k: events.append("launch") or launch(*a, **k)
@@ -50,12 +51,29 @@ def test_the_next_step_is_launched_before_the_last_is_read_and_the_last_launch_i
         assert events == ["launch", "launch", "read"] and ahead.runner.launches_in_flight == 1
         assert len(seq.generated) == 2  # its first token (the prefill's) and the first step's
         ahead.run_until_done()
+        # 4 steps make tokens 2-5; the 5th ends it on the device. The launch queued after it, with no row left, is
+        # not waited for: the result is back, and run_until_done returns
+        assert events == ["launch", "launch", "read"] + ["launch", "read"] * 3
+        assert len(seq.generated) == 5 and seq.status is Status.FINISHED
+        assert ahead.runner.launches_in_flight == 1 and not ahead.has_requests() and ahead.has_work()
+        ahead.drain()  # reads it (before a bench drives the runner itself)
     finally:
         del ahead.runner.launch_decode, ahead.runner.read_decode
-    # 4 steps make tokens 2-5; the 5th ends it on the device, and the launch queued after it is read with no row left
-    assert events == ["launch", "launch", "read"] + ["launch", "read"] * 3 + ["read"]
-    assert len(seq.generated) == 5 and ahead.runner.launches_in_flight == 0 and not ahead.has_work()
+    assert events[-1] == "read" and ahead.runner.launches_in_flight == 0 and not ahead.has_work()
     assert_idle(ahead)
+
+
+def test_a_launch_left_queued_by_one_call_changes_nothing_in_the_next(tiny_model_dir):
+    """transcribe returns with the launch queued after its last rows unread; the next call reads it with its own
+    first step and gets the tokens a fresh engine gives."""
+    fresh = make_engine(tiny_model_dir, admission_interval_ms=0, decode_run_ahead=True)
+    clips = [speech(1.3, seed=1), speech(2.2, seed=3)]
+    expected = [alone(fresh, clip, 7) for clip in clips]
+    engine = make_engine(tiny_model_dir, admission_interval_ms=0, decode_run_ahead=True)
+    for clip, tokens in zip(clips * 2, expected * 2):
+        assert alone(engine, clip, 7) == tokens
+        assert engine.runner.launches_in_flight == 1 and not engine.has_requests()
+    assert_idle(engine)
 
 
 def alone(engine, clip, tokens):
