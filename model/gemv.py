@@ -18,7 +18,8 @@ shape (N, K), never per batch, so every bucket up to `max_rows()` runs the same 
 bits whatever its batch mates and its bucket. More than 16 rows are more programs over the same 16-row tile.
 
 These kernels take part in programmatic dependent launch as kernels.py's do (on by default, $QASR_PDL=0 turns it
-off; see its docstring): each program waits for the kernel before it before its first load.
+off; see its docstring): each program waits for the kernel before it before its first load, or, with
+$QASR_GEMV_EARLY=1 (first_weights_early), before its first load of anything but its first weight tile.
 """
 
 from __future__ import annotations
