@@ -291,6 +291,7 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200, env: str =
         return decoder.decode(runner.tokens[:B], runner.positions[:B], runner.cache, runner.layer_ops)
 
     graphs: dict[tuple[str, str, int], tuple] = {}  # (step or logits, env's value, bucket) -> (graph, its output)
+    label = "pdl" if env == kernels.PDL_ENV else f"{env}="  # step_ms's keys: pdl0 / pdl1, QASR_GEMV_EARLY=0 / =1
     out = {"use_pdl_when_on": None, "step_ms": {}, "logits_identical": {}, "logits_max_abs": {}, "kinds": {}}
     t0 = time.perf_counter()
     pool = None
@@ -316,7 +317,6 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200, env: str =
             out["logits_identical"][B] = float((got["0"] == got["1"]).float().mean())
             out["logits_max_abs"][B] = float((got["0"] - got["1"]).abs().max())
             for value in ("0", "1"):
-                label = "pdl" if env == kernels.PDL_ENV else f"{env}="
                 out["step_ms"].setdefault(f"{label}{value}", {})[B] = replay_ms(graphs[("step", value, B)][0],
                                                                           lambda: reset(B))
         for B in (1, 64):

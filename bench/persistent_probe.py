@@ -31,8 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from qasr.model import kernels
-from qasr.model.gpu_timing import replay_ms
+from qasr.model.gpu_timing import capture, graphed_ms, replay_ms
 from qasr.model.testmodel import SHAPES
+
+from .offline import copy_bandwidth  # the floors the offline bench reports use the same measure
 
 triton, tl = kernels.triton, (kernels.tl if kernels.triton is not None else None)
 
@@ -273,15 +275,6 @@ class Chain:
             EARLY=early)
 
 
-def _graph(fn) -> torch.cuda.CUDAGraph:
-    fn()  # compiles
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        fn()
-    return graph
-
-
 def _agreement(got: torch.Tensor, expected: torch.Tensor) -> float:
     return float((got - expected).abs().max() / expected.abs().max())
 
@@ -289,11 +282,10 @@ def _agreement(got: torch.Tensor, expected: torch.Tensor) -> float:
 def probe_barrier(device: torch.device, programs: int, arrivals: int, repeats: int) -> dict:
     counter = torch.zeros(1, dtype=torch.int32, device=device)
     error = torch.zeros(1, dtype=torch.int32, device=device)
-    barriers = _graph(lambda: _barriers_kernel[(programs,)](counter, error, repeats, arrivals * programs, MAX_SPINS))
-    pdl = kernels.use_pdl(device)
-    empties = _graph(lambda: [_empty_kernel[(programs,)](PDL=pdl, launch_pdl=pdl) for _ in range(repeats)])
+    barriers = capture(lambda: _barriers_kernel[(programs,)](counter, error, repeats, arrivals * programs, MAX_SPINS))
     barrier_ms = replay_ms(barriers, reset=counter.zero_)
-    empty_ms = replay_ms(empties)
+    pdl = kernels.use_pdl(device)
+    empty_ms = graphed_ms(lambda: [_empty_kernel[(programs,)](PDL=pdl, launch_pdl=pdl) for _ in range(repeats)])
     return {"section": "barrier", "programs": programs, "repeats": repeats, "pdl": pdl,
             "barrier_us": barrier_ms * 1e3 / repeats, "empty_kernel_us": empty_ms * 1e3 / repeats,
             "barrier_timeouts": int(error.item())}
@@ -310,21 +302,12 @@ def probe_chain(size: str, device: torch.device, programs: int, arrivals: int, l
                      ("separate_early", lambda: chain.launch_separate(pdl, early=True)),
                      ("persistent", lambda: chain.launch_persistent(programs, arrivals)),
                      ("persistent_early", lambda: chain.launch_persistent(programs, arrivals, early=True))):
-        chain.reset()
-        graph = _graph(lambda: (chain.reset(), fn()))
-        ms = replay_ms(graph)
+        ms = graphed_ms(lambda: (chain.reset(), fn()))  # the outputs checked below: the last replay's
         result[f"{name}_us_a_layer"] = ms * 1e3 / layers
         result[f"{name}_max_rel_error"] = _agreement(chain.output(), expected)
     result["barrier_timeouts"] = int(chain.error.item())
-    result["reset_us"] = replay_ms(_graph(chain.reset)) * 1e3 / layers  # in both variants' graphs: subtract it
+    result["reset_us"] = graphed_ms(chain.reset) * 1e3 / layers  # in both variants' graphs: subtract it
     return result
-
-
-def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = replay_ms(_graph(lambda: dst.copy_(src)), runs=10)
-    return 2 * nbytes / (ms / 1e3)
 
 
 def main(argv=None) -> None:

@@ -30,14 +30,19 @@ def replay_ms(graph: torch.cuda.CUDAGraph, reset=None, runs: int = 50) -> float:
     return statistics.median(samples[3:])
 
 
-def graphed_ms(fn, runs: int = 50) -> float:
-    """fn() captured in a CUDA graph (after one call outside it: Triton compiles then) -> replay_ms of that graph."""
+def capture(fn) -> torch.cuda.CUDAGraph:
+    """fn() captured in a CUDA graph, after one call outside it (Triton compiles then)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads' CUDA work may go on meanwhile
         fn()
-    return replay_ms(graph, runs=runs)
+    return graph
+
+
+def graphed_ms(fn, runs: int = 50) -> float:
+    """replay_ms of fn() captured (capture)."""
+    return replay_ms(capture(fn), runs=runs)
 
 
 def per_call_ms(calls: list, runs: int = 50) -> float:
