@@ -11,9 +11,7 @@ Run the whole check with QASR_PDL=1 and every kernel comparison after it runs wi
 
 `decode_tiles` times the decode attention's tiles (kernels.DECODE_TILE against others) in graphs.
 
-`early` compares the GEMV kernels reading their first weight tile before the wait ($QASR_GEMV_EARLY) the same way.
-
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,early,kernels,gemv,decode_tiles,steps]` on a CUDA machine;
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,decode_tiles,steps]` on a CUDA machine;
 prints one JSON object per line, a section each, as each completes (so a time limit leaves the sections that
 finished).
 """
@@ -40,7 +38,7 @@ from qasr.model.testmodel import make_test_model
 
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "early", "kernels", "gemv", "decode_tiles", "steps")
+SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "steps")
 # the default first; 256 keys x 3 stages needs more shared memory than an H200 has
 # (256 keys: a 10.9 s clip's prompt and its tokens, ~190 positions, in one iteration)
 DECODE_TILES = tuple(dict.fromkeys((kernels.DECODE_TILE, (64, 4, 3), (32, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2),
@@ -265,11 +263,10 @@ def kernel_kinds(replay, replays: int = 3) -> dict:
     return launch_kinds([e.name for e in events], triton_kernel_names(), replays)
 
 
-def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200, env: str = kernels.PDL_ENV) -> dict:
+def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     """The decode step with QASR_PDL=0 and =1 on one runner (one cache, one graph pool): ms per graph replay at each
     bucket, the logits of the two bit for bit (the same kernels and configs; a missing wait would show as a race),
-    and the kernels of a step by kind at 1 and 64 rows. `env`: another switch read at launch to compare the same way
-    (gemv.EARLY_ENV), with PDL as the environment has it."""
+    and the kernels of a step by kind at 1 and 64 rows."""
     S = max(buckets)
     runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
                          buckets=tuple(b for b in buckets if b < S))
@@ -290,14 +287,13 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200, env: str =
     def logits(B: int):
         return decoder.decode(runner.tokens[:B], runner.positions[:B], runner.cache, runner.layer_ops)
 
-    graphs: dict[tuple[str, str, int], tuple] = {}  # (step or logits, env's value, bucket) -> (graph, its output)
-    label = "pdl" if env == kernels.PDL_ENV else f"{env}="  # step_ms's keys: pdl0 / pdl1, QASR_GEMV_EARLY=0 / =1
+    graphs: dict[tuple[str, str, int], tuple] = {}  # (step or logits, QASR_PDL, bucket) -> (graph, its output)
     out = {"use_pdl_when_on": None, "step_ms": {}, "logits_identical": {}, "logits_max_abs": {}, "kinds": {}}
     t0 = time.perf_counter()
     pool = None
     with torch.inference_mode():
         for value in ("0", "1"):
-            with mock.patch.dict(os.environ, {env: value}), capture_stream() as stream:
+            with mock.patch.dict(os.environ, {kernels.PDL_ENV: value}), capture_stream() as stream:
                 if value == "1":
                     out["use_pdl_when_on"] = kernels.use_pdl(device)
                 for B in reversed(buckets):
@@ -317,7 +313,7 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200, env: str =
             out["logits_identical"][B] = float((got["0"] == got["1"]).float().mean())
             out["logits_max_abs"][B] = float((got["0"] - got["1"]).abs().max())
             for value in ("0", "1"):
-                out["step_ms"].setdefault(f"{label}{value}", {})[B] = replay_ms(graphs[("step", value, B)][0],
+                out["step_ms"].setdefault(f"pdl{value}", {})[B] = replay_ms(graphs[("step", value, B)][0],
                                                                           lambda: reset(B))
         for B in (1, 64):
             if B in buckets:  # rows stay live for the few replays profiled (each moves them on by one position)
@@ -361,8 +357,6 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         emit("decode_step_pdl", pdl_steps(model, device))
         emit("decode_step_pdl_s", time.perf_counter() - t)
-    if "early" in sections:
-        emit("decode_step_gemv_early", pdl_steps(model, device, env=gemv.EARLY_ENV))
     if "kernels" in sections:
         emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
         emit("conv1_gelu_bf16_vs_pytorch", conv1_case(model.encoder, device))

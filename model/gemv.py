@@ -18,8 +18,7 @@ shape (N, K), never per batch, so every bucket up to `max_rows()` runs the same 
 bits whatever its batch mates and its bucket. More than 16 rows are more programs over the same 16-row tile.
 
 These kernels take part in programmatic dependent launch as kernels.py's do (on by default, $QASR_PDL=0 turns it
-off; see its docstring): each program waits for the kernel before it before its first load, or, with
-$QASR_GEMV_EARLY=1 (first_weights_early), before its first load of anything but its first weight tile.
+off; see its docstring): each program waits for the kernel before it before its first load.
 """
 
 from __future__ import annotations
@@ -42,18 +41,7 @@ BLOCK_M = 16  # rows per tile: the smallest MMA side, padded with masked rows
 MULTI_TILE_STAGES = 3  # the most loads in flight per program once the rows take more than one tile (GemvConfig.stages)
 DEFAULT_MAX_ROWS = 32
 MAX_ROWS_ENV = "QASR_DECODE_GEMV"  # rows up to which the decode step's products use these kernels; 0: cuBLAS only
-EARLY_ENV = "QASR_GEMV_EARLY"  # see first_weights_early
 TUNE_ENV = "QASR_GEMV_TUNE"  # "0": take each shape's heuristic config instead of timing a few at first use
-
-
-def first_weights_early() -> bool:
-    """$QASR_GEMV_EARLY=1: each program reads its first weight tile before it waits for the kernel ahead of it (PDL),
-    as the weights are no kernel's output; the same sums in the same order (bit-identical products). Read at every
-    launch, so one process can capture the step both ways (kernel_check's `early` section)."""
-    value = os.environ.get(EARLY_ENV, "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"{EARLY_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 def max_rows() -> int:
@@ -111,25 +99,18 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(X, W, OUT, MAX_V, MAX_I, M, N, K, stride_xm, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ARGMAX: tl.constexpr,
-                     PDL: tl.constexpr, EARLY: tl.constexpr):
+                     PDL: tl.constexpr):
         # program (row tile, column block, split): OUT[split, m, n] = sum over this split's k of X[m, k] W[n, k]
         # (OUT float32 partials) or, with one split, the product rounded to OUT's dtype; with ARGMAX (one split)
         # also each row's largest product of the block and its column (_block_argmax)
+        _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         split = tl.program_id(2)
         rmask, cmask = rows < M, cols < N
-        k_start = split * K_SPLIT
-        if EARLY:  # the first weight tile read before the wait: weights are no kernel's output (first_weights_early)
-            w_first = _weight_tile(W, cols, cmask, k_start, K, BLOCK_K)
-        _await_inputs(PDL)
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        if EARLY:  # the loop's first iteration, on the tile read already: the same sums in the same order
-            k = k_start + tl.arange(0, BLOCK_K)
-            x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None] & (k < K)[None, :], other=0.0)
-            acc = tl.dot(w_first, tl.trans(x), acc, input_precision=PRECISION)
-            k_start += BLOCK_K
-        for k0 in range(k_start, split * K_SPLIT + K_SPLIT, BLOCK_K):
+        k_start = split * K_SPLIT
+        for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             w = tl.load(W + cols[:, None].to(tl.int64) * K + k[None, :], mask=cmask[:, None] & kmask[None, :],
@@ -143,34 +124,17 @@ if triton is not None:
             _block_argmax(rounded.to(tl.float32), rows, rmask, cols, cmask, MAX_V, MAX_I)
 
     @triton.jit
-    def _weight_tile(W, cols, cmask, k_start, K, BLOCK_K: tl.constexpr):
-        k = k_start + tl.arange(0, BLOCK_K)
-        return tl.load(W + cols[:, None].to(tl.int64) * K + k[None, :], mask=cmask[:, None] & (k < K)[None, :],
-                       other=0.0)
-
-    @triton.jit
     def _gate_up_silu_kernel(X, W, OUT, M, I, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr):
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         # program (row tile, column block): OUT[m, n] = silu(gate) * up for gate = X W[n].T and up = X W[I + n].T,
         # each rounded where F.silu(gate) * up of nn.Linear's outputs rounds (as kernels.silu_mul does)
+        _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         rmask, cmask = rows < M, cols < I
-        if EARLY:  # the first gate and up tiles read before the wait (first_weights_early)
-            gate_first = _weight_tile(W, cols, cmask, 0, K, BLOCK_K)
-            up_first = _weight_tile(W + I * K, cols, cmask, 0, K, BLOCK_K)
-        _await_inputs(PDL)
         gate = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         up = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        begin = 0
-        if EARLY:  # the loop's first iteration, on the tiles read already
-            k = tl.arange(0, BLOCK_K)
-            x = tl.trans(tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None] & (k < K)[None, :],
-                                 other=0.0))
-            gate = tl.dot(gate_first, x, gate, input_precision=PRECISION)
-            up = tl.dot(up_first, x, up, input_precision=PRECISION)
-            begin = BLOCK_K
-        for k0 in range(begin, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             wmask = cmask[:, None] & kmask[None, :]
@@ -260,8 +224,8 @@ def _launch_products(x, weight, out, config: GemvConfig, maxima: kernels.BlockMa
     max_v, max_i = (maxima.values, maxima.index) if maxima is not None else (out, out)
     _gemv_kernel[grid](x, weight, out, max_v, max_i, M, N, K, x.stride(0), K_SPLIT=config.k_per_split(K),
                        BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=_precision(x),
-                       ARGMAX=maxima is not None, EARLY=first_weights_early(), num_warps=config.num_warps,
-                       num_stages=config.stages(M), **kernels.pdl_options(x.device, M))
+                       ARGMAX=maxima is not None, num_warps=config.num_warps, num_stages=config.stages(M),
+                       **kernels.pdl_options(x.device, M))
 
 
 def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
@@ -275,9 +239,8 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | Non
     out = torch.empty((M, I), dtype=x.dtype, device=x.device)
     grid = (_row_tiles(M), triton.cdiv(I, config.block_n))
     _gate_up_silu_kernel[grid](x, weight, out, M, I, K, x.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
-                               BLOCK_K=config.block_k, PRECISION=_precision(x), EARLY=first_weights_early(),
-                               num_warps=config.num_warps, num_stages=config.stages(M),
-                               **kernels.pdl_options(x.device, M))
+                               BLOCK_K=config.block_k, PRECISION=_precision(x), num_warps=config.num_warps,
+                               num_stages=config.stages(M), **kernels.pdl_options(x.device, M))
     return out
 
 

@@ -223,20 +223,6 @@ def test_gate_up_silu_matches_silu_mul_of_the_two_products(rows):
     assert torch.equal(gemv.gate_up_silu(x[-1:], w, gemv.GemvConfig(16, 32))[0], got[-1])
 
 
-@pytest.mark.parametrize("config", GEMV_CONFIGS, ids=str)
-def test_reading_the_first_weight_tiles_before_the_wait_changes_no_bit(config, monkeypatch):
-    x, w = torch.randn(5, 200), torch.randn(96, 200)  # 200: the last tile (and a split's) partly past K
-    unsplit = gemv.GemvConfig(config.block_n, config.block_k)
-    got = {}
-    for value in ("0", "1"):
-        monkeypatch.setenv(gemv.EARLY_ENV, value)
-        logits, maxima = gemv.linear_argmax(x, w, unsplit)
-        got[value] = (gemv.partial_products(x, w, config), gemv.gate_up_silu(x, w, unsplit), logits,
-                      maxima.values, maxima.index)
-    assert all(torch.equal(a, b) for a, b in zip(got["0"], got["1"]))
-    assert torch.allclose(got["1"][0].sum(0), F.linear(x, w), atol=1e-4, rtol=1e-5)
-
-
 def test_gemv_refuses_mismatched_operands():
     with pytest.raises(ValueError, match="gemv needs"):
         gemv.partial_products(torch.randn(2, 8), torch.randn(4, 9))

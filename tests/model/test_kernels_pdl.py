@@ -52,13 +52,13 @@ KERNELS = {
     "_gemv_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "MAX_V": "*fp32", "MAX_I": "*i32", "M": "i32",
                             "N": "i32", "K": "i32", "stride_xm": "i32"},  # the lm_head's, with its block maxima
                      {"K_SPLIT": 1024, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None,
-                      "ARGMAX": True, "EARLY": False}),
+                      "ARGMAX": True}),
     "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "M": "i32", "I": "i32", "K": "i32",
                                     "stride_xm": "i32"},
-                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None, "EARLY": False}),
+                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
 }
 DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max",
-                    "_block_argmax", "_weight_tile"}  # called from the kernels, not launched
+                    "_block_argmax"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
 
@@ -71,10 +71,10 @@ def launched_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
     return found
 
 
-def compile_for_hopper(name: str, pdl: bool, num_stages: int = 3, **overrides):
+def compile_for_hopper(name: str, pdl: bool, num_stages: int = 3):
     module, signature, constexprs = KERNELS[name]
     fn = getattr(module, name)
-    constexprs = constexprs | {"PDL": pdl} | overrides
+    constexprs = constexprs | {"PDL": pdl}
     src = ASTSource(fn=fn, signature=signature | {c: "constexpr" for c in constexprs}, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"launch_pdl": pdl, "num_warps": 4, "num_stages": num_stages})
@@ -110,16 +110,6 @@ def test_the_gemv_kernels_wait_before_their_first_load_at_every_pipeline_depth_t
     assert len(depths) == 2
     for depth in depths:
         assert_waits_before_memory(compile_for_hopper(name, True, num_stages=depth))
-
-
-@pytest.mark.parametrize("name", ["_gemv_kernel", "_gate_up_silu_kernel"])
-def test_with_gemv_early_the_gemv_kernels_load_weights_before_the_wait_and_write_nothing_before_it(name):
-    """$QASR_GEMV_EARLY: the first weight tile is read before griddepcontrol.wait (weights are no kernel's output);
-    nothing is stored before it (a store there could race the kernel ahead)."""
-    ptx = compile_for_hopper(name, True, EARLY=True).asm["ptx"]
-    wait = ptx.find("griddepcontrol.wait")
-    assert wait > 0 and re.search(r"\bld\.global", ptx[:wait])
-    assert not re.search(r"\b(st|atom|red)\.global", ptx[:wait])
 
 
 def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
