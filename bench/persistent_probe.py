@@ -14,9 +14,10 @@ at the decoder's product shapes, whether that swap wins, without touching the en
 Both variants run the same work items (BLOCK_N output columns, 1/SPLIT of the reduction, float32 atomics where split),
 so the difference is the boundaries alone; each also runs with every program reading its first weight tile before it
 waits (weights are no kernel's output). Session 26, an H100: the barrier 1.37 us against 0.64 for the boundary, the
-persistent chain 28.3 us a layer against 18.6 (0.6B); the early tile 18.6 -> 16.4 (docs/benchmarks.md). The products are checked against float32 PyTorch. A program spins for
-at most MAX_SPINS polls (then raises a flag, reported as an error) so that a grid whose programs are not all resident
-fails instead of hanging the GPU.
+persistent chain 28.3 us a layer against 18.6 (0.6B); the early tile 18.6 -> 16.4 here, but in the engine's step it
+paid only beside 16-way splits that cost at 32 rows and was removed (session 27; docs/benchmarks.md). The products
+are checked against float32 PyTorch. A program spins for at most MAX_SPINS polls (then raises a flag, reported as an
+error) so that a grid whose programs are not all resident fails instead of hanging the GPU.
 
 `python -m qasr.bench.persistent_probe [0.6B] [1.7B] [--programs-per-sm 1,2]`: one JSON line per measurement.
 """
