@@ -287,8 +287,8 @@ def candidates(kind: str, N: int, K: int, device: torch.device) -> list[GemvConf
 
 
 def config_for(kind: str, N: int, K: int, x: torch.Tensor) -> GemvConfig:
-    """The config of this shape: on CUDA the earliest of `candidates` within TIE_MARGIN of the fastest at 1 and 16
-    rows (`settle`; timed once, outside graph capture, in a CUDA graph as the decode step runs them;
+    """The config of this shape: on CUDA, among the `candidates` within TIE_MARGIN of the fastest at 1 and 16 rows,
+    the one with the fewest splits (`settle`; timed once, outside graph capture, in a CUDA graph as the decode step runs them;
     $QASR_GEMV_TUNE=0 takes the heuristic one), elsewhere the heuristic one."""
     key = (kind, N, K, x.dtype, x.device)
     if key not in _chosen:
@@ -323,12 +323,15 @@ TIE_MARGIN = 0.03  # configs this close to the fastest count as tied
 
 
 def settle(timed: dict[GemvConfig, float]) -> GemvConfig:
-    """The first config, in candidate order, within TIE_MARGIN of the fastest: a near-tie goes to the same config
-    whichever of the two the timing noise favoured (on the H200 the qkv and lm_head picks flipped between two configs
-    from one process to the next, session 15), so one build's step is the same kernels from one run to the next
-    unless the noise is larger than the margin."""
+    """Among the configs within TIE_MARGIN of the fastest, the one with the fewest splits, then the first in candidate
+    order. A near-tie goes to the same config whichever of the two the timing noise favoured (on the H200 the qkv and
+    lm_head picks flipped between two configs from one process to the next, session 15), so one build's step is the
+    same kernels from one run to the next unless the noise is larger than the margin. Fewest splits, because the
+    tuner times one row tile: more splits tie there but cost past it (H100, session 27: o_proj split 16 against 8
+    tied at 1 and 16 rows, and took the step at 32 rows from 1.236 to 1.282 ms)."""
     fastest = min(timed.values())
-    return next(config for config, ms in timed.items() if ms <= fastest * (1 + TIE_MARGIN))
+    tied = [config for config, ms in timed.items() if ms <= fastest * (1 + TIE_MARGIN)]
+    return min(tied, key=lambda config: config.split)  # min keeps the first of equal splits
 
 
 def chosen_configs() -> dict[str, str]:

@@ -51,11 +51,15 @@ def test_split_for_stops_at_the_program_target_and_at_whole_blocks():
     assert gemv._split_for(151936, 1024, 64, 128, 264) == 1
 
 
-def test_the_tuner_settles_near_ties_on_the_earliest_candidate():
+def test_the_tuner_settles_near_ties_on_the_fewest_splits_then_the_earliest_candidate():
     a, b, c = (gemv.GemvConfig(block_n=n, block_k=128) for n in (64, 32, 128))
     assert gemv.settle({a: 1.02, b: 1.0, c: 1.5}) == a  # within the margin: the candidate listed first
     assert gemv.settle({a: 1.10, b: 1.0, c: 1.01}) == b  # a is clearly slower; b and c tie, b is listed first
     assert gemv.settle({a: 2.0, b: 1.5, c: 1.0}) == c
+    s16, s8, s4 = (gemv.GemvConfig(block_n=64, block_k=128, split=s) for s in (16, 8, 4))
+    assert gemv.settle({s16: 1.0, s8: 1.02, s4: 1.2}) == s8  # s16 and s8 tie: the fewer splits
+    assert gemv.settle({s16: 1.0, s8: 1.05, s4: 1.2}) == s16  # s8 is past the margin: the fastest
+    assert gemv.settle({s16: 1.01, s8: 1.0, s4: 1.0}) == s4  # all three tie
 
 
 def test_the_norms_after_the_split_products_take_the_wide_warps_only_in_the_decode_buckets():
