@@ -288,8 +288,8 @@ def candidates(kind: str, N: int, K: int, device: torch.device) -> list[GemvConf
 
 def config_for(kind: str, N: int, K: int, x: torch.Tensor) -> GemvConfig:
     """The config of this shape: on CUDA, among the `candidates` within TIE_MARGIN of the fastest at 1 and 16 rows,
-    the one with the fewest splits (`settle`; timed once, outside graph capture, in a CUDA graph as the decode step runs them;
-    $QASR_GEMV_TUNE=0 takes the heuristic one), elsewhere the heuristic one."""
+    the one with the fewest splits (`settle`; timed once, outside graph capture, in a CUDA graph as the decode step
+    runs them; $QASR_GEMV_TUNE=0 takes the heuristic one), elsewhere the heuristic one."""
     key = (kind, N, K, x.dtype, x.device)
     if key not in _chosen:
         options = candidates(kind, N, K, x.device)
@@ -327,8 +327,9 @@ def settle(timed: dict[GemvConfig, float]) -> GemvConfig:
     order. A near-tie goes to the same config whichever of the two the timing noise favoured (on the H200 the qkv and
     lm_head picks flipped between two configs from one process to the next, session 15), so one build's step is the
     same kernels from one run to the next unless the noise is larger than the margin. Fewest splits, because the
-    tuner times one row tile: more splits tie there but cost past it (H100, session 27: o_proj split 16 against 8
-    tied at 1 and 16 rows, and took the step at 32 rows from 1.236 to 1.282 ms)."""
+    tuner times one row tile: more splits tie there but cost past it (H100, session 29: with the first tied config
+    o_proj took split 16 in 7 runs of 10, 1.291-1.298 ms a step at 32 rows; with this rule 8 in 9 of 10, 1.232-1.237,
+    and no bucket slower)."""
     fastest = min(timed.values())
     tied = [config for config, ms in timed.items() if ms <= fastest * (1 + TIE_MARGIN)]
     return min(tied, key=lambda config: config.split)  # min keeps the first of equal splits
