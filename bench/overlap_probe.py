@@ -30,7 +30,7 @@ from qasr.model.gpu_timing import replay_ms
 from qasr.model.modeling import FusedLayerOps, KVCache
 from qasr.model.testmodel import make_test_model
 
-MAX_LEN = 320  # the engine's default KV positions a slot
+MAX_LEN = 320  # KV positions a slot, as `qasr-bench offline --max-len` and kernel_check take by default
 
 
 def cache_parts(cache: KVCache, parts: int) -> list[KVCache]:

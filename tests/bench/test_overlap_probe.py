@@ -14,35 +14,43 @@ from qasr.bench.overlap_probe import MAX_LEN, cache_parts, decode_in_parts
 from qasr.model.checkpoint import load_model
 from qasr.model.modeling import PlainLayerOps
 
+CONTEXT = 9  # the live rows' position
 
-def test_a_step_over_the_cache_in_parts_gives_the_whole_steps_logits_and_writes_the_same_cells(tiny_model_dir):
-    model = load_model(tiny_model_dir, device="cpu", dtype="float32")
-    rows, context = 8, 11
+
+def whole_and_parts(model, make_ops, rows: int, parts: int) -> dict:
+    """One decode step over `rows` rows (row 2 idle), whole and in `parts` parts, each on its own copy of one random
+    cache -> both steps' logits and caches, and the cache before them."""
     gen = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, model.cfg.text.vocab_size, (rows,), generator=gen)
-    positions = torch.full((rows,), context, dtype=torch.long)
-    positions[5] = -1  # an idle row in the second part
-    fill = torch.Generator().manual_seed(4)
-    initial = [torch.randn(t.shape, generator=fill) for t in model.new_cache(rows, MAX_LEN).tensors]
-    caches = []
-    for _ in range(2):
+    positions = torch.full((rows,), CONTEXT, dtype=torch.long)
+    positions[2] = -1
+    initial = [torch.randn(t.shape, generator=gen) for t in model.new_cache(rows, MAX_LEN).tensors]
+    out = {"initial": initial, "live": positions >= 0}
+    for name, n in (("whole", 1), ("parts", parts)):
         cache = model.new_cache(rows, MAX_LEN)
         for t, values in zip(cache.tensors, initial):
             t.copy_(values)
-        caches.append(cache)
-    whole_cache, parted_cache = caches
-    with torch.inference_mode():
-        whole = model.decoder.decode_greedy(tokens, positions, whole_cache, PlainLayerOps())[0]
-        parts = decode_in_parts(model.decoder, tokens, positions, cache_parts(parted_cache, 2), PlainLayerOps())
-    assert [p.shape[0] for p in parts] == [4, 4]
+        with torch.inference_mode():
+            logits = decode_in_parts(model.decoder, tokens, positions, cache_parts(cache, n), make_ops(cache))
+        out[name] = torch.cat(logits), cache
+        out[f"{name} rows a part"] = [part.shape[0] for part in logits]
+    return out
+
+
+def test_a_step_over_the_cache_in_parts_gives_the_whole_steps_logits_and_writes_the_same_cells(tiny_model_dir):
+    model = load_model(tiny_model_dir, device="cpu", dtype="float32")
+    out = whole_and_parts(model, lambda cache: PlainLayerOps(), rows=8, parts=2)
+    (whole, whole_cache), (parts, parted_cache) = out["whole"], out["parts"]
+    assert out["parts rows a part"] == [4, 4]
     # float32 products over 4 rows and over 8 may round differently on the CPU: close, and the same tokens
-    torch.testing.assert_close(torch.cat(parts), whole, rtol=1e-4, atol=1e-4)
-    assert torch.equal(torch.cat(parts).argmax(-1), whole.argmax(-1))
-    # each part wrote its own rows' slots at `context`, as the whole step did, and nothing else
-    live = positions >= 0
-    assert not torch.allclose(whole_cache.k[0][live, :, context], initial[0][live, :, context])
+    torch.testing.assert_close(parts, whole, rtol=1e-4, atol=1e-4)
+    assert torch.equal(parts.argmax(-1), whole.argmax(-1))
+    # each part wrote its own rows' slots at CONTEXT, as the whole step did, and nothing else
+    live = out["live"]
+    assert not torch.allclose(whole_cache.k[0][live, :, CONTEXT], out["initial"][0][live, :, CONTEXT])
     for a, b in zip(whole_cache.tensors, parted_cache.tensors):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
 
 def test_parts_must_split_the_slots_evenly(tiny_model_dir):
     model = load_model(tiny_model_dir, device="cpu", dtype="float32")
@@ -53,28 +61,18 @@ def test_parts_must_split_the_slots_evenly(tiny_model_dir):
 # the fused kernels in a child process: Triton's interpreter must be chosen before the kernels are defined
 CHILD = """
 import json, sys, torch
-from qasr.bench.overlap_probe import MAX_LEN, cache_parts, decode_in_parts
+sys.path.insert(0, sys.argv[2])
+from test_overlap_probe import CONTEXT, whole_and_parts
 from qasr.model.checkpoint import load_model
 from qasr.model.modeling import FusedLayerOps
 model = load_model(sys.argv[1], device="cpu", dtype="float32")
-rows = 4
-gen = torch.Generator().manual_seed(3)
-tokens = torch.randint(0, model.cfg.text.vocab_size, (rows,), generator=gen)
-positions = torch.tensor([9, 9, -1, 9])
-initial = [torch.randn(t.shape, generator=gen) for t in model.new_cache(rows, MAX_LEN).tensors]
-logits, caches = [], []
-for parts in (1, 2):
-    cache = model.new_cache(rows, MAX_LEN)
-    for t, values in zip(cache.tensors, initial):
-        t.copy_(values)
-    ops = FusedLayerOps(model.decoder.rope_table(cache.length))
-    with torch.inference_mode():
-        logits.append(torch.cat(decode_in_parts(model.decoder, tokens, positions, cache_parts(cache, parts), ops)))
-    caches.append(cache)
-print(json.dumps({"logits_max_abs": float((logits[0] - logits[1]).abs().max()),
-                  "tokens_equal": bool(torch.equal(logits[0].argmax(-1), logits[1].argmax(-1))),
-                  "cache_max_abs": max(float((a - b).abs().max()) for a, b in zip(caches[0].tensors, caches[1].tensors)),
-                  "cache_written": not torch.equal(caches[0].k[0][0, :, 9], initial[0][0, :, 9])}))
+out = whole_and_parts(model, lambda cache: FusedLayerOps(model.decoder.rope_table(cache.length)), rows=4, parts=2)
+(whole, whole_cache), (parts, parted_cache) = out["whole"], out["parts"]
+print(json.dumps({"logits_max_abs": float((whole - parts).abs().max()),
+                  "tokens_equal": bool(torch.equal(whole.argmax(-1), parts.argmax(-1))),
+                  "cache_max_abs": max(float((a - b).abs().max())
+                                       for a, b in zip(whole_cache.tensors, parted_cache.tensors)),
+                  "cache_written": not torch.equal(whole_cache.k[0][0, :, CONTEXT], out["initial"][0][0, :, CONTEXT])}))
 """
 
 
@@ -82,8 +80,8 @@ print(json.dumps({"logits_max_abs": float((logits[0] - logits[1]).abs().max()),
 def test_the_fused_kernels_decode_over_cache_parts_as_over_the_whole_cache(tiny_model_dir):
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir)], env=env, capture_output=True,
-                          text=True, timeout=540)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir), os.path.dirname(__file__)], env=env,
+                          capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["logits_max_abs"] < 1e-5 and out["tokens_equal"], out
