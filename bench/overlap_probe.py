@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import tempfile
 
@@ -33,11 +34,19 @@ MAX_LEN = 320  # KV positions a slot, as `qasr-bench offline --max-len` and kern
 
 
 def cache_parts(cache: KVCache, parts: int) -> list[KVCache]:
-    """`cache` cut into `parts` equal runs of slots (KVCache.slot_range views: part p's rows are its slots)."""
+    """`cache` cut into `parts` equal runs of slots: views sharing its memory (a decode over part p's rows writes and
+    reads its slots, which are its rows' slots in the whole cache)."""
     n = cache.num_slots // parts
     if n * parts != cache.num_slots:
         raise ValueError(f"{cache.num_slots} slots do not split into {parts} equal parts")
-    return [cache.slot_range(p * n, (p + 1) * n) for p in range(parts)]
+    out = []
+    for p in range(parts):
+        view = copy.copy(cache)
+        view.k = [t[p * n:(p + 1) * n] for t in cache.k]
+        view.v = [t[p * n:(p + 1) * n] for t in cache.v]
+        view.num_slots = n
+        out.append(view)
+    return out
 
 
 def decode_in_parts(decoder, tokens: torch.Tensor, positions: torch.Tensor, parts: list[KVCache], ops,

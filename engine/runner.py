@@ -42,11 +42,6 @@ ENCODER_LENGTH_BUCKETS = (32, 56, 104)  # multiples of 8 (aligned attention mask
 # in a (perturbed) native py-spy run at 1,000 streams (session 10: get_configs_from_heuristics under conv2d)
 CONV_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 FUSED_CONV1_ENV = "QASR_FUSED_CONV1"  # "0": the conv front end's first convolution on PyTorch (see __init__)
-# A large decode step cut into P parts of rows, on P forked CUDA streams: one part's products beside another's
-# attention, which reads the KV cache at the memory bandwidth (#16; bench/overlap_probe.py measured it apart first).
-# "$QASR_DECODE_PARTS=P": buckets of at least P x DECODE_PART_MIN_ROWS rows run as P parts; unset or 1: whole
-DECODE_PARTS_ENV = "QASR_DECODE_PARTS"
-DECODE_PART_MIN_ROWS = 64  # a part's products stay cuBLAS's (the GEMV kernels take up to gemv.DEFAULT_MAX_ROWS = 32)
 # prefills graphed per (sequences, padded tokens): eagerly, ~250 launches from Python cost more than the GPU work (a
 # 10.9 s clip: 8.4 ms eager, measured on the H200); more sequences replay several graphs. A graph holds at most
 # PREFILL_GRAPH_TOKENS sequences x padded tokens (past one sequence): 8 x 1,024, the largest graph at the default
@@ -316,12 +311,6 @@ class ModelRunner:
         self.layer_ops = (FusedLayerOps(model.decoder.rope_table(self.cache.length)) if self.fused_kernels
                           else PlainLayerOps())
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.decode_parts = int(os.environ.get(DECODE_PARTS_ENV) or 1)
-        if self.decode_parts < 1:
-            raise ValueError(f"${DECODE_PARTS_ENV} must be a positive number of parts, got {self.decode_parts}")
-        # on the CPU the parts run one after another (what the tests compare with the whole step)
-        self._part_streams = ([torch.cuda.Stream(self.device) for _ in range(self.decode_parts)]
-                              if self.decode_parts > 1 and self.device.type == "cuda" else [])
         self.prefill_buckets: dict[tuple[int, int], PrefillBucket] = {}
         self.prefill_lengths = prefill_length_buckets(max_len)  # the graphed prefill's padded lengths
         batches = prefill_batch_buckets()  # and its sequence counts (an admission has num_slots at most)
@@ -341,30 +330,12 @@ class ModelRunner:
 
     def _step(self, B: int) -> None:
         """One decode step for rows [0, B): pure tensor ops on persistent buffers, so it can be graphed."""
-        P = self.parts_for(B)
-        n = B // P
-        streams = self._part_streams if P > 1 else []
-        for stream in streams:
-            stream.wait_stream(torch.cuda.current_stream())
+        # nxt: the argmax [B], or where the lm_head is a GEMV kernel its block maxima (kernels.BlockMaxima), whose
+        # argmax kernels.advance_rows takes: no PyTorch op between the step's first kernel and its last
+        _, nxt = self.model.decoder.decode_greedy(self.tokens[:B], self.positions[:B], self.cache, self.layer_ops)
         # the bookkeeping after the argmax: one fused launch instead of ~18 small ones where the kernels run
         advance = kernels.advance_rows if self.fused_kernels else advance_rows
-        for p in range(P):
-            rows = slice(p * n, (p + 1) * n)
-            cache = self.cache if P == 1 else self.cache.slot_range(rows.start, rows.stop)
-            with torch.cuda.stream(streams[p]) if streams else contextlib.nullcontext():
-                # nxt: the argmax [n], or where the lm_head is a GEMV kernel its block maxima (kernels.BlockMaxima),
-                # whose argmax kernels.advance_rows takes: no PyTorch op between the step's first kernel and its last
-                _, nxt = self.model.decoder.decode_greedy(self.tokens[rows], self.positions[rows], cache,
-                                                          self.layer_ops)
-                advance(nxt, self.tokens[rows], self.positions[rows], self.counts[rows], self.budgets[rows],
-                        self.eos, self.out[:, rows])
-        for stream in streams:
-            torch.cuda.current_stream().wait_stream(stream)
-
-    def parts_for(self, B: int) -> int:
-        """The parts a step over B rows is cut into: decode_parts where each part keeps DECODE_PART_MIN_ROWS rows."""
-        P = self.decode_parts
-        return P if P > 1 and B % P == 0 and B // P >= DECODE_PART_MIN_ROWS else 1
+        advance(nxt, self.tokens, self.positions, self.counts, self.budgets, self.eos, self.out)
 
     def bucket_for(self, rows: int) -> int:
         return next(b for b in self.buckets if b >= rows)

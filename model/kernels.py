@@ -576,8 +576,7 @@ def advance_rows(next_tokens: torch.Tensor | BlockMaxima, tokens: torch.Tensor, 
     tokens[b] takes the token, positions[b] moves on by one or goes idle (-1).
 
     next_tokens: [B] long, or the lm_head's BlockMaxima [B, W] (the argmax is then taken here, as torch.argmax
-    would: no launch of its own); tokens, positions, counts, budgets: [S >= B] long; eos: [E] long; out: [2, S] long,
-    each of its two rows contiguous.
+    would: no launch of its own); tokens, positions, counts, budgets: [S >= B] long; eos: [E] long; out: [2, S] long.
     """
     maxima = isinstance(next_tokens, BlockMaxima)
     nxt, values = (next_tokens.index, next_tokens.values) if maxima else (next_tokens, next_tokens)
@@ -585,9 +584,8 @@ def advance_rows(next_tokens: torch.Tensor | BlockMaxima, tokens: torch.Tensor, 
     W = nxt.shape[1] if maxima else 1
     assert nxt.is_contiguous() and (not maxima or (values.dtype == torch.float32 and values.shape == nxt.shape
                                                    and values.is_contiguous() and nxt.dtype == torch.int32))
-    for t in (*([] if maxima else [nxt]), tokens, positions, counts, budgets, eos):
+    for t in (*([] if maxima else [nxt]), tokens, positions, counts, budgets, eos, out):
         assert t.dtype == torch.long and t.is_contiguous()
-    assert out.dtype == torch.long and out.stride(1) == 1  # rows of a wider out ([2, S][:, a:b]) are fine
     _advance_rows_kernel[(B,)](nxt, values, tokens, positions, counts, budgets, eos, out, W, out.stride(0),
                                MAXIMA=maxima, NUM_EOS=eos.shape[0], BLOCK=min(ARGMAX_BLOCK, triton.next_power_of_2(W)),
                                num_warps=ARGMAX_WARPS if maxima else 1, **pdl_options(out.device, B))

@@ -9,7 +9,6 @@ kernels of kernels.py).
 
 from __future__ import annotations
 
-import copy
 import math
 
 import numpy as np
@@ -276,17 +275,6 @@ class KVCache:
     @property
     def scratch(self) -> int:
         return self.length - 1
-
-    def slot_range(self, start: int, stop: int) -> "KVCache":
-        """Slots [start, stop) as a cache of their own: views sharing this cache's memory, so a decode of rows 0 ..
-        stop - start over it reads and writes slots start .. stop here (a decode step cut into parts)."""
-        if not 0 <= start < stop <= self.num_slots:
-            raise ValueError(f"slots [{start}, {stop}) are not within the cache's {self.num_slots}")
-        view = copy.copy(self)
-        view.k = [t[start:stop] for t in self.k]
-        view.v = [t[start:stop] for t in self.v]
-        view.num_slots = stop - start
-        return view
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -279,26 +279,6 @@ def test_advance_rows_in_one_launch_equals_the_pytorch_bookkeeping(B):
     assert (got_out[1, :B] == 1).any() or B == 1
 
 
-def test_advance_rows_of_one_part_writes_only_its_columns_of_the_steps_output():
-    # a decode step cut into parts (runner.DECODE_PARTS_ENV) advances rows [a, b) into out[:, a:b] of the [2, S] output
-    S, a, b = 48, 16, 40
-    g = torch.Generator().manual_seed(3)
-    state = {"tokens": torch.randint(0, 50, (S,), generator=g), "positions": torch.randint(-1, 30, (S,), generator=g),
-             "counts": torch.randint(0, 10, (S,), generator=g), "budgets": torch.randint(1, 12, (S,), generator=g)}
-    nxt = torch.randint(0, 12, (b - a,), generator=g)
-    eos = torch.tensor([10, 11])
-    runs = []
-    for advance in (runner_module.advance_rows, kernels.advance_rows):
-        st = {k: v.clone() for k, v in state.items()}
-        out = torch.full((2, S), 7)
-        advance(nxt, *(st[k][a:b] for k in ("tokens", "positions", "counts", "budgets")), eos, out[:, a:b])
-        runs.append((st, out))
-    (ref, ref_out), (got, got_out) = runs
-    assert torch.equal(got_out, ref_out) and all(torch.equal(got[k], ref[k]) for k in state)
-    assert (got_out[:, :a] == 7).all() and (got_out[:, b:] == 7).all()  # no column outside the part written
-    assert not torch.equal(got_out[:, a:b], torch.full((2, b - a), 7))  # and the part's were
-
-
 # -- the decode step's ends as kernels (#16: decode_begin, the lm_head's argmax) ---------------------------------
 
 
