@@ -10,8 +10,6 @@ export PYTHONPATH=/tmp/qasr:/tmp/site PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,power.limit --format=csv | tee "$out/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 python3 -m qasr.bench.kernel_check 0.6B 2>&1 | tee "$out/kernel-check-0.6B.json"
-# the large-batch step whole against parts on forked streams (docs/benchmarks.md says what it has shown)
-timeout 300 python3 -m qasr.bench.overlap_probe 0.6B 2>&1 | tee "$out/overlap-probe-0.6B.json"
 for size in ${SIZES:-0.6B 1.7B}; do
   extra=""
   [ "$size" = "1.7B" ] && extra="--independence-requests 24 --eager-requests 6"

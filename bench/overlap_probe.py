@@ -12,6 +12,10 @@ forked streams; ms per replay, median. (c) runs the same kernels on the same inp
 (b)'s bit for bit (a race between the streams would show there); the parts' tokens are compared with the whole's.
 
 `python -m qasr.bench.overlap_probe [0.6B|1.7B] [--rows 128,256,512] [--parts 2,4]`: one JSON line per row count.
+
+What it showed (session 30, H100, docs/benchmarks.md): the streams overlap, but a part costs too much of the whole
+(256 rows: 3.50 ms whole, 3.84 in two parts on two streams, 4.67 on one); the engine's A/B agreed, and the step stays
+whole.
 """
 
 from __future__ import annotations
