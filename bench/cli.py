@@ -17,6 +17,7 @@ import sys
 from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
 
 MODEL_SIZES = ("tiny", "0.6B", "1.7B")
+OFFLINE_MAX_LEN = 320  # KV positions a slot in the offline benches: a 10.9 s clip's prompt and 40 tokens fit
 DEVICE_HELP = "auto (the GPU if there is one), cpu, cuda, cuda:N (default: %(default)s)"
 DTYPE_HELP = "auto (bfloat16 on a GPU, float32 on the CPU), float32, bfloat16, float16 (default: %(default)s)"
 
@@ -48,7 +49,7 @@ def offline_parser() -> argparse.ArgumentParser:
                    help="clips in the throughput run, all queued at once (default: %(default)s)")
     p.add_argument("--slots", type=int, default=256,
                    help="engine decode slots: the largest batch and CUDA graph (default: %(default)s)")
-    p.add_argument("--max-len", type=int, default=320,
+    p.add_argument("--max-len", type=int, default=OFFLINE_MAX_LEN,
                    help="KV positions per slot: prompt + --tokens must fit (default: %(default)s)")
     p.add_argument("--prefill-tokens", type=int, default=32768,
                    help="prompt tokens prefilled in one admission round (default: %(default)s)")

@@ -36,6 +36,7 @@ from qasr.model.gpu_timing import per_call_ms, replay_ms
 from qasr.model.modeling import RMSNorm, rotate_half
 from qasr.model.testmodel import make_test_model
 
+from .cli import OFFLINE_MAX_LEN
 from .offline import kernels_per_step, profiled
 
 SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "steps")
@@ -212,7 +213,7 @@ def decode_tiles(cfg, device, batches=(1, 32, 256), context: int = 200) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     out = {}
     for B in batches:
-        k = torch.randn(B, kv_heads, 320, hd, device=device, dtype=torch.bfloat16, generator=gen)
+        k = torch.randn(B, kv_heads, OFFLINE_MAX_LEN, hd, device=device, dtype=torch.bfloat16, generator=gen)
         v = torch.randn_like(k)
         q = torch.randn(B, heads, hd, device=device, dtype=torch.bfloat16, generator=gen)
         positions = torch.full((B,), context, dtype=torch.long, device=device)
@@ -268,7 +269,7 @@ def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
     bucket, the logits of the two bit for bit (the same kernels and configs; a missing wait would show as a race),
     and the kernels of a step by kind at 1 and 64 rows."""
     S = max(buckets)
-    runner = ModelRunner(model, num_slots=S, max_len=320, fused_kernels=True, cuda_graphs=False,
+    runner = ModelRunner(model, num_slots=S, max_len=OFFLINE_MAX_LEN, fused_kernels=True, cuda_graphs=False,
                          buckets=tuple(b for b in buckets if b < S))
     gen = torch.Generator(device=device).manual_seed(5)
     for layer in (*runner.cache.k, *runner.cache.v):
@@ -343,7 +344,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         d = make_test_model(f"{tmp}/m", size=size, dtype="bfloat16")
         engine = Engine.from_pretrained(str(d), device=device, dtype="bfloat16",
-                                        options=EngineOptions(num_slots=64, max_len=320, num_retained=0,
+                                        options=EngineOptions(num_slots=64, max_len=OFFLINE_MAX_LEN, num_retained=0,
                                                               cuda_graphs=False))
     model = engine.model
 
@@ -371,7 +372,7 @@ def main(argv=None) -> None:
         return
     for name, fused, rows in (("fused_gemv", True, gemv.max_rows()), ("fused_cublas", True, 0), ("pytorch", False, 0)):
         with mock.patch.dict(os.environ, {gemv.MAX_ROWS_ENV: str(rows)}):  # read when a runner is made
-            runner = ModelRunner(model, num_slots=64, max_len=320, fused_kernels=fused)
+            runner = ModelRunner(model, num_slots=64, max_len=OFFLINE_MAX_LEN, fused_kernels=fused)
         emit(f"decode_step_ms_context_200_{name}", {B: step_ms(runner, B, 200) for B in (1, 8, 16, 32, 64)})
         emit(f"kernels_per_step_{name}", {B: kernels_per_step(runner, B, 200) for B in (1, 64)})
         if name == "fused_gemv":  # encoder graphs against the eager encoder, same windows

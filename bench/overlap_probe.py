@@ -28,13 +28,13 @@ import tempfile
 
 import torch
 
+from qasr.bench.cli import OFFLINE_MAX_LEN
 from qasr.engine.runner import capture_graph, capture_stream
 from qasr.model.checkpoint import load_model
 from qasr.model.gpu_timing import replay_ms
 from qasr.model.modeling import FusedLayerOps, KVCache
 from qasr.model.testmodel import make_test_model
 
-MAX_LEN = 320  # KV positions a slot, as `qasr-bench offline --max-len` and kernel_check take by default
 
 
 def cache_parts(cache: KVCache, parts: int) -> list[KVCache]:
@@ -75,7 +75,7 @@ def decode_in_parts(decoder, tokens: torch.Tensor, positions: torch.Tensor, part
 
 def probe(model, rows: int, parts_list: list[int], context: int, runs: int) -> dict:
     device = model.device
-    cache = model.new_cache(rows, MAX_LEN)
+    cache = model.new_cache(rows, OFFLINE_MAX_LEN)
     ops = FusedLayerOps(model.decoder.rope_table(cache.length))
     gen = torch.Generator(device=device).manual_seed(5)
     for t in cache.tensors:

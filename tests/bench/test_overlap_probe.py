@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from qasr.bench.overlap_probe import MAX_LEN, cache_parts, decode_in_parts
+from qasr.bench.cli import OFFLINE_MAX_LEN
+from qasr.bench.overlap_probe import cache_parts, decode_in_parts
 from qasr.model.checkpoint import load_model
 from qasr.model.modeling import PlainLayerOps
 
@@ -24,10 +25,10 @@ def whole_and_parts(model, make_ops, rows: int, parts: int) -> dict:
     tokens = torch.randint(0, model.cfg.text.vocab_size, (rows,), generator=gen)
     positions = torch.full((rows,), CONTEXT, dtype=torch.long)
     positions[2] = -1
-    initial = [torch.randn(t.shape, generator=gen) for t in model.new_cache(rows, MAX_LEN).tensors]
+    initial = [torch.randn(t.shape, generator=gen) for t in model.new_cache(rows, OFFLINE_MAX_LEN).tensors]
     out = {"initial": initial, "live": positions >= 0}
     for name, n in (("whole", 1), ("parts", parts)):
-        cache = model.new_cache(rows, MAX_LEN)
+        cache = model.new_cache(rows, OFFLINE_MAX_LEN)
         for t, values in zip(cache.tensors, initial):
             t.copy_(values)
         with torch.inference_mode():
@@ -55,7 +56,7 @@ def test_a_step_over_the_cache_in_parts_gives_the_whole_steps_logits_and_writes_
 def test_parts_must_split_the_slots_evenly(tiny_model_dir):
     model = load_model(tiny_model_dir, device="cpu", dtype="float32")
     with pytest.raises(ValueError, match="equal parts"):
-        cache_parts(model.new_cache(6, MAX_LEN), 4)
+        cache_parts(model.new_cache(6, OFFLINE_MAX_LEN), 4)
 
 
 # the fused kernels in a child process: Triton's interpreter must be chosen before the kernels are defined
