@@ -61,6 +61,9 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode-run-ahead", dest="decode_run_ahead", action="store_false", default=None,
                    help="read each decode step before queuing the next (default: offline's run-ahead, the next step "
                         "queued before the last is read)")
+    p.add_argument("--kv-int8", action="store_true", default=None,
+                   help="the KV cache as int8 (EngineOptions.kv_int8); the correctness checks then also compare its "
+                        "tokens with a bf16 cache's")
     p.add_argument("--freeze-heap", action=argparse.BooleanOptionalAction, default=True,
                    help="freeze the loaded engine's objects out of Python's collector (gc.freeze), as qasr-transcribe "
                         "and the server's engine process do (default: on; --no-freeze-heap leaves them to it, as a "

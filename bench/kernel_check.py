@@ -9,9 +9,13 @@ QASR_PDL=0 and =1, timed at each bucket (graph replay), its logits compared bit 
 kernels per step counted by kind (Triton, whose launches PDL can overlap, and the rest: cuBLAS, PyTorch, copies).
 Run the whole check with QASR_PDL=1 and every kernel comparison after it runs with PDL on too.
 
-`decode_tiles` times the decode attention's tiles (kernels.DECODE_TILE against others) in graphs.
+`decode_tiles` times the decode attention's tiles (kernels.DECODE_TILE against others) in graphs. `kv_int8` checks
+the int8 KV cache's kernels (model/kv_int8.py: the writer against kv_int8.quantize, the readers against the bf16
+kernels over the dequantized cache) and times its decode attention against the bf16 one, each call reading its own
+layer's cache from memory as a step does.
 
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,decode_tiles,steps]` on a CUDA machine;
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,decode_tiles,kv_int8,steps]` on a CUDA
+machine;
 prints one JSON object per line, a section each, as each completes (so a time limit leaves the sections that
 finished).
 """
@@ -30,7 +34,7 @@ import torch.nn.functional as F
 
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
-from qasr.model import gemv, kernels
+from qasr.model import gemv, kernels, kv_int8
 from qasr.model.conv_kernels import conv1_gelu
 from qasr.model.gpu_timing import per_call_ms, replay_ms
 from qasr.model.modeling import RMSNorm, rotate_half
@@ -39,7 +43,10 @@ from qasr.model.testmodel import make_test_model
 from .cli import OFFLINE_MAX_LEN
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "steps")
+SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "kv_int8", "steps")
+KV_INT8_TILES = tuple(dict.fromkeys((kv_int8.DECODE_TILE, (128, 4, 2), (32, 4, 3), (32, 4, 2), (64, 4, 2), (256, 4, 1),
+                                     (256, 8, 1), (128, 4, 1), (16, 4, 3))))
+KV_INT8_PREFILL_TILES = ((64, 4), (128, 4), (128, 8), (32, 4))  # (token x query-head) rows a program, warps
 # the default first; 256 keys x 3 stages needs more shared memory than an H200 has
 # (256 keys: a 10.9 s clip's prompt and its tokens, ~190 positions, in one iteration)
 DECODE_TILES = tuple(dict.fromkeys((kernels.DECODE_TILE, (64, 4, 3), (32, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2),
@@ -233,11 +240,110 @@ def decode_tiles(cfg, device, batches=(1, 32, 256), context: int = 200) -> dict:
     return out
 
 
+def relative_rms(got: torch.Tensor, expected: torch.Tensor) -> float:
+    got, expected = got.float(), expected.float()
+    return float((got - expected).pow(2).mean().sqrt() / expected.pow(2).mean().sqrt())
+
+
+def kv_int8_cases(cfg, device, rows=(1, 32, 128, 256, 512), context: int = 200) -> dict:
+    """The int8 cache's kernels at real shapes: the writer bit for bit against kv_int8.quantize of the bf16 writer's
+    vectors; the readers against the bf16 kernels over the dequantized cache (the kernels' own error) and over the
+    original (what quantizing costs); then, per row count, the decode attention's us a call over one cache a layer in
+    one graph (each call streams its layer's cache from memory, as a step's do), bf16 against int8 tiles."""
+    bf = torch.bfloat16
+    H, KVH, hd, layers, eps = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers,
+                               cfg.rms_norm_eps)
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    N, S, L = 64, 8, OFFLINE_MAX_LEN
+    qkv = torch.randn(N, (H + 2 * KVH) * hd, device=device, dtype=bf, generator=gen)
+    qw, kw = torch.randn(hd, device=device, dtype=bf, generator=gen), torch.randn(hd, device=device, dtype=bf,
+                                                                                  generator=gen)
+    cos, sin = (torch.randn(L, hd, device=device, dtype=bf, generator=gen) for _ in range(2))
+    pos = torch.randint(0, L - 1, (N,), device=device, generator=gen)
+    slots = torch.randint(0, S, (N,), device=device, generator=gen)
+    wpos = torch.randperm(L - 1, device=device)[:N]
+    kc, vc = torch.zeros(S, KVH, L, hd, device=device, dtype=bf), torch.zeros(S, KVH, L, hd, device=device, dtype=bf)
+    q = kernels.qk_norm_rope_store(qkv, qw, kw, cos, sin, pos, slots, wpos, kc, vc, H, KVH, eps)
+    words = [torch.zeros(S, KVH, L, hd // 4, device=device, dtype=torch.int32) for _ in range(2)]
+    scales = tuple(torch.zeros(S, KVH, L, device=device) for _ in range(2))
+    q8 = kernels.qk_norm_rope_store(qkv, qw, kw, cos, sin, pos, slots, wpos, *words, H, KVH, eps, scales)
+    for name, cache, w, s in (("k", kc, words[0], scales[0]), ("v", vc, words[1], scales[1])):
+        ew, es = kv_int8.quantize(cache)
+        out[f"{name}_store_int8"] = {"words_identical": float((w == ew).float().mean()),
+                                     "scales_identical": float((s == es).float().mean())}
+    out["q_int8_writer_identical"] = bool(torch.equal(q, q8))
+
+    k, v = (torch.randn(S, KVH, L, hd, device=device, dtype=bf, generator=gen) for _ in range(2))
+    (kw8, ks), (vw8, vs) = kv_int8.quantize(k), kv_int8.quantize(v)
+    kd, vd = kv_int8.dequantize(kw8, ks, bf), kv_int8.dequantize(vw8, vs, bf)
+    positions = torch.tensor([0, 17, 200, -1, 334, 63, 64, 129], device=device)
+    qd = torch.randn(S, H, hd, device=device, dtype=bf, generator=gen)
+    got = kv_int8.decode_attention(qd, kw8, vw8, (ks, vs), positions)
+    out["decode_attention_int8"] = compare(got, kernels.decode_attention(qd, kd, vd, positions)) | {
+        "relative_rms_vs_bf16_cache": relative_rms(got, kernels.decode_attention(qd, k, v, positions))}
+    slots_p, starts, lengths = (torch.tensor([2, 5], device=device), torch.tensor([0, 150], device=device),
+                                torch.tensor([170, 60], device=device))
+    qp = torch.randn(2 * 170, H, hd, device=device, dtype=bf, generator=gen)
+    got = kv_int8.prefill_attention(qp, kw8, vw8, (ks, vs), slots_p, starts, lengths).view(2, 170, -1)
+    ref = kernels.prefill_attention(qp, kd, vd, slots_p, starts, lengths).view(2, 170, -1)
+    out["prefill_attention_int8"] = compare(torch.cat([got[0], got[1, :60]]), torch.cat([ref[0], ref[1, :60]]))
+    out["prefill_us"] = prefill_int8_us(cfg, device, gen)
+
+    for B in rows:
+        q = torch.randn(B, H, hd, device=device, dtype=bf, generator=gen)
+        at = torch.full((B,), context, dtype=torch.long, device=device)
+        caches = []
+        for _ in range(layers):
+            k = torch.randn(B, KVH, L, hd, device=device, dtype=bf, generator=gen)
+            v = torch.randn(B, KVH, L, hd, device=device, dtype=bf, generator=gen)
+            caches.append((k, v, *kv_int8.quantize(k), *kv_int8.quantize(v)))
+        us = {"bf16 " + "x".join(map(str, kernels.DECODE_TILE)): per_call_ms(
+            [lambda c=c: kernels.decode_attention(q, c[0], c[1], at) for c in caches])}
+        for tile in KV_INT8_TILES:
+            us["int8 " + "x".join(map(str, tile))] = per_call_ms(
+                [lambda c=c, t=tile: kv_int8.decode_attention(q, c[2], c[4], (c[3], c[5]), at, t) for c in caches])
+        out[f"us_a_call_{B}_rows"] = {name: round(ms * 1e3, 2) for name, ms in us.items()}
+        del caches
+        torch.cuda.empty_cache()
+    return out
+
+
+def prefill_int8_us(cfg, device, gen, sequences: int = 32, tokens: int = 160) -> dict:
+    """An offline admission's prefill (`sequences` new sequences of `tokens` tokens): the K/V writer and the prefill
+    attention, bf16 against int8 (the attention at KV_INT8_PREFILL_TILES), us a call over one cache a layer."""
+    bf = torch.bfloat16
+    H, KVH, hd, eps = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.rms_norm_eps
+    N, L, layers = sequences * tokens, OFFLINE_MAX_LEN, 8
+    qkv = torch.randn(N, (H + 2 * KVH) * hd, device=device, dtype=bf, generator=gen)
+    qw, kw = torch.ones(hd, device=device, dtype=bf), torch.ones(hd, device=device, dtype=bf)
+    cos, sin = torch.ones(L, hd, device=device, dtype=bf), torch.zeros(L, hd, device=device, dtype=bf)
+    slots = torch.arange(sequences, device=device).repeat_interleave(tokens)
+    pos = torch.arange(tokens, device=device).repeat(sequences)
+    caches = [(torch.zeros(sequences, KVH, L, hd, device=device, dtype=bf),
+               torch.zeros(sequences, KVH, L, hd, device=device, dtype=bf),
+               *(torch.zeros(sequences, KVH, L, hd // 4, device=device, dtype=torch.int32) for _ in range(2)),
+               *(torch.zeros(sequences, KVH, L, device=device) for _ in range(2))) for _ in range(layers)]
+    out = {"writer bf16": per_call_ms([lambda c=c: kernels.qk_norm_rope_store(
+        qkv, qw, kw, cos, sin, pos, slots, pos, c[0], c[1], H, KVH, eps) for c in caches]),
+           "writer int8": per_call_ms([lambda c=c: kernels.qk_norm_rope_store(
+               qkv, qw, kw, cos, sin, pos, slots, pos, c[2], c[3], H, KVH, eps, (c[4], c[5])) for c in caches])}
+    q = torch.randn(N, H, hd, device=device, dtype=bf, generator=gen)
+    seq = torch.arange(sequences, device=device)
+    starts, lengths = torch.zeros_like(seq), torch.full_like(seq, tokens)
+    out["attention bf16"] = per_call_ms([lambda c=c: kernels.prefill_attention(q, c[0], c[1], seq, starts, lengths)
+                                         for c in caches])
+    for rows, warps in KV_INT8_PREFILL_TILES:
+        out[f"attention int8 {rows}x{warps}"] = per_call_ms([lambda c=c, r=rows, w=warps: kv_int8.prefill_attention(
+            q, c[2], c[3], (c[4], c[5]), seq, starts, lengths, r, w) for c in caches])
+    return {name: round(ms * 1e3, 2) for name, ms in out.items()}
+
+
 def triton_kernel_names() -> set[str]:
-    """The names the profiler gives the launches of kernels.py's and gemv.py's Triton kernels."""
+    """The names the profiler gives the launches of kernels.py's, gemv.py's and kv_int8.py's Triton kernels."""
     import triton
 
-    return {name for module in (kernels, gemv) for name, value in vars(module).items()
+    return {name for module in (kernels, gemv, kv_int8) for name, value in vars(module).items()
             if isinstance(value, triton.runtime.jit.JITFunction)}
 
 
@@ -368,6 +474,10 @@ def main(argv=None) -> None:
         emit("gemv_configs", gemv.chosen_configs())
     if "decode_tiles" in sections:
         emit("decode_attention_tiles", decode_tiles(model.cfg.text, device))
+    if "kv_int8" in sections:
+        t = time.perf_counter()
+        emit("kv_int8", kv_int8_cases(model.cfg.text, device))
+        emit("kv_int8_s", time.perf_counter() - t)
     if "steps" not in sections:
         return
     for name, fused, rows in (("fused_gemv", True, gemv.max_rows()), ("fused_cublas", True, 0), ("pytorch", False, 0)):

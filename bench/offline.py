@@ -8,6 +8,7 @@ official qwen-asr transformers backend timed in the same run on the same checkpo
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import statistics
 import sys
@@ -115,7 +116,7 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 
 def engine_overrides(args) -> dict:
     """The engine options the command line set (None: the engine's default; steps ahead and run-ahead: offline's)."""
-    names = ("decode_steps_ahead", "admission_interval_ms", "decode_run_ahead")
+    names = ("decode_steps_ahead", "admission_interval_ms", "decode_run_ahead", "kv_int8")
     overrides = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": OFFLINE_DECODE_RUN_AHEAD}
     return overrides | {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
@@ -136,7 +137,8 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     if args.freeze_heap:  # as qasr-transcribe and the engine process do (gc_pauses.py)
         out["qasr_frozen_objects"] = freeze_loaded_heap()
     out["engine_options"] = {"decode_steps_ahead": opts.decode_steps_ahead,
-                             "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead}
+                             "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead,
+                             "kv_int8": opts.kv_int8}
 
     # batch-1 latency, features included: audio array in -> text out
     for _ in range(3):
@@ -295,7 +297,8 @@ def step_floors(engine: Engine, args, bandwidth: float) -> dict[int, float]:
     if dec.lm_head.weight is dec.embed_tokens.weight:  # tied: named_parameters lists it once, as embed_tokens
         weights += dec.lm_head.weight.numel() * elem
     c = dec.cfg
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * elem
+    vector = c.head_dim + 4 if engine.options.kv_int8 else c.head_dim * elem  # int8 values and a float32 scale
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * vector
     return {B: (weights + B * args.context * kv_per_token) / bandwidth * 1e3 for B in engine.runner.buckets}
 
 
@@ -328,7 +331,8 @@ def correctness(engine: Engine, args) -> dict:
     # kernels), the reference the fast path must reproduce
     eager = Engine(engine.model, engine.tokenizer, EngineOptions(num_slots=1, max_len=engine.options.max_len,
                                                                num_retained=0, ignore_eos=True, repetition_window=0,
-                                                               cuda_graphs=False, fused_kernels=False))
+                                                               cuda_graphs=False, fused_kernels=False,
+                                                               kv_int8=engine.options.kv_int8))
     k = min(args.eager_requests, n)
     eager_out = [eager.transcribe([r])[0] for r in reqs[:k]]
     agree = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(eager_out, batched[:k]))
@@ -336,6 +340,14 @@ def correctness(engine: Engine, args) -> dict:
     res["eager_bs1_token_agreement"] = agree / max(1, total)
     res["eager_bs1_exact_match"] = f"{sum(a.token_ids == b.token_ids for a, b in zip(eager_out, batched[:k]))}/{k}"
     del eager
+    if engine.options.kv_int8:  # what the int8 cache changes: the same requests batched on a bf16 cache
+        plain = Engine(engine.model, engine.tokenizer, dataclasses.replace(engine.options, kv_int8=False,
+                                                                          cuda_graphs=False))
+        reference = plain.transcribe(reqs)
+        agree = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(reference, batched))
+        res["bf16_cache_token_agreement"] = agree / max(1, sum(len(a.token_ids) for a in reference))
+        res["bf16_cache_exact_match"] = f"{sum(a.token_ids == b.token_ids for a, b in zip(reference, batched))}/{n}"
+        del plain
     return res
 
 

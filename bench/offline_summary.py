@@ -35,7 +35,9 @@ def run_lines(run: dict, label: str) -> list[str]:
             + (f" | kernels a step {json.dumps(kernels)}" if kernels else "")
             + (f" | engine loop step ms {loop}" if loop else ""),
             f"{'':<22} identical rows failed {c['identical_rows_failed_buckets']}, batch independence "
-            f"{c['batch_independence_exact_match']}, eager {c['eager_bs1_exact_match']}; gemv {picks or '-'}"
+            f"{c['batch_independence_exact_match']}, eager {c['eager_bs1_exact_match']}"
+            + (f", against a bf16 cache {c['bf16_cache_exact_match']} ({c['bf16_cache_token_agreement']:.1%} of tokens)"
+               if "bf16_cache_exact_match" in c else "") + f"; gemv {picks or '-'}"
             f"{throughput}"]
 
 

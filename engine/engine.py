@@ -111,6 +111,7 @@ class Engine:
             eos_ids=self.eos_ids,
             cuda_graphs=options.cuda_graphs,
             fused_kernels=options.fused_kernels,
+            kv_int8=options.kv_int8,
         )
         self.scheduler = Scheduler(options.num_slots)
         self.aligner = (AlignerRunner(aligner, max_batch=options.aligner_max_batch, min_batch=options.aligner_min_batch,

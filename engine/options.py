@@ -58,6 +58,10 @@ class EngineOptions:
     # forward was done made 5.3 finals a forward (234 forwards in 20 s, one every 85 ms); 8 finals gather in ~130 ms
     # at that rate, so 150 ms gives full forwards under load and bounds the wait at low load.
     # aligner_min_batch 1 (or aligner_max_wait_ms 0): launch as soon as the previous forward is done
+    kv_int8: bool = False  # the KV cache as int8 with a scale a vector (model/kv_int8.py): about half the bytes a
+    # decode step's attention reads, which at large batches is most of the step, and half the cache's memory. Tokens
+    # are not bit for bit the bf16 cache's (a vector is off by up to half its absmax / 127 per value):
+    # docs/benchmarks.md has the speed and the agreement measured
     stream_priorities: bool = True  # decode steps and admissions on a high-priority CUDA stream, the aligner's forward
     # on the lowest (qasr.engine.streams), so that finals without words keep their pace; False: decoding on the
     # thread's default stream, as before (benchmarks compare)

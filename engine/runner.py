@@ -265,12 +265,13 @@ class ModelRunner:
         cuda_graphs: bool | None = None,
         fused_kernels: bool | None = None,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
+        kv_int8: bool = False,
     ):
         self.model = model
         self.device = model.device
         self.num_slots = num_slots  # decode rows; slots [num_slots, num_slots + num_retained) hold retained prefixes
         self.max_len = max_len
-        self.cache = model.new_cache(num_slots + num_retained, max_len)
+        self.cache = model.new_cache(num_slots + num_retained, max_len, int8=kv_int8)
         self.eos = torch.tensor(eos_ids or (-1,), device=self.device)  # -1: no token is EOS
         # per-slot decode state (device): the token to feed, its position (-1 = idle), tokens made, token budget
         S = num_slots

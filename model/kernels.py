@@ -176,14 +176,14 @@ if triton is not None:
 
     @triton.jit
     def _qk_norm_rope_store_kernel(
-        QKV, Q, K_CACHE, V_CACHE, QW, KW, COS, SIN, ROPE_POS, SLOT, WRITE_POS,
-        stride_qkv, stride_cs, stride_ch, stride_cl, eps, split_stride,
+        QKV, Q, K_CACHE, V_CACHE, K_SCALE, V_SCALE, QW, KW, COS, SIN, ROPE_POS, SLOT, WRITE_POS,
+        stride_qkv, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, eps, split_stride,
         H: tl.constexpr, KVH: tl.constexpr, HD: tl.constexpr, HEADS: tl.constexpr, SPLITS: tl.constexpr,
-        PDL: tl.constexpr,
+        INT8: tl.constexpr, PDL: tl.constexpr,
     ):
         # program (token n, group j of HEADS heads; HEADS divides H and KVH): a group j < H / HEADS is query heads
         # (-> Q[n, heads]), the others KV heads, whose normed and rotated keys and plain values go to the cache at
-        # [slot[n], kv head, write_pos[n]]
+        # [slot[n], kv head, write_pos[n]]; with INT8 as kv_int8's words, their scales into K_SCALE / V_SCALE
         _await_inputs(PDL)
         n = tl.program_id(0).to(tl.int64)
         first = tl.program_id(1) * HEADS
@@ -204,13 +204,35 @@ if triton is not None:
         else:
             o1, o2 = _norm_rope(x1, x2, KW, c, s, half, eps, HD, Q)
             kvh = head - H
-            at = tl.load(SLOT + n).to(tl.int64) * stride_cs + kvh * stride_ch + tl.load(WRITE_POS + n) * stride_cl
+            slot, wp = tl.load(SLOT + n).to(tl.int64), tl.load(WRITE_POS + n)
+            at = slot * stride_cs + kvh * stride_ch + wp * stride_cl
             full = tl.arange(0, HD)[None, :]
             v = _load_input(QKV, n * stride_qkv + (H + KVH + kvh) * HD + full, (kvh >= 0) & (full < HD), split_stride,
                             SPLITS, Q).to(Q.dtype.element_ty)
-            tl.store(K_CACHE + at + half[None, :], o1)
-            tl.store(K_CACHE + at + HD // 2 + half[None, :], o2)
-            tl.store(V_CACHE + at + full, v)
+            if INT8:
+                scale_at = slot * stride_ss + kvh * stride_sh + wp
+                k = tl.reshape(tl.permute(tl.join(o1, o2), (0, 2, 1)), [HEADS, HD])  # the halves side by side
+                _store_int8(k.to(tl.float32), K_CACHE, at, K_SCALE, scale_at, HD)
+                _store_int8(v.to(tl.float32), V_CACHE, at, V_SCALE, scale_at, HD)
+            else:
+                tl.store(K_CACHE + at + half[None, :], o1)
+                tl.store(K_CACHE + at + HD // 2 + half[None, :], o2)
+                tl.store(V_CACHE + at + full, v)
+
+    @triton.jit
+    def _store_int8(x, WORDS, at, SCALES, scale_at, HD: tl.constexpr):
+        # vectors x (float32 [rows, HD]) into an int8 cache as kv_int8.quantize stores them, bit for bit: their
+        # packed words at WORDS + at + [0, HD / 4), their scales at SCALES + scale_at (at, scale_at: [rows, 1])
+        QD: tl.constexpr = HD // 4
+        absmax = tl.max(tl.abs(x), axis=1)
+        inv = tl.where(absmax > 0, tl.math.div_rn(tl.full(absmax.shape, 127.0, tl.float32), absmax), 0.0)
+        y = x * inv[:, None]
+        q = (y + tl.where(y >= 0, 0.5, -0.5)).to(tl.int32)  # converted toward zero: rounded half away from it
+        q = tl.minimum(tl.maximum(q, -127), 127) & 0xFF
+        shift = 8 * tl.arange(0, 4)
+        words = tl.sum(tl.reshape(q, [x.shape[0], 4, QD]) << shift[None, :, None], axis=1)  # disjoint bytes: an or
+        tl.store(WORDS + at + tl.arange(0, QD)[None, :], words)
+        tl.store(SCALES + scale_at, tl.math.div_rn(absmax, tl.full(absmax.shape, 127.0, tl.float32))[:, None])
 
     @triton.jit
     def _decode_attention_kernel(
@@ -436,28 +458,37 @@ def qk_heads_per_program(num_heads: int, num_kv_heads: int, tokens: int) -> int:
 
 
 def qk_norm_rope_store(qkv, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos, k_cache, v_cache,
-                       num_heads: int, num_kv_heads: int, eps: float) -> torch.Tensor:
+                       num_heads: int, num_kv_heads: int, eps: float,
+                       scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The attention's input side in one kernel.
 
     qkv: [N, (H + 2 KVH) hd] projections of N tokens (or their float32 split-K partial sums [S, N, ...], summed and
-    rounded to the cache's dtype first); cos/sin: [P, hd] tables; rope_pos, slots, write_pos: [N].
+    rounded to the weights' dtype first); cos/sin: [P, hd] tables; rope_pos, slots, write_pos: [N].
     Writes each token's normed, rotated key and its value into k_cache/v_cache [S, KVH, L, hd] at
-    [slots[n], :, write_pos[n]] and returns the normed, rotated queries [N, H, hd].
+    [slots[n], :, write_pos[n]] and returns the normed, rotated queries [N, H, hd]. With `scales` (the key and value
+    scales [S, KVH, L] of an int8 cache, kv_int8) the caches are int32 words [S, KVH, L, hd / 4] and the vectors are
+    stored quantized.
     """
-    splits = _splits(qkv, k_cache.dtype)
+    dtype = q_weight.dtype
+    splits = _splits(qkv, dtype)
     N = qkv.shape[-2]
-    hd = k_cache.shape[-1]
+    hd = q_weight.shape[0]
     # the kernel indexes these as plain [N] arrays: an expanded index tensor (stride 0) would be read past its end
     rope_pos, slots, write_pos = rope_pos.contiguous(), slots.contiguous(), write_pos.contiguous()
     assert qkv.stride(-1) == 1 and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()
     assert not splits or qkv.is_contiguous()
-    q = torch.empty((N, num_heads, hd), dtype=k_cache.dtype, device=qkv.device)
+    k_scale, v_scale = scales if scales is not None else (k_cache, v_cache)
+    assert (scales is None and k_cache.dtype == dtype) or (
+        k_cache.dtype == torch.int32 and k_cache.shape[-1] == hd // 4 and k_scale.stride() == v_scale.stride()
+        and k_scale.stride(-1) == 1)
+    q = torch.empty((N, num_heads, hd), dtype=dtype, device=qkv.device)
     sc, sh, sl, _ = k_cache.stride()
     heads = qk_heads_per_program(num_heads, num_kv_heads, N)
     _qk_norm_rope_store_kernel[(N, (num_heads + num_kv_heads) // heads)](
-        qkv, q, k_cache, v_cache, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos,
-        qkv.stride(-2), sc, sh, sl, eps, N * qkv.shape[-1], H=num_heads, KVH=num_kv_heads, HD=hd, HEADS=heads,
-        SPLITS=splits, num_warps=max(1, heads // 2), **pdl_options(qkv.device, N))
+        qkv, q, k_cache, v_cache, k_scale, v_scale, q_weight, k_weight, cos, sin, rope_pos, slots, write_pos,
+        qkv.stride(-2), sc, sh, sl, k_scale.stride(0), k_scale.stride(1), eps, N * qkv.shape[-1], H=num_heads,
+        KVH=num_kv_heads, HD=hd, HEADS=heads, SPLITS=splits, INT8=scales is not None, num_warps=max(1, heads // 2),
+        **pdl_options(qkv.device, N))
     return q
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemv, kernels
+from . import gemv, kernels, kv_int8
 from .config import AudioEncoderConfig, ModelConfig, TextDecoderConfig
 
 
@@ -256,21 +256,56 @@ class KVCache:
     rounding keeps attention masks aligned for the fused SDPA kernels. Separate tensors per layer (not one
     [layers, ...] tensor): each layer's K/V write is a plain in-place write into its own tensor (a torch.compile'd
     step on the stacked layout copied the whole cache back per layer: a 100 ms step on the H200).
+
+    int8: each vector stored as kv_int8 stores it (about half the bytes a decode step's attention reads): k and v are
+    int32 words [slots, kv_heads, length, head_dim / 4], with float32 scales k_scale, v_scale [slots, kv_heads,
+    length] a layer. The plain path goes through `store` and `read`; the fused kernels take the tensors themselves.
     """
 
-    def __init__(self, cfg: TextDecoderConfig, num_slots: int, max_len: int, device=None, dtype=None):
+    def __init__(self, cfg: TextDecoderConfig, num_slots: int, max_len: int, device=None, dtype=None,
+                 int8: bool = False):
         self.length = _round_up(max_len + 1, 16)
-        shape = (num_slots, cfg.num_key_value_heads, self.length, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.num_hidden_layers)]
+        self.int8 = int8
+        self.dtype = dtype if dtype is not None else torch.get_default_dtype()
+        shape = (num_slots, cfg.num_key_value_heads, self.length)
+        vector = (cfg.head_dim // 4,) if int8 else (cfg.head_dim,)
+        kind = torch.int32 if int8 else dtype
+        layers = range(cfg.num_hidden_layers)
+        self.k = [torch.zeros(shape + vector, device=device, dtype=kind) for _ in layers]
+        self.v = [torch.zeros(shape + vector, device=device, dtype=kind) for _ in layers]
+        self.k_scale = [torch.zeros(shape, device=device, dtype=torch.float32) for _ in layers] if int8 else []
+        self.v_scale = [torch.zeros(shape, device=device, dtype=torch.float32) for _ in layers] if int8 else []
         self.num_slots = num_slots
         self.max_len = max_len
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the cache, each [slots, kv_heads, length, head_dim]: the layers' keys and values (what
-        copying a slot's positions, or filling the cache, must cover)."""
-        return [*self.k, *self.v]
+        """Every tensor of the cache, each [slots, kv_heads, length, ...]: the layers' keys and values, and an int8
+        cache's scales (what copying a slot's positions, or filling the cache, must cover)."""
+        return [*self.k, *self.v, *self.k_scale, *self.v_scale]
+
+    def scales(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """An int8 cache's (key, value) scales of `layer`, for the fused kernels; None for a plain cache."""
+        return (self.k_scale[layer], self.v_scale[layer]) if self.int8 else None
+
+    def store(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """k, v [..., kv_heads, head_dim] into [slots, :, positions] (index tensors of the leading shape)."""
+        if not self.int8:
+            self.k[layer][slots, :, positions] = k
+            self.v[layer][slots, :, positions] = v
+            return
+        for words, scales, x in ((self.k, self.k_scale, k), (self.v, self.v_scale, v)):
+            words[layer][slots, :, positions], scales[layer][slots, :, positions] = kv_int8.quantize(x)
+
+    def read(self, layer: int, slots, num_keys: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(keys, values) [len(slots), kv_heads, num_keys (all), head_dim] of the slots (an index or a slice), as
+        the cache's dtype (an int8 cache's dequantized)."""
+        keys = slice(None) if num_keys is None else slice(num_keys)
+        k, v = self.k[layer][slots, :, keys], self.v[layer][slots, :, keys]
+        if not self.int8:
+            return k, v
+        return (kv_int8.dequantize(k, self.k_scale[layer][slots, :, keys], self.dtype),
+                kv_int8.dequantize(v, self.v_scale[layer][slots, :, keys], self.dtype))
 
     @property
     def scratch(self) -> int:
@@ -481,7 +516,7 @@ class PlainLayerOps:
         keys_at = torch.arange(num_keys, device=x.device)
         # a new token sees every cached position of its slot up to itself; padded rows see position 0 (no NaN)
         mask = (keys_at[None, None, :] <= positions[:, :, None]) | (keys_at[None, None, :] == 0)
-        read = lambda i: (cache.k[i][slots, :, :num_keys], cache.v[i][slots, :, :num_keys])  # noqa: E731
+        read = lambda i: cache.read(i, slots, num_keys)  # noqa: E731
         return x, self._attention(decoder, x, positions, slots, write_pos, read, mask, cache)
 
     def decode_attention(self, decoder: TextDecoder, x, positions, pos, slots, write_pos, cache: KVCache):
@@ -489,7 +524,7 @@ class PlainLayerOps:
         B = x.shape[0]
         keys_at = torch.arange(cache.length, device=x.device)
         mask = (keys_at[None, None, :] <= pos[:, :, None]) & (keys_at[None, None, :] < cache.max_len)
-        read = lambda i: (cache.k[i][:B], cache.v[i][:B])  # noqa: E731
+        read = lambda i: cache.read(i, slice(B))  # noqa: E731
         return x, self._attention(decoder, x, pos, slots, write_pos, read, mask, cache)
 
     @staticmethod
@@ -501,8 +536,7 @@ class PlainLayerOps:
 
         def attention(i: int, attn: DecoderAttention, h: torch.Tensor) -> torch.Tensor:
             q, k, v = attn.project(h, cos, sin)
-            cache.k[i][slot_index, :, write_pos] = k.transpose(1, 2)
-            cache.v[i][slot_index, :, write_pos] = v.transpose(1, 2)
+            cache.store(i, slot_index, write_pos, k.transpose(1, 2), v.transpose(1, 2))
             keys, values = read_keys(i)
             return attn.attend(q, keys, values, bias)
 
@@ -566,7 +600,11 @@ class FusedLayerOps:
         norm = decoder.layers[0].input_layernorm
         h, residual, rope_pos, slots, write_pos = kernels.decode_begin(
             tokens, positions, decoder.embed_tokens.weight, norm.weight, norm.eps, cache.scratch)
-        attend = lambda i, q: kernels.decode_attention(q, cache.k[i], cache.v[i], positions)  # noqa: E731
+        def attend(i, q):
+            if cache.int8:
+                return kv_int8.decode_attention(q, cache.k[i], cache.v[i], cache.scales(i), positions)
+            return kernels.decode_attention(q, cache.k[i], cache.v[i], positions)
+
         return (h, residual), self._attention(rope_pos, slots, write_pos, attend, cache)
 
     def mlp(self, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
@@ -580,7 +618,11 @@ class FusedLayerOps:
         B, T, _ = x.shape
         rope_pos = positions.clamp(max=self.cos.shape[0] - 1)  # padded positions may run past the table
         slot_of = slots[:, None].expand_as(write_pos)
-        attend = lambda i, q: kernels.prefill_attention(q, cache.k[i], cache.v[i], slots, starts, lengths)  # noqa: E731
+        def attend(i, q):
+            if cache.int8:
+                return kv_int8.prefill_attention(q, cache.k[i], cache.v[i], cache.scales(i), slots, starts, lengths)
+            return kernels.prefill_attention(q, cache.k[i], cache.v[i], slots, starts, lengths)
+
         return x.reshape(B * T, -1), self._attention(rope_pos.reshape(-1), slot_of.reshape(-1), write_pos.reshape(-1),
                                                      attend, cache)
 
@@ -589,7 +631,7 @@ class FusedLayerOps:
         def attention(i: int, attn: DecoderAttention, h: torch.Tensor) -> torch.Tensor:
             q = kernels.qk_norm_rope_store(self.project(attn.qkv_proj, h), attn.q_norm.weight, attn.k_norm.weight, self.cos,
                                            self.sin, rope_pos, slots, write_pos, cache.k[i], cache.v[i],
-                                           attn.num_heads, attn.num_kv_heads, attn.q_norm.eps)
+                                           attn.num_heads, attn.num_kv_heads, attn.q_norm.eps, cache.scales(i))
             return attend(i, q)
 
         return attention
@@ -616,8 +658,8 @@ class Qwen3ASR(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.decoder.embed_tokens.weight.dtype
 
-    def new_cache(self, num_slots: int, max_len: int) -> KVCache:
-        return KVCache(self.cfg.text, num_slots, max_len, device=self.device, dtype=self.dtype)
+    def new_cache(self, num_slots: int, max_len: int, int8: bool = False) -> KVCache:
+        return KVCache(self.cfg.text, num_slots, max_len, device=self.device, dtype=self.dtype, int8=int8)
 
     def embed_prompt(self, input_ids: torch.Tensor, audio: torch.Tensor, audio_offset: int) -> torch.Tensor:
         # input_ids: [T]; audio: [N, D] placed at positions audio_offset .. audio_offset + N -> [T, D]

@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-run-ahead", action="store_true",
                         help="queue the next decode step before reading the last, so the GPU does not wait while "
                              "the host handles its tokens (offline work does; live, it gave a worse final p95)")
+    parser.add_argument("--kv-int8", action="store_true",
+                        help="keep the KV cache as int8 with a scale per vector: half the memory a slot needs and "
+                             "about half the bytes a decode step's attention reads; tokens may differ from a bf16 "
+                             "cache's (docs/benchmarks.md has the agreement measured)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--workers", type=int, default=1,
@@ -207,7 +211,8 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          tokens_per_second=args.tokens_per_second, ignore_eos=args.ignore_eos,
                          admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
                          decode_steps_ahead=args.decode_steps_ahead, decode_run_ahead=args.decode_run_ahead,
-                         max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner)
+                         max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner,
+                         kv_int8=args.kv_int8)
 
 
 async def serve(args: argparse.Namespace, config: ServerConfig, *, build=None, replica=None) -> int:

@@ -72,6 +72,21 @@ def test_offline_takes_the_engines_admission_options_from_its_command_line():
     assert engine_overrides(args) == offline | {"decode_steps_ahead": 2, "admission_interval_ms": 0.0}
     args = offline_parser().parse_args(["--no-decode-run-ahead"])
     assert engine_overrides(args) == offline | {"decode_run_ahead": False}
+    assert engine_overrides(offline_parser().parse_args(["--kv-int8"])) == offline | {"kv_int8": True}
+
+
+def test_offline_on_an_int8_cache_checks_it_against_the_eager_path_on_one_and_against_a_bf16_cache():
+    from qasr.bench.cli import offline_parser
+    from qasr.bench.offline import run
+
+    out = run(offline_parser().parse_args([
+        "--size", "tiny", "--device", "cpu", "--num-clips", "2", "--slots", "4", "--tokens", "3", "--clip-seconds",
+        "1.0", "--latency-runs", "1", "--step-runs", "1", "--independence-requests", "3", "--eager-requests", "2",
+        "--kv-int8"]))
+    assert out["engine_options"]["kv_int8"] is True
+    checks = out["correctness"]
+    assert checks["eager_bs1_exact_match"] == "2/2"  # the eager engine runs on an int8 cache too
+    assert checks["bf16_cache_exact_match"].endswith("/3") and 0 <= checks["bf16_cache_token_agreement"] <= 1
 
 
 def test_the_offline_bench_freezes_the_loaded_heap_unless_told_not_to():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qasr.model import conv_kernels, gemv, kernels
+from qasr.model import conv_kernels, gemv, kernels, kv_int8
 from qasr.model.modeling import FusedLayerOps, PlainLayerOps, RMSNorm, rotate_half
 from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
@@ -128,6 +128,61 @@ def test_qk_norm_rope_store_matches_reference_and_writes_only_its_positions(H, K
     written = torch.zeros(S, L, dtype=torch.bool)
     written[slots, write_pos] = True
     assert not k_cache.transpose(1, 2)[~written].any() and not v_cache.transpose(1, 2)[~written].any()
+
+
+@pytest.mark.parametrize("H,KVH,N", [(4, 2, 7), (4, 2, 40)])
+def test_qk_norm_rope_store_into_an_int8_cache_stores_what_kv_int8_quantize_stores(H, KVH, N):
+    hd, S, L = 16, 6, 48
+    qkv = torch.randn(N, (H + 2 * KVH) * hd)
+    qw, kw = torch.randn(hd), torch.randn(hd)
+    cos, sin = rope_tables(L, hd)
+    rope_pos, slots, write_pos = torch.randint(0, L, (N,)), torch.randint(0, S, (N,)), torch.randperm(L)[:N]
+    qkv[0, (H + KVH) * hd:(H + KVH + 1) * hd] = 0  # token 0's first value: all zeros, scale 0
+    k_cache, v_cache = torch.zeros(S, KVH, L, hd), torch.zeros(S, KVH, L, hd)
+    args = (qkv, qw, kw, cos, sin, rope_pos, slots, write_pos)
+    q = kernels.qk_norm_rope_store(*args, k_cache, v_cache, H, KVH, 1e-6)
+    words = [torch.zeros(S, KVH, L, hd // 4, dtype=torch.int32) for _ in range(2)]
+    scales = (torch.zeros(S, KVH, L), torch.zeros(S, KVH, L))
+    assert torch.equal(kernels.qk_norm_rope_store(*args, *words, H, KVH, 1e-6, scales), q)
+    for cache, stored, scale in ((k_cache, words[0], scales[0]), (v_cache, words[1], scales[1])):
+        expected_words, expected_scales = kv_int8.quantize(cache)
+        assert torch.equal(stored, expected_words) and torch.equal(scale, expected_scales)  # bit for bit
+        assert torch.allclose(kv_int8.dequantize(stored, scale, cache.dtype), cache,
+                              atol=0.5 * float(cache.abs().max()) / kv_int8.QMAX + 1e-6)
+    assert scales[1][slots[0], 0, write_pos[0]] == 0 and not words[1][slots[0], 0, write_pos[0]].any()
+
+
+def int8_cache(S: int, kv_heads: int, L: int, hd: int):
+    """A random int8 cache (words, (key scales, value scales)) and the float32 cache it stands for."""
+    k, v = torch.randn(S, kv_heads, L, hd), 0.1 * torch.randn(S, kv_heads, L, hd)
+    (kw, ks), (vw, vs) = kv_int8.quantize(k), kv_int8.quantize(v)
+    return (kw, vw, (ks, vs)), (kv_int8.dequantize(kw, ks, k.dtype), kv_int8.dequantize(vw, vs, v.dtype))
+
+
+@pytest.mark.parametrize("heads,kv_heads,tile", [(4, 2, kv_int8.DECODE_TILE), (6, 2, (32, 2, 2))])
+def test_int8_decode_attention_is_the_attention_over_the_dequantized_cache(heads, kv_heads, tile):
+    hd, S, L = 16, 7, 160
+    (kw, vw, scales), (k_cache, v_cache) = int8_cache(S, kv_heads, L, hd)
+    positions = torch.tensor([0, 5, -1, 63, 64, 128, 150])  # around the key blocks; -1: a padding row
+    q = torch.randn(len(positions), heads, hd)
+    out = kv_int8.decode_attention(q, kw, vw, scales, positions, tile)
+    assert torch.allclose(out, kernels.decode_attention(q, k_cache, v_cache, positions), atol=TOL, rtol=TOL)
+    for b in range(len(positions)):  # keys past a row's position must not matter
+        kw[b, :, max(int(positions[b]), 0) + 1:] = 0x7F7F7F7F
+        scales[0][b, :, max(int(positions[b]), 0) + 1:] = 1e4
+    assert torch.equal(kv_int8.decode_attention(q, kw, vw, scales, positions, tile), out)
+
+
+def test_int8_prefill_attention_is_the_attention_over_the_dequantized_cache():
+    heads, kv_heads, hd, S, L = 4, 2, 16, 6, 96
+    (kw, vw, scales), (k_cache, v_cache) = int8_cache(S, kv_heads, L, hd)
+    slots, starts, lengths = torch.tensor([3, 0, 5]), torch.tensor([0, 40, 7]), torch.tensor([20, 13, 5])
+    T = 20
+    q = torch.randn(len(slots) * T, heads, hd)
+    out = kv_int8.prefill_attention(q, kw, vw, scales, slots, starts, lengths)
+    expected = kernels.prefill_attention(q, k_cache, v_cache, slots, starts, lengths)
+    valid = (torch.arange(T)[None] < lengths[:, None]).reshape(-1)
+    assert torch.allclose(out[valid], expected[valid], atol=TOL, rtol=TOL)
 
 
 @pytest.mark.parametrize("heads,kv_heads,tile", [(4, 2, None), (4, 4, None), (6, 2, None), (4, 2, (32, 2, 2)),
@@ -459,15 +514,35 @@ def test_prefill_padded_to_buckets_gives_the_same_tokens(tiny_model_dir, engines
     assert [padded.transcribe([r])[0].token_ids for r in reqs] == [r.token_ids for r in plain.transcribe(reqs)]
 
 
-def test_a_runners_prefix_copy_copies_every_layers_keys_and_values(tiny_model_dir):
+def test_the_engine_on_an_int8_cache_gives_the_plain_int8_engines_tokens_and_identical_rows(tiny_model_dir, engines):
+    """kv_int8 on the kernels (the writer and both readers) against the plain path over the same format; a bf16
+    engine's tokens differ (tested elsewhere only through docs/benchmarks.md's agreement figures)."""
+    fused, plain = (Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
+        num_slots=4, max_len=256, num_retained=2, kv_int8=True, fused_kernels=on)) for on in (True, False))
+    assert fused.runner.cache.int8 and fused.runner.cache.k[0].dtype == torch.int32
+    clips = [speech(s, seed=60 + i) for i, s in enumerate([0.4, 2.2, 3.1, 1.3, 0.9])]
+    reqs = [DecodeRequest(audio=c, max_new_tokens=b) for c, b in zip(clips, [6, 12, 9, 15, 7])]  # 5 requests, 4 slots
+    assert [r.token_ids for r in fused.transcribe(reqs)] == [r.token_ids for r in plain.transcribe(reqs)]
+    out = fused.transcribe([DecodeRequest(audio=clips[1], max_new_tokens=10) for _ in range(4)])
+    assert len({r.token_ids for r in out}) == 1 and len(out[0].token_ids) == 10
+    clip = speech(9.0, seed=4)  # partials reusing a prefix: the copy takes the scales along
+    for seconds in (3.0, 8.5, 9.0):
+        req = DecodeRequest(audio=clip[: int(seconds * 16000)], priority=Priority.PARTIAL, stream_id="s",
+                            max_new_tokens=6)
+        assert fused.transcribe([req])[0].token_ids == plain.transcribe([req])[0].token_ids
+    assert fused.counters["reused_tokens"] > 0
+
+
+@pytest.mark.parametrize("int8", [False, True])
+def test_a_runners_prefix_copy_copies_every_layers_keys_and_values(tiny_model_dir, int8):
     """A stream's retained prefix (copy_prefix): the first `length` positions of every cache tensor, nothing past."""
     runner = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
-        num_slots=2, max_len=64, num_retained=1, fused_kernels=True)).runner
+        num_slots=2, max_len=64, num_retained=1, fused_kernels=True, kv_int8=int8)).runner
     cache = runner.cache
     tensors = cache.tensors
-    assert len(tensors) == 2 * len(cache.k)  # keys and values, per layer
+    assert len(tensors) == (4 if int8 else 2) * len(cache.k)  # keys and values per layer, and an int8 cache's scales
     for t in tensors:
-        t[0] = torch.rand(t[0].shape)
+        t[0] = torch.rand(t[0].shape) if t.is_floating_point() else torch.randint(-2**31, 2**31 - 1, t[0].shape)
     runner.copy_prefix(0, 2, 20)
     for t in tensors:
         assert torch.equal(t[2, :, :20], t[0, :, :20]) and not t[2, :, 20:].any()

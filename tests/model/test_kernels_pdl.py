@@ -1,9 +1,9 @@
 """Programmatic dependent launch ($QASR_PDL, model/kernels.py): when it is on and where it is off, and what the
 compiled kernels do with it.
 
-No GPU here, but Triton compiles for one: each kernel of kernels.py and gemv.py is compiled for sm_90 (Hopper) with its
-PDL flag on and off, and the PTX must wait for the previous kernel (griddepcontrol.wait) before its first global load
-or store, allow the next one to launch, and carry neither instruction with the flag off. In Triton's interpreter (the
+No GPU here, but Triton compiles for one: each kernel of kernels.py, gemv.py and kv_int8.py is compiled for sm_90
+(Hopper) with its PDL flag on and off, and the PTX must wait for the previous kernel (griddepcontrol.wait) before its
+first global load or store, allow the next one to launch, and carry neither instruction with the flag off. In Triton's interpreter (the
 CPU tests) the switch on must change nothing: the flag stays off there and the engine's tokens are the same.
 """
 
@@ -22,24 +22,34 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from qasr.model import gemv, kernels  # noqa: E402
+from qasr.model import gemv, kernels, kv_int8  # noqa: E402
 
 # every kernel of the two modules, with a signature and constexprs at the 0.6B decoder's shapes (bf16, split-K inputs)
 KERNELS = {
     "_rms_norm_kernel": (kernels, {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "D": "i32", "eps": "fp32",
                                    "split_stride": "i32"},
                          {"SPLITS": 2, "HAS_RESIDUAL": True, "BLOCK": 1024}),
-    "_qk_norm_rope_store_kernel": (kernels, {
-        "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "QW": "*bf16", "KW": "*bf16",
-        "COS": "*bf16", "SIN": "*bf16", "ROPE_POS": "*i64", "SLOT": "*i64", "WRITE_POS": "*i64", "stride_qkv": "i32",
-        "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "eps": "fp32", "split_stride": "i32"},
-        {"H": 16, "KVH": 8, "HD": 128, "HEADS": 8, "SPLITS": 2}),
+    "_qk_norm_rope_store_kernel": (kernels, {  # writing an int8 cache (kv_int8)
+        "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*i32", "V_CACHE": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32",
+        "QW": "*bf16", "KW": "*bf16", "COS": "*bf16", "SIN": "*bf16", "ROPE_POS": "*i64", "SLOT": "*i64",
+        "WRITE_POS": "*i64", "stride_qkv": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32",
+        "stride_ss": "i32", "stride_sh": "i32", "eps": "fp32", "split_stride": "i32"},
+        {"H": 16, "KVH": 8, "HD": 128, "HEADS": 8, "SPLITS": 2, "INT8": True}),
     "_decode_attention_kernel": (kernels, {
         "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "POS": "*i64", "stride_cs": "i32", "stride_ch": "i32",
         "stride_cl": "i32", "scale": "fp32"}, {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64}),
     "_prefill_attention_kernel": (kernels, {
         "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "SLOTS": "*i64", "STARTS": "*i64",
         "LENGTHS": "*i64", "T": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "scale": "fp32"},
+        {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64}),
+    "_decode_attention_int8_kernel": (kv_int8, {
+        "Q": "*bf16", "K": "*i32", "V": "*i32", "KS": "*fp32", "VS": "*fp32", "OUT": "*bf16", "POS": "*i64",
+        "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "stride_ss": "i32", "stride_sh": "i32",
+        "scale": "fp32"}, {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 128}),
+    "_prefill_attention_int8_kernel": (kv_int8, {
+        "Q": "*bf16", "K": "*i32", "V": "*i32", "KS": "*fp32", "VS": "*fp32", "OUT": "*bf16", "SLOTS": "*i64",
+        "STARTS": "*i64", "LENGTHS": "*i64", "T": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32",
+        "stride_ss": "i32", "stride_sh": "i32", "scale": "fp32"},
         {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64}),
     "_silu_mul_kernel": (kernels, {"GU": "*bf16", "OUT": "*bf16", "I": "i32"}, {"BLOCK": 1024}),
     "_decode_begin_kernel": (kernels, {
@@ -57,14 +67,14 @@ KERNELS = {
                                     "stride_xm": "i32"},
                              {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
 }
-DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max",
-                    "_block_argmax"}  # called from the kernels, not launched
+DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max", "_block_argmax",
+                    "_store_int8", "_quarters", "_scores"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
 
 def launched_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
     found = {}
-    for module in (kernels, gemv):
+    for module in (kernels, gemv, kv_int8):
         for name, value in vars(module).items():
             if isinstance(value, triton.runtime.jit.JITFunction) and name not in DEVICE_FUNCTIONS:
                 found[name] = value

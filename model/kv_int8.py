@@ -1,0 +1,231 @@
+"""The int8 KV cache's format, in PyTorch: what the fused kernels write and read (kernels.py), and how the plain path
+stores and reads the same cache.
+
+Each key and value vector (one token, one KV head, hd values) is stored as hd int8 values and one float32 scale, its
+absmax / 127: x ~ q * scale, q = x * (127 / absmax) rounded half away from zero. The int8 values are packed into
+hd / 4 32-bit words, byte j (the lowest first) of word w holding dimension j * hd/4 + w: a kernel loads a key's words
+as a bf16 key's halves would be loaded (16 bytes at a time) and takes them apart into four [keys, hd/4] quarters in
+registers, instead of moving an 8-bit tile through shared memory a byte at a time (what made sessions 10 and 21's int8
+and FP8 caches slower than bf16: docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+QMAX = 127
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., hd] -> (int32 words [..., hd / 4], float32 scales [...]). An all-zero vector gets scale 0 and zeros."""
+    x = x.float()
+    absmax = x.abs().amax(-1)
+    qmax = torch.full_like(absmax, QMAX)  # tensor / tensor: a division rounded once on every device (PyTorch's CUDA
+    # kernels multiply by a Python scalar's reciprocal instead)
+    inv = torch.where(absmax > 0, qmax / absmax, torch.zeros_like(absmax))
+    y = x * inv[..., None]
+    q = torch.trunc(y + torch.copysign(torch.full_like(y, 0.5), y)).clamp(-QMAX, QMAX).to(torch.int8)
+    hd = x.shape[-1]
+    packed = q.unflatten(-1, (4, hd // 4)).transpose(-1, -2).contiguous()  # [..., w, j]
+    return packed.flatten(-2).view(torch.int32), absmax / qmax
+
+
+def unpack(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., hd / 4] -> the int8 values [..., hd] in dimension order."""
+    return words.contiguous().view(torch.int8).unflatten(-1, (-1, 4)).transpose(-1, -2).flatten(-2)
+
+
+def dequantize(words: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quantize's (words, scales) -> the vectors they stand for, [..., hd] in dtype."""
+    return (unpack(words).float() * scales[..., None]).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The attention kernels' int8 readers: kernels.decode_attention and kernels.prefill_attention over this format (the
+# writer is kernels.qk_norm_rope_store's INT8 branch). A key's scale multiplies its scores after the product; a
+# value's scale its softmax weights before the second product. Each product is the sum of its four quarters'.
+
+from .kernels import PREFILL_TILE_ROWS, PREFILL_WARPS, _await_inputs, pdl_options, triton  # noqa: E402
+
+# the int8 decode attention's tile: keys an iteration, warps, stages (fixed, as kernels.DECODE_TILE: another tile
+# may round a row differently)
+DECODE_TILE = (128, 4, 2)
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _quarters(words, DT: tl.constexpr):
+        # int32 words [N, HD / 4] -> their four bytes as signed integers in DT (exact: |q| <= 127), byte 0 first
+        b0 = ((words << 24) >> 24).to(tl.float32).to(DT)
+        b1 = ((words << 16) >> 24).to(tl.float32).to(DT)
+        b2 = ((words << 8) >> 24).to(tl.float32).to(DT)
+        b3 = (words >> 24).to(tl.float32).to(DT)
+        return b0, b1, b2, b3
+
+    @triton.jit
+    def _scores(q0, q1, q2, q3, K, offs, kmask, KS, scale_offs, qk_scale, DT: tl.constexpr):
+        # [rows, keys] scores (exp2 domain) of the query quarters against the keys at offs (words) / scale_offs
+        k0, k1, k2, k3 = _quarters(tl.load(K + offs, mask=kmask[:, None], other=0), DT)
+        s = tl.dot(q0, tl.trans(k0))
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
+        return s * (tl.load(KS + scale_offs, mask=kmask, other=0.0) * qk_scale)[None, :]
+
+    @triton.jit
+    def _decode_attention_int8_kernel(
+        Q, K, V, KS, VS, OUT, POS, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, scale,
+        H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
+        # kernels._decode_attention_kernel over an int8 cache
+        _await_inputs(PDL)
+        QD: tl.constexpr = HD // 4
+        DT: tl.constexpr = Q.dtype.element_ty
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(1)
+        g = tl.arange(0, G_BLOCK)
+        w = tl.arange(0, QD)
+        gmask = g[:, None] < G
+        rows = (b * H + kvh * G + g[:, None]) * HD + w[None, :]
+        q0 = tl.load(Q + rows, mask=gmask, other=0.0)
+        q1 = tl.load(Q + rows + QD, mask=gmask, other=0.0)
+        q2 = tl.load(Q + rows + 2 * QD, mask=gmask, other=0.0)
+        q3 = tl.load(Q + rows + 3 * QD, mask=gmask, other=0.0)
+        qk_scale = scale * 1.4426950408889634  # exp2 domain
+        n_keys = tl.maximum(tl.load(POS + b), 0) + 1
+        base = b * stride_cs + kvh * stride_ch
+        scale_base = b * stride_ss + kvh * stride_sh
+        m = tl.full([G_BLOCK], float("-inf"), tl.float32)
+        l = tl.zeros([G_BLOCK], tl.float32)
+        a0 = tl.zeros([G_BLOCK, QD], tl.float32)
+        a1 = tl.zeros([G_BLOCK, QD], tl.float32)
+        a2 = tl.zeros([G_BLOCK, QD], tl.float32)
+        a3 = tl.zeros([G_BLOCK, QD], tl.float32)
+        for start in range(0, n_keys, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            kmask = keys < n_keys
+            offs = base + keys[:, None] * stride_cl + w[None, :]
+            s = _scores(q0, q1, q2, q3, K, offs, kmask, KS, scale_base + keys, qk_scale, DT)
+            s = tl.where(kmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+            pv = (p * tl.load(VS + scale_base + keys, mask=kmask, other=0.0)[None, :]).to(DT)
+            v0, v1, v2, v3 = _quarters(tl.load(V + offs, mask=kmask[:, None], other=0), DT)
+            a0 = tl.dot(pv, v0, a0 * alpha[:, None])
+            a1 = tl.dot(pv, v1, a1 * alpha[:, None])
+            a2 = tl.dot(pv, v2, a2 * alpha[:, None])
+            a3 = tl.dot(pv, v3, a3 * alpha[:, None])
+        out = OUT + rows
+        tl.store(out, (a0 / l[:, None]).to(DT), mask=gmask)
+        tl.store(out + QD, (a1 / l[:, None]).to(DT), mask=gmask)
+        tl.store(out + 2 * QD, (a2 / l[:, None]).to(DT), mask=gmask)
+        tl.store(out + 3 * QD, (a3 / l[:, None]).to(DT), mask=gmask)
+
+    @triton.jit
+    def _prefill_attention_int8_kernel(
+        Q, K, V, KS, VS, OUT, SLOTS, STARTS, LENGTHS, T, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, scale,
+        H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    ):
+        # kernels._prefill_attention_kernel over an int8 cache
+        _await_inputs(PDL)
+        QD: tl.constexpr = HD // 4
+        DT: tl.constexpr = Q.dtype.element_ty
+        b = tl.program_id(0).to(tl.int64)
+        kvh = tl.program_id(2)
+        r = tl.arange(0, BLOCK_M * G_BLOCK)
+        t = tl.program_id(1) * BLOCK_M + r // G_BLOCK
+        g = r % G_BLOCK
+        rmask = (t < T) & (g < G)
+        w = tl.arange(0, QD)
+        rows = ((b * T + t) * H + kvh * G + g)[:, None] * HD + w[None, :]
+        q0 = tl.load(Q + rows, mask=rmask[:, None], other=0.0)
+        q1 = tl.load(Q + rows + QD, mask=rmask[:, None], other=0.0)
+        q2 = tl.load(Q + rows + 2 * QD, mask=rmask[:, None], other=0.0)
+        q3 = tl.load(Q + rows + 3 * QD, mask=rmask[:, None], other=0.0)
+        qk_scale = scale * 1.4426950408889634  # exp2 domain
+        start, length = tl.load(STARTS + b), tl.load(LENGTHS + b)
+        n_keys = tl.where(t < length, start + t, 0) + 1  # per row
+        tile_keys = tl.max(tl.where(rmask, n_keys, 0), axis=0)
+        slot = tl.load(SLOTS + b).to(tl.int64)
+        base = slot * stride_cs + kvh * stride_ch
+        scale_base = slot * stride_ss + kvh * stride_sh
+        m = tl.full([BLOCK_M * G_BLOCK], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_M * G_BLOCK], tl.float32)
+        a0 = tl.zeros([BLOCK_M * G_BLOCK, QD], tl.float32)
+        a1 = tl.zeros([BLOCK_M * G_BLOCK, QD], tl.float32)
+        a2 = tl.zeros([BLOCK_M * G_BLOCK, QD], tl.float32)
+        a3 = tl.zeros([BLOCK_M * G_BLOCK, QD], tl.float32)
+        for key0 in range(0, tile_keys, BLOCK_N):
+            keys = key0 + tl.arange(0, BLOCK_N)
+            kmask = keys < tile_keys
+            offs = base + keys[:, None] * stride_cl + w[None, :]
+            s = _scores(q0, q1, q2, q3, K, offs, kmask, KS, scale_base + keys, qk_scale, DT)
+            s = tl.where(keys[None, :] < n_keys[:, None], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+            pv = (p * tl.load(VS + scale_base + keys, mask=kmask, other=0.0)[None, :]).to(DT)
+            v0, v1, v2, v3 = _quarters(tl.load(V + offs, mask=kmask[:, None], other=0), DT)
+            a0 = tl.dot(pv, v0, a0 * alpha[:, None])
+            a1 = tl.dot(pv, v1, a1 * alpha[:, None])
+            a2 = tl.dot(pv, v2, a2 * alpha[:, None])
+            a3 = tl.dot(pv, v3, a3 * alpha[:, None])
+        out = OUT + rows
+        tl.store(out, (a0 / l[:, None]).to(DT), mask=rmask[:, None])
+        tl.store(out + QD, (a1 / l[:, None]).to(DT), mask=rmask[:, None])
+        tl.store(out + 2 * QD, (a2 / l[:, None]).to(DT), mask=rmask[:, None])
+        tl.store(out + 3 * QD, (a3 / l[:, None]).to(DT), mask=rmask[:, None])
+
+
+def _check(k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, ...]:
+    """An int8 cache's strides (words, then scales), after checking the four tensors agree."""
+    k_scale, v_scale = scales
+    assert k.dtype == v.dtype == torch.int32 and k.stride() == v.stride() and k.stride(-1) == 1
+    assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.stride() == v_scale.stride()
+    assert k_scale.shape == k.shape[:-1] and k_scale.stride(-1) == 1
+    return (*k.stride()[:3], *k_scale.stride()[:2])
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor],
+                     positions: torch.Tensor, tile: tuple[int, int, int] = DECODE_TILE) -> torch.Tensor:
+    """kernels.decode_attention over an int8 cache: k, v [S, KVH, L, hd / 4] int32 words, scales (keys', values')
+    [S, KVH, L] float32."""
+    B, H, hd = q.shape
+    kvh = k.shape[1]
+    out = torch.empty((B, H * hd), dtype=q.dtype, device=q.device)
+    keys, warps, stages = tile
+    _decode_attention_int8_kernel[(B, kvh)](
+        q.contiguous(), k, v, *scales, out, positions.contiguous(), *_check(k, v, scales), 1.0 / math.sqrt(hd),
+        H=H, G=H // kvh, G_BLOCK=max(16, triton.next_power_of_2(H // kvh)), HD=hd, BLOCK_N=keys, num_warps=warps,
+        num_stages=stages, **pdl_options(q.device, B))
+    return out
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor],
+                      slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
+                      tile_rows: int = PREFILL_TILE_ROWS, num_warps: int = PREFILL_WARPS) -> torch.Tensor:
+    """kernels.prefill_attention over an int8 cache (as decode_attention here)."""
+    B = slots.shape[0]
+    N, H, hd = q.shape
+    T = N // B
+    kvh = k.shape[1]
+    group = H // kvh
+    assert N == B * T
+    out = torch.empty((N, H * hd), dtype=q.dtype, device=q.device)
+    g_block = triton.next_power_of_2(group)
+    block_m = max(1, tile_rows // g_block)  # tokens a program
+    _prefill_attention_int8_kernel[(B, triton.cdiv(T, block_m), kvh)](
+        q.contiguous(), k, v, *scales, out, slots.contiguous(), starts.contiguous(), lengths.contiguous(), T,
+        *_check(k, v, scales), 1.0 / math.sqrt(hd), H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m,
+        BLOCK_N=64, num_warps=num_warps, **pdl_options(q.device, N))
+    return out
