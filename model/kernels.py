@@ -275,6 +275,15 @@ if triton is not None:
         tl.store(OUT + (b * H + heads[:, None]) * HD + d[None, :], out.to(OUT.dtype.element_ty), mask=gmask[:, None])
 
     @triton.jit
+    def _prefill_tile(T, G: tl.constexpr, G_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+        # a prefill attention program's sequence b, KV head and tile rows: (token t, query head g of the KV head)
+        # pairs, and which of them are real
+        r = tl.arange(0, BLOCK_M * G_BLOCK)
+        t = tl.program_id(1) * BLOCK_M + r // G_BLOCK
+        g = r % G_BLOCK
+        return tl.program_id(0).to(tl.int64), tl.program_id(2), t, g, (t < T) & (g < G)
+
+    @triton.jit
     def _prefill_attention_kernel(
         Q, K, V, OUT, SLOTS, STARTS, LENGTHS, T, stride_cs, stride_ch, stride_cl, scale,
         H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr,
@@ -286,12 +295,7 @@ if triton is not None:
         # (t >= lengths[b]) attends to position 0 only. Keys past a row's position get exactly zero weight, so a row
         # does not depend on the other rows of its tile: a sequence's result does not depend on its batch.
         _await_inputs(PDL)
-        b = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(2)
-        r = tl.arange(0, BLOCK_M * G_BLOCK)
-        t = tl.program_id(1) * BLOCK_M + r // G_BLOCK
-        g = r % G_BLOCK
-        rmask = (t < T) & (g < G)
+        b, kvh, t, g, rmask = _prefill_tile(T, G, G_BLOCK, BLOCK_M)
         d = tl.arange(0, HD)
         q_rows = ((b * T + t) * H + kvh * G + g) * HD
         q = tl.load(Q + q_rows[:, None] + d[None, :], mask=rmask[:, None], other=0.0)

@@ -47,7 +47,7 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
 # writer is kernels.qk_norm_rope_store's INT8 branch). A key's scale multiplies its scores after the product; a
 # value's scale its softmax weights before the second product. Each product is the sum of its four quarters'.
 
-from .kernels import PREFILL_TILE_ROWS, PREFILL_WARPS, _await_inputs, pdl_options, triton  # noqa: E402
+from .kernels import PREFILL_TILE_ROWS, PREFILL_WARPS, _await_inputs, _prefill_tile, pdl_options, triton  # noqa: E402
 
 # the int8 decode attention's tile: keys an iteration, warps, stages (fixed, as kernels.DECODE_TILE: another tile
 # may round a row differently)
@@ -76,6 +76,33 @@ if triton is not None:
         return s * (tl.load(KS + scale_offs, mask=kmask, other=0.0) * qk_scale)[None, :]
 
     @triton.jit
+    def _load_quarters(X, at, mask, QD: tl.constexpr):
+        # the four column quarters of a [rows, 4 QD] tile (at: [rows, QD] offsets of the first)
+        return (tl.load(X + at, mask=mask, other=0.0), tl.load(X + at + QD, mask=mask, other=0.0),
+                tl.load(X + at + 2 * QD, mask=mask, other=0.0), tl.load(X + at + 3 * QD, mask=mask, other=0.0))
+
+    @triton.jit
+    def _attend(s, m, l, a0, a1, a2, a3, V, offs, kmask, VS, scale_offs, DT: tl.constexpr):
+        # one block of keys into the online softmax (float32, as flash attention does): its scores s (exp2 domain,
+        # -inf where masked) update the running maximum m and sum l, its values the four quarters' accumulators
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        pv = (p * tl.load(VS + scale_offs, mask=kmask, other=0.0)[None, :]).to(DT)
+        v0, v1, v2, v3 = _quarters(tl.load(V + offs, mask=kmask[:, None], other=0), DT)
+        return (m_new, l * alpha + tl.sum(p, axis=1), tl.dot(pv, v0, a0 * alpha[:, None]),
+                tl.dot(pv, v1, a1 * alpha[:, None]), tl.dot(pv, v2, a2 * alpha[:, None]),
+                tl.dot(pv, v3, a3 * alpha[:, None]))
+
+    @triton.jit
+    def _store_quarters(OUT, at, a0, a1, a2, a3, l, mask, QD: tl.constexpr):
+        DT: tl.constexpr = OUT.dtype.element_ty
+        tl.store(OUT + at, (a0 / l[:, None]).to(DT), mask=mask)
+        tl.store(OUT + at + QD, (a1 / l[:, None]).to(DT), mask=mask)
+        tl.store(OUT + at + 2 * QD, (a2 / l[:, None]).to(DT), mask=mask)
+        tl.store(OUT + at + 3 * QD, (a3 / l[:, None]).to(DT), mask=mask)
+
+    @triton.jit
     def _decode_attention_int8_kernel(
         Q, K, V, KS, VS, OUT, POS, stride_cs, stride_ch, stride_cl, stride_ss, stride_sh, scale,
         H: tl.constexpr, G: tl.constexpr, G_BLOCK: tl.constexpr, HD: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -91,10 +118,7 @@ if triton is not None:
         w = tl.arange(0, QD)
         gmask = g[:, None] < G
         rows = (b * H + kvh * G + g[:, None]) * HD + w[None, :]
-        q0 = tl.load(Q + rows, mask=gmask, other=0.0)
-        q1 = tl.load(Q + rows + QD, mask=gmask, other=0.0)
-        q2 = tl.load(Q + rows + 2 * QD, mask=gmask, other=0.0)
-        q3 = tl.load(Q + rows + 3 * QD, mask=gmask, other=0.0)
+        q0, q1, q2, q3 = _load_quarters(Q, rows, gmask, QD)
         qk_scale = scale * 1.4426950408889634  # exp2 domain
         n_keys = tl.maximum(tl.load(POS + b), 0) + 1
         base = b * stride_cs + kvh * stride_ch
@@ -111,22 +135,8 @@ if triton is not None:
             offs = base + keys[:, None] * stride_cl + w[None, :]
             s = _scores(q0, q1, q2, q3, K, offs, kmask, KS, scale_base + keys, qk_scale, DT)
             s = tl.where(kmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            m = m_new
-            pv = (p * tl.load(VS + scale_base + keys, mask=kmask, other=0.0)[None, :]).to(DT)
-            v0, v1, v2, v3 = _quarters(tl.load(V + offs, mask=kmask[:, None], other=0), DT)
-            a0 = tl.dot(pv, v0, a0 * alpha[:, None])
-            a1 = tl.dot(pv, v1, a1 * alpha[:, None])
-            a2 = tl.dot(pv, v2, a2 * alpha[:, None])
-            a3 = tl.dot(pv, v3, a3 * alpha[:, None])
-        out = OUT + rows
-        tl.store(out, (a0 / l[:, None]).to(DT), mask=gmask)
-        tl.store(out + QD, (a1 / l[:, None]).to(DT), mask=gmask)
-        tl.store(out + 2 * QD, (a2 / l[:, None]).to(DT), mask=gmask)
-        tl.store(out + 3 * QD, (a3 / l[:, None]).to(DT), mask=gmask)
+            m, l, a0, a1, a2, a3 = _attend(s, m, l, a0, a1, a2, a3, V, offs, kmask, VS, scale_base + keys, DT)
+        _store_quarters(OUT, rows, a0, a1, a2, a3, l, gmask, QD)
 
     @triton.jit
     def _prefill_attention_int8_kernel(
@@ -138,18 +148,10 @@ if triton is not None:
         _await_inputs(PDL)
         QD: tl.constexpr = HD // 4
         DT: tl.constexpr = Q.dtype.element_ty
-        b = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(2)
-        r = tl.arange(0, BLOCK_M * G_BLOCK)
-        t = tl.program_id(1) * BLOCK_M + r // G_BLOCK
-        g = r % G_BLOCK
-        rmask = (t < T) & (g < G)
+        b, kvh, t, g, rmask = _prefill_tile(T, G, G_BLOCK, BLOCK_M)
         w = tl.arange(0, QD)
         rows = ((b * T + t) * H + kvh * G + g)[:, None] * HD + w[None, :]
-        q0 = tl.load(Q + rows, mask=rmask[:, None], other=0.0)
-        q1 = tl.load(Q + rows + QD, mask=rmask[:, None], other=0.0)
-        q2 = tl.load(Q + rows + 2 * QD, mask=rmask[:, None], other=0.0)
-        q3 = tl.load(Q + rows + 3 * QD, mask=rmask[:, None], other=0.0)
+        q0, q1, q2, q3 = _load_quarters(Q, rows, rmask[:, None], QD)
         qk_scale = scale * 1.4426950408889634  # exp2 domain
         start, length = tl.load(STARTS + b), tl.load(LENGTHS + b)
         n_keys = tl.where(t < length, start + t, 0) + 1  # per row
@@ -169,22 +171,8 @@ if triton is not None:
             offs = base + keys[:, None] * stride_cl + w[None, :]
             s = _scores(q0, q1, q2, q3, K, offs, kmask, KS, scale_base + keys, qk_scale, DT)
             s = tl.where(keys[None, :] < n_keys[:, None], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            m = m_new
-            pv = (p * tl.load(VS + scale_base + keys, mask=kmask, other=0.0)[None, :]).to(DT)
-            v0, v1, v2, v3 = _quarters(tl.load(V + offs, mask=kmask[:, None], other=0), DT)
-            a0 = tl.dot(pv, v0, a0 * alpha[:, None])
-            a1 = tl.dot(pv, v1, a1 * alpha[:, None])
-            a2 = tl.dot(pv, v2, a2 * alpha[:, None])
-            a3 = tl.dot(pv, v3, a3 * alpha[:, None])
-        out = OUT + rows
-        tl.store(out, (a0 / l[:, None]).to(DT), mask=rmask[:, None])
-        tl.store(out + QD, (a1 / l[:, None]).to(DT), mask=rmask[:, None])
-        tl.store(out + 2 * QD, (a2 / l[:, None]).to(DT), mask=rmask[:, None])
-        tl.store(out + 3 * QD, (a3 / l[:, None]).to(DT), mask=rmask[:, None])
+            m, l, a0, a1, a2, a3 = _attend(s, m, l, a0, a1, a2, a3, V, offs, kmask, VS, scale_base + keys, DT)
+        _store_quarters(OUT, rows, a0, a1, a2, a3, l, rmask[:, None], QD)
 
 
 def _check(k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, ...]:

@@ -68,7 +68,8 @@ KERNELS = {
                              {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
 }
 DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max", "_block_argmax",
-                    "_store_int8", "_quarters", "_scores"}  # called from the kernels, not launched
+                    "_store_int8", "_quarters", "_scores", "_load_quarters", "_attend",
+                    "_store_quarters", "_prefill_tile"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
 
