@@ -458,7 +458,7 @@ def main(argv=None) -> None:
         print(json.dumps({section: value}), flush=True)
 
     emit("size", size)
-    emit("pdl", {"QASR_PDL": os.environ.get(kernels.PDL_ENV, "0"), "use_pdl": kernels.use_pdl(device),
+    emit("pdl", {"QASR_PDL": os.environ.get(kernels.PDL_ENV, "unset (on)"), "use_pdl": kernels.use_pdl(device),
                  "capability": ".".join(map(str, torch.cuda.get_device_capability(device)))})
     if "pdl" in sections:
         t = time.perf_counter()

@@ -36,12 +36,18 @@ def test_options_become_limits_and_defaults():
             config.defaults.vad.end_silence_ms, config.defaults.vad.max_segment_s) == (700, 3, 800, 20)
 
 
-def test_live_serving_runs_ahead_only_when_asked():
-    def options(*flags):
-        return cli.engine_options(cli.build_parser().parse_args(["--model", "m", "--device", "cpu", *flags]))
+def engine_options(*flags):
+    return cli.engine_options(cli.build_parser().parse_args(["--model", "m", "--device", "cpu", *flags]))
 
-    assert options().decode_run_ahead is False  # not measured live on its own yet (engine/options.py)
-    assert options("--decode-run-ahead").decode_run_ahead is True
+
+def test_live_serving_runs_ahead_only_when_asked():
+    assert engine_options().decode_run_ahead is False  # not measured live on its own yet (engine/options.py)
+    assert engine_options("--decode-run-ahead").decode_run_ahead is True
+
+
+def test_the_kv_cache_is_int8_only_when_asked():
+    assert engine_options().kv_int8 is False
+    assert engine_options("--kv-int8").kv_int8 is True
 
 
 @pytest.mark.parametrize("argv", [
