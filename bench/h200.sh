@@ -16,3 +16,6 @@ for size in ${SIZES:-0.6B 1.7B}; do
   python3 -m qasr.bench.cli offline --size "$size" --official --out "$out/offline-$size.json" $extra "$@" 2>&1 \
     | grep --line-buffered -v "pad_token_id" | tee "$out/offline-$size.log"
 done
+# the int8 KV cache (--kv-int8) on the same lease as the bf16 0.6B run above: its steps, throughput and agreement
+python3 -m qasr.bench.cli offline --size 0.6B --kv-int8 --out "$out/offline-0.6B-int8.json" "$@" 2>&1 \
+  | grep --line-buffered -v "pad_token_id" | tee "$out/offline-0.6B-int8.log"
