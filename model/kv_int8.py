@@ -179,6 +179,9 @@ if triton is not None:
 
 def _check(k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, ...]:
     """An int8 cache's strides (words, then scales), after checking the four tensors agree."""
+    if k.is_cuda and k.shape[-1] < 16:  # a quarter is a tensor-core product's depth, at least 16 (the interpreter
+        # takes any)
+        raise ValueError(f"the int8 KV cache's kernels need head_dim >= 64, got {4 * k.shape[-1]}")
     k_scale, v_scale = scales
     assert k.dtype == v.dtype == torch.int32 and k.stride() == v.stride() and k.stride(-1) == 1
     assert k_scale.dtype == v_scale.dtype == torch.float32 and k_scale.stride() == v_scale.stride()

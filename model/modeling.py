@@ -264,6 +264,9 @@ class KVCache:
 
     def __init__(self, cfg: TextDecoderConfig, num_slots: int, max_len: int, device=None, dtype=None,
                  int8: bool = False):
+        if int8 and cfg.head_dim % 4:
+            raise ValueError(f"an int8 KV cache packs a head's values four to a word: head_dim {cfg.head_dim} is not "
+                             "a multiple of 4")
         self.length = _round_up(max_len + 1, 16)
         self.int8 = int8
         self.dtype = dtype if dtype is not None else torch.get_default_dtype()
