@@ -29,12 +29,12 @@ KERNELS = {
     "_rms_norm_kernel": (kernels, {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "D": "i32", "eps": "fp32",
                                    "split_stride": "i32"},
                          {"SPLITS": 2, "HAS_RESIDUAL": True, "BLOCK": 1024}),
-    "_qk_norm_rope_store_kernel": (kernels, {  # writing an int8 cache (kv_int8)
-        "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*i32", "V_CACHE": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32",
+    "_qk_norm_rope_store_kernel": (kernels, {
+        "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "K_SCALE": "*bf16", "V_SCALE": "*bf16",
         "QW": "*bf16", "KW": "*bf16", "COS": "*bf16", "SIN": "*bf16", "ROPE_POS": "*i64", "SLOT": "*i64",
         "WRITE_POS": "*i64", "stride_qkv": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32",
         "stride_ss": "i32", "stride_sh": "i32", "eps": "fp32", "split_stride": "i32"},
-        {"H": 16, "KVH": 8, "HD": 128, "HEADS": 8, "SPLITS": 2, "INT8": True}),
+        {"H": 16, "KVH": 8, "HD": 128, "HEADS": 8, "SPLITS": 2, "INT8": False}),
     "_decode_attention_kernel": (kernels, {
         "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "POS": "*i64", "stride_cs": "i32", "stride_ch": "i32",
         "stride_cl": "i32", "scale": "fp32"}, {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64}),
@@ -67,6 +67,9 @@ KERNELS = {
                                     "stride_xm": "i32"},
                              {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
 }
+# kernels with a second case: the name above and the signature and constexprs that differ
+VARIANTS = {"_qk_norm_rope_store_kernel (int8 cache)": ("_qk_norm_rope_store_kernel", {
+    "K_CACHE": "*i32", "V_CACHE": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32"}, {"INT8": True})}
 DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max", "_block_argmax",
                     "_store_int8", "_quarters", "_scores", "_load_quarters", "_attend",
                     "_store_quarters", "_prefill_tile"}  # called from the kernels, not launched
@@ -83,7 +86,9 @@ def launched_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
 
 
 def compile_for_hopper(name: str, pdl: bool, num_stages: int = 3):
+    name, signature_change, constexpr_change = VARIANTS.get(name, (name, {}, {}))
     module, signature, constexprs = KERNELS[name]
+    signature, constexprs = signature | signature_change, constexprs | constexpr_change
     fn = getattr(module, name)
     constexprs = constexprs | {"PDL": pdl}
     src = ASTSource(fn=fn, signature=signature | {c: "constexpr" for c in constexprs}, constexprs=constexprs)
@@ -107,7 +112,7 @@ def assert_waits_before_memory(compiled) -> None:
     assert first_access is not None and wait < first_access.start(), ptx[: first_access.start() + 200]
 
 
-@pytest.mark.parametrize("name", sorted(KERNELS))
+@pytest.mark.parametrize("name", sorted(KERNELS) + sorted(VARIANTS))
 def test_with_pdl_each_program_waits_for_the_previous_kernel_before_touching_memory(name):
     assert_waits_before_memory(compile_for_hopper(name, True))
     off = compile_for_hopper(name, False)
