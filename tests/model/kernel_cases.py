@@ -152,6 +152,34 @@ def test_qk_norm_rope_store_into_an_int8_cache_stores_what_kv_int8_quantize_stor
     assert scales[1][slots[0], 0, write_pos[0]] == 0 and not words[1][slots[0], 0, write_pos[0]].any()
 
 
+if kernels.triton is not None:
+    import triton.language as tl
+
+    @kernels.triton.jit
+    def _quarters_probe(WORDS, OUT, N: tl.constexpr, QD: tl.constexpr):
+        # kv_int8._quarters on [N, QD] words, its four quarters stored side by side: [N, 4 * QD] in OUT's dtype
+        at = tl.arange(0, N)[:, None] * QD + tl.arange(0, QD)[None, :]
+        b0, b1, b2, b3 = kv_int8._quarters(tl.load(WORDS + at), OUT.dtype.element_ty)
+        out = tl.arange(0, N)[:, None] * 4 * QD + tl.arange(0, QD)[None, :]
+        tl.store(OUT + out, b0)
+        tl.store(OUT + out + QD, b1)
+        tl.store(OUT + out + 2 * QD, b2)
+        tl.store(OUT + out + 3 * QD, b3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_int8_readers_take_every_byte_value_apart_exactly(dtype):
+    """_quarters builds each byte's value from float bits (no int-to-float conversion): every int8 value, at every
+    byte of a word, must come out as exactly that integer (bfloat16: the upper half of its float32)."""
+    values = torch.arange(-128, 128, dtype=torch.int8)
+    q = torch.stack([values.roll(17 * i) for i in range(4)], -1).reshape(64, 16)  # every value at every byte
+    words = q.unflatten(-1, (4, 4)).transpose(-1, -2).contiguous().flatten(-2).view(torch.int32)  # quantize's packing
+    assert torch.equal(kv_int8.unpack(words), q)
+    out = torch.empty(64, 16, dtype=dtype)
+    _quarters_probe[(1,)](words, out, N=64, QD=4)
+    assert torch.equal(out, q.to(dtype))
+
+
 def int8_cache(S: int, kv_heads: int, L: int, hd: int):
     """A random int8 cache (words, (key scales, value scales)) and the float32 cache it stands for."""
     k, v = torch.randn(S, kv_heads, L, hd), 0.1 * torch.randn(S, kv_heads, L, hd)

@@ -71,7 +71,7 @@ KERNELS = {
 VARIANTS = {"_qk_norm_rope_store_kernel (int8 cache)": ("_qk_norm_rope_store_kernel", {
     "K_CACHE": "*i32", "V_CACHE": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32"}, {"INT8": True})}
 DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max", "_block_argmax",
-                    "_store_int8", "_quarters", "_scores", "_load_quarters", "_attend",
+                    "_store_int8", "_quarters", "_exact_byte", "_scores", "_load_quarters", "_attend",
                     "_store_quarters", "_prefill_tile"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
