@@ -46,7 +46,8 @@ from .offline import kernels_per_step, profiled
 SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "kv_int8", "steps")
 KV_INT8_TILES = tuple(dict.fromkeys((kv_int8.DECODE_TILE, (128, 4, 2), (32, 4, 3), (32, 4, 2), (64, 4, 2), (256, 4, 1),
                                      (256, 8, 1), (128, 4, 1), (16, 4, 3))))
-KV_INT8_PREFILL_TILES = ((64, 4), (128, 4), (128, 8), (32, 4))  # (token x query-head) rows a program, warps
+KV_INT8_PREFILL_TILES = tuple(dict.fromkeys((kv_int8.PREFILL_TILE, (64, 4, 3), (64, 4, 2), (128, 4, 1), (128, 8, 1),
+                                             (32, 4, 1))))  # (token x query-head) rows a program, warps, stages
 # the default first; 256 keys x 3 stages needs more shared memory than an H200 has
 # (256 keys: a 10.9 s clip's prompt and its tokens, ~190 positions, in one iteration)
 DECODE_TILES = tuple(dict.fromkeys((kernels.DECODE_TILE, (64, 4, 3), (32, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2),
@@ -333,9 +334,9 @@ def prefill_int8_us(cfg, device, gen, sequences: int = 32, tokens: int = 160) ->
     starts, lengths = torch.zeros_like(seq), torch.full_like(seq, tokens)
     out["attention bf16"] = per_call_ms([lambda c=c: kernels.prefill_attention(q, c[0], c[1], seq, starts, lengths)
                                          for c in caches])
-    for rows, warps in KV_INT8_PREFILL_TILES:
-        out[f"attention int8 {rows}x{warps}"] = per_call_ms([lambda c=c, r=rows, w=warps: kv_int8.prefill_attention(
-            q, c[2], c[3], (c[4], c[5]), seq, starts, lengths, r, w) for c in caches])
+    for tile in KV_INT8_PREFILL_TILES:
+        out["attention int8 " + "x".join(map(str, tile))] = per_call_ms([lambda c=c, t=tile: kv_int8.prefill_attention(
+            q, c[2], c[3], (c[4], c[5]), seq, starts, lengths, t) for c in caches])
     return {name: round(ms * 1e3, 2) for name, ms in out.items()}
 
 

@@ -47,13 +47,18 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
 # writer is kernels.qk_norm_rope_store's INT8 branch). A key's scale multiplies its scores after the product; a
 # value's scale its softmax weights before the second product. Each product is the sum of its four quarters'.
 
-from .kernels import PREFILL_TILE_ROWS, PREFILL_WARPS, _await_inputs, _prefill_tile, pdl_options, triton  # noqa: E402
+from .kernels import _await_inputs, _prefill_tile, pdl_options, triton  # noqa: E402
 
 # the int8 decode attention's tile: keys an iteration, warps, stages (fixed, as kernels.DECODE_TILE: another tile
 # may round a row differently). On an H100 (session 31, 28 layer caches, rows at 200 positions) 128 x 4 x 2 took
 # 6.4 / 13.8 / 58.4 / 107.6 us at 1 / 32 / 256 / 512 rows, 32 x 4 x 3 8.2 / 11.3 / 54.6 / 99.5: the one-row best of
 # the five tried, the step measured with it; 32 x 4 x 3 in the step is still to be measured
 DECODE_TILE = (128, 4, 2)
+# the int8 prefill attention's tile: (token x query-head) rows a program, warps, stages. kernels.prefill_attention's
+# rows and warps, one stage: compiled for sm_90 at Triton's default three stages the kernel spilled registers (105
+# local stores) and took 66 KB of shared memory; at one stage none and 32 KB, as the bf16 kernel at three (an
+# admission's ~160 keys are three blocks of 64: little for a pipeline to hide)
+PREFILL_TILE = (64, 4, 1)
 
 if triton is not None:
     import triton.language as tl
@@ -220,8 +225,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: 
 
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor],
                       slots: torch.Tensor, starts: torch.Tensor, lengths: torch.Tensor,
-                      tile_rows: int = PREFILL_TILE_ROWS, num_warps: int = PREFILL_WARPS) -> torch.Tensor:
-    """kernels.prefill_attention over an int8 cache (as decode_attention here)."""
+                      tile: tuple[int, int, int] = PREFILL_TILE) -> torch.Tensor:
+    """kernels.prefill_attention over an int8 cache (as decode_attention here); tile: PREFILL_TILE's kind."""
     B = slots.shape[0]
     N, H, hd = q.shape
     T = N // B
@@ -229,10 +234,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scales:
     group = H // kvh
     assert N == B * T
     out = torch.empty((N, H * hd), dtype=q.dtype, device=q.device)
+    tile_rows, warps, stages = tile
     g_block = triton.next_power_of_2(group)
     block_m = max(1, tile_rows // g_block)  # tokens a program
     _prefill_attention_int8_kernel[(B, triton.cdiv(T, block_m), kvh)](
         q.contiguous(), k, v, *scales, out, slots.contiguous(), starts.contiguous(), lengths.contiguous(), T,
         *_check(k, v, scales), 1.0 / math.sqrt(hd), H=H, G=group, G_BLOCK=g_block, HD=hd, BLOCK_M=block_m,
-        BLOCK_N=64, num_warps=num_warps, **pdl_options(q.device, N))
+        BLOCK_N=64, num_warps=warps, num_stages=stages, **pdl_options(q.device, N))
     return out
