@@ -4,7 +4,8 @@ compiled kernels do with it.
 No GPU here, but Triton compiles for one: each kernel of kernels.py, gemv.py and kv_int8.py is compiled for sm_90
 (Hopper) with its PDL flag on and off, and the PTX must wait for the previous kernel (griddepcontrol.wait) before its
 first global load or store, allow the next one to launch, and carry neither instruction with the flag off. In Triton's interpreter (the
-CPU tests) the switch on must change nothing: the flag stays off there and the engine's tokens are the same.
+CPU tests) the switch on must change nothing: the flag stays off there and the engine's tokens are the same. The same
+compiles check that the int8 KV readers' PTX converts no integer to a float.
 """
 
 import json
@@ -126,6 +127,14 @@ def test_the_gemv_kernels_wait_before_their_first_load_at_every_pipeline_depth_t
     assert len(depths) == 2
     for depth in depths:
         assert_waits_before_memory(compile_for_hopper(name, True, num_stages=depth))
+
+
+@pytest.mark.parametrize("name", ["_decode_attention_int8_kernel", "_prefill_attention_int8_kernel"])
+def test_the_int8_readers_take_bytes_apart_without_int_to_float_conversions(name):
+    """kv_int8._quarters builds each byte's value from float bits: a conversion from an integer (cvt.rn.*.s32, or
+    .s8), quarter-rate on Hopper, one per byte read, was the decode reader's costliest instruction (session 32)."""
+    ptx = compile_for_hopper(name, True).asm["ptx"]
+    assert "mma" in ptx and not re.search(r"\bcvt\.rn\.(f32|bf16|f16)\.[su](8|16|32)\b", ptx)
 
 
 def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
