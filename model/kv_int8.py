@@ -66,8 +66,8 @@ if triton is not None:
     @triton.jit
     def _quarters(words, DT: tl.constexpr):
         # int32 words [N, HD / 4] -> their four bytes as signed integers in DT (exact: |q| <= 127), byte 0 first.
-        # No int-to-float conversion: an I2F per byte (16 a clock an SM on Hopper, a quarter of the integer ALU's
-        # rate) was the decode reader's costliest instruction in its sm_90 SASS. The byte offset to u = q + 128 in
+        # No int-to-float conversion: an I2F per byte (by the CUDA guide 16 a clock an SM, a quarter of 32-bit
+        # integer logic's rate) was the most frequent costly instruction in the decode reader's sm_90 SASS. The byte offset to u = q + 128 in
         # [1, 255] becomes the low mantissa of the float 2^23 (bits 0x4B000000 | u stand for 2^23 + u), and 2^23 + 128
         # is subtracted: q, exactly, so the readers' results do not change
         u = words ^ -0x7F7F7F80  # each byte's top bit flipped (0x80808080 as an int32): q + 128
