@@ -2,10 +2,11 @@
 compiled kernels do with it.
 
 No GPU here, but Triton compiles for one: each kernel of kernels.py, gemv.py and kv_int8.py is compiled for sm_90
-(Hopper) with its PDL flag on and off, and the PTX must wait for the previous kernel (griddepcontrol.wait) before its
-first global load or store, allow the next one to launch, and carry neither instruction with the flag off. In Triton's interpreter (the
-CPU tests) the switch on must change nothing: the flag stays off there and the engine's tokens are the same. The same
-compiles check that the int8 KV readers' PTX converts no integer to a float.
+(Hopper, bench/hopper_build.py) with its PDL flag on and off, and the PTX must wait for the previous kernel
+(griddepcontrol.wait) before its first global load or store, allow the next one to launch, and carry neither
+instruction with the flag off. In Triton's interpreter (the CPU tests) the switch on must change nothing: the flag
+stays off there and the engine's tokens are the same. The same builds check that the int8 KV readers convert no
+integer to a float and that the int8 prefill attention's default tile spills no registers.
 """
 
 import json
@@ -19,82 +20,11 @@ import torch
 
 pytest.importorskip("triton")
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
+from qasr.bench import hopper_build  # noqa: E402
+from qasr.bench.hopper_build import KERNELS, VARIANTS, build_report, compile_for_hopper, launched_kernels  # noqa: E402
 from qasr.model import gemv, kernels, kv_int8  # noqa: E402
 
-# every kernel of the two modules, with a signature and constexprs at the 0.6B decoder's shapes (bf16, split-K inputs)
-KERNELS = {
-    "_rms_norm_kernel": (kernels, {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "D": "i32", "eps": "fp32",
-                                   "split_stride": "i32"},
-                         {"SPLITS": 2, "HAS_RESIDUAL": True, "BLOCK": 1024}),
-    "_qk_norm_rope_store_kernel": (kernels, {
-        "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "K_SCALE": "*bf16", "V_SCALE": "*bf16",
-        "QW": "*bf16", "KW": "*bf16", "COS": "*bf16", "SIN": "*bf16", "ROPE_POS": "*i64", "SLOT": "*i64",
-        "WRITE_POS": "*i64", "stride_qkv": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32",
-        "stride_ss": "i32", "stride_sh": "i32", "eps": "fp32", "split_stride": "i32"},
-        {"H": 16, "KVH": 8, "HD": 128, "HEADS": 8, "SPLITS": 2, "INT8": False}),
-    "_decode_attention_kernel": (kernels, {
-        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "POS": "*i64", "stride_cs": "i32", "stride_ch": "i32",
-        "stride_cl": "i32", "scale": "fp32"}, {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 64}),
-    "_prefill_attention_kernel": (kernels, {
-        "Q": "*bf16", "K": "*bf16", "V": "*bf16", "OUT": "*bf16", "SLOTS": "*i64", "STARTS": "*i64",
-        "LENGTHS": "*i64", "T": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "scale": "fp32"},
-        {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64}),
-    "_decode_attention_int8_kernel": (kv_int8, {
-        "Q": "*bf16", "K": "*i32", "V": "*i32", "KS": "*fp32", "VS": "*fp32", "OUT": "*bf16", "POS": "*i64",
-        "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32", "stride_ss": "i32", "stride_sh": "i32",
-        "scale": "fp32"}, {"H": 16, "G": 2, "G_BLOCK": 16, "HD": 128, "BLOCK_N": 128}),
-    "_prefill_attention_int8_kernel": (kv_int8, {
-        "Q": "*bf16", "K": "*i32", "V": "*i32", "KS": "*fp32", "VS": "*fp32", "OUT": "*bf16", "SLOTS": "*i64",
-        "STARTS": "*i64", "LENGTHS": "*i64", "T": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32",
-        "stride_ss": "i32", "stride_sh": "i32", "scale": "fp32"},
-        {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64}),
-    "_silu_mul_kernel": (kernels, {"GU": "*bf16", "OUT": "*bf16", "I": "i32"}, {"BLOCK": 1024}),
-    "_decode_begin_kernel": (kernels, {
-        "TOKENS": "*i64", "POSITIONS": "*i64", "EMBED": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16",
-        "ROPE_POS": "*i64", "SLOTS": "*i64", "WRITE_POS": "*i64", "D": "i32", "V": "i32", "scratch": "i32",
-        "eps": "fp32"}, {"BLOCK": 1024}),
-    "_advance_rows_kernel": (kernels, {  # the argmax of the lm_head's block maxima too
-        "NXT": "*i32", "VALUES": "*fp32", "TOKENS": "*i64", "POSITIONS": "*i64", "COUNTS": "*i64", "BUDGETS": "*i64",
-        "EOS": "*i64", "OUT": "*i64", "W": "i32", "stride_out": "i32"}, {"MAXIMA": True, "NUM_EOS": 2, "BLOCK": 1024}),
-    "_gemv_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "MAX_V": "*fp32", "MAX_I": "*i32", "M": "i32",
-                            "N": "i32", "K": "i32", "stride_xm": "i32"},  # the lm_head's, with its block maxima
-                     {"K_SPLIT": 1024, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None,
-                      "ARGMAX": True}),
-    "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "M": "i32", "I": "i32", "K": "i32",
-                                    "stride_xm": "i32"},
-                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
-}
-# kernels with a second case: the name above and the signature and constexprs that differ
-VARIANTS = {"_qk_norm_rope_store_kernel (int8 cache)": ("_qk_norm_rope_store_kernel", {
-    "K_CACHE": "*i32", "V_CACHE": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32"}, {"INT8": True})}
-DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max", "_block_argmax",
-                    "_store_int8", "_quarters", "_exact_byte", "_scores", "_load_quarters", "_attend",
-                    "_store_quarters", "_prefill_tile"}  # called from the kernels, not launched
 MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
-
-
-def launched_kernels() -> dict[str, triton.runtime.jit.JITFunction]:
-    found = {}
-    for module in (kernels, gemv, kv_int8):
-        for name, value in vars(module).items():
-            if isinstance(value, triton.runtime.jit.JITFunction) and name not in DEVICE_FUNCTIONS:
-                found[name] = value
-    return found
-
-
-def compile_for_hopper(name: str, pdl: bool, num_stages: int = 3):
-    name, signature_change, constexpr_change = VARIANTS.get(name, (name, {}, {}))
-    module, signature, constexprs = KERNELS[name]
-    signature, constexprs = signature | signature_change, constexprs | constexpr_change
-    fn = getattr(module, name)
-    constexprs = constexprs | {"PDL": pdl}
-    src = ASTSource(fn=fn, signature=signature | {c: "constexpr" for c in constexprs}, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"launch_pdl": pdl, "num_warps": 4, "num_stages": num_stages})
 
 
 def test_every_launched_kernel_takes_the_pdl_flag_and_is_checked_here():
@@ -135,6 +65,18 @@ def test_the_int8_readers_take_bytes_apart_without_int_to_float_conversions(name
     .s8), quarter-rate on Hopper, one per byte read, was the decode reader's costliest instruction (session 32)."""
     ptx = compile_for_hopper(name, True).asm["ptx"]
     assert "mma" in ptx and not re.search(r"\bcvt\.rn\.(f32|bf16|f16)\.[su](8|16|32)\b", ptx)
+
+
+def test_the_int8_prefill_attention_at_its_default_tile_spills_no_registers_and_converts_no_bytes(capsys):
+    """Its SASS (nvdisasm, through bench/hopper_build.py's command): at Triton's default three stages it spilled 105
+    registers; kv_int8.PREFILL_TILE runs it at one. At the 0.6B heads a program's tile is 64 rows of 2 heads."""
+    rows, warps, stages = kv_int8.PREFILL_TILE
+    hopper_build.main(["_prefill_attention_int8_kernel", "--stages", str(stages), "--warps", str(warps),
+                       "--set", f"BLOCK_M={rows // 2}"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["instructions"] > 1000 and report["opcodes"]["HGMMA"] > 0  # a real build, on the tensor cores
+    assert report["spill_stores"] == 0 and report["conversions"].get("I2F", 0) == 0
+    assert build_report("_prefill_attention_int8_kernel", 3, warps, {"BLOCK_M": rows // 2})["spill_stores"] > 0
 
 
 def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
