@@ -47,7 +47,7 @@ def dequantize(words: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) ->
 # writer is kernels.qk_norm_rope_store's INT8 branch). A key's scale multiplies its scores after the product; a
 # value's scale its softmax weights before the second product. Each product is the sum of its four quarters'.
 
-from .kernels import _await_inputs, _prefill_tile, pdl_options, triton  # noqa: E402
+from .kernels import PREFILL_TILE_ROWS, PREFILL_WARPS, _await_inputs, _prefill_tile, pdl_options, triton  # noqa: E402
 
 # the int8 decode attention's tile: keys an iteration, warps, stages (fixed, as kernels.DECODE_TILE: another tile
 # may round a row differently). On an H100 (session 31, 28 layer caches, rows at 200 positions) 128 x 4 x 2 took
@@ -58,7 +58,7 @@ DECODE_TILE = (128, 4, 2)
 # rows and warps, one stage: compiled for sm_90 at Triton's default three stages the kernel spilled registers (105
 # local stores) and took 66 KB of shared memory; at one stage none and 32 KB, as the bf16 kernel at three (an
 # admission's ~160 keys are three blocks of 64: little for a pipeline to hide)
-PREFILL_TILE = (64, 4, 1)
+PREFILL_TILE = (PREFILL_TILE_ROWS, PREFILL_WARPS, 1)
 
 if triton is not None:
     import triton.language as tl
@@ -67,9 +67,9 @@ if triton is not None:
     def _quarters(words, DT: tl.constexpr):
         # int32 words [N, HD / 4] -> their four bytes as signed integers in DT (exact: |q| <= 127), byte 0 first.
         # No int-to-float conversion: an I2F per byte (by the CUDA guide 16 a clock an SM, a quarter of 32-bit
-        # integer logic's rate) was the most frequent costly instruction in the decode reader's sm_90 SASS. The byte offset to u = q + 128 in
-        # [1, 255] becomes the low mantissa of the float 2^23 (bits 0x4B000000 | u stand for 2^23 + u), and 2^23 + 128
-        # is subtracted: q, exactly, so the readers' results do not change
+        # integer logic's rate) was the most frequent costly instruction in the decode reader's sm_90 SASS. The byte
+        # offset to u = q + 128 in [1, 255] becomes the low mantissa of the float 2^23 (bits 0x4B000000 | u stand for
+        # 2^23 + u), and 2^23 + 128 is subtracted: q, exactly, so the readers' results do not change
         u = words ^ -0x7F7F7F80  # each byte's top bit flipped (0x80808080 as an int32): q + 128
         b0 = _exact_byte(u & 0xFF, DT)
         b1 = _exact_byte((u >> 8) & 0xFF, DT)

@@ -62,7 +62,8 @@ def test_the_gemv_kernels_wait_before_their_first_load_at_every_pipeline_depth_t
 @pytest.mark.parametrize("name", ["_decode_attention_int8_kernel", "_prefill_attention_int8_kernel"])
 def test_the_int8_readers_take_bytes_apart_without_int_to_float_conversions(name):
     """kv_int8._quarters builds each byte's value from float bits: a conversion from an integer (cvt.rn.*.s32, or
-    .s8), quarter-rate on Hopper, one per byte read, was the decode reader's costliest instruction (session 32)."""
+    .s8), by the CUDA guide a quarter of integer logic's rate, one per byte read, was the most frequent costly
+    instruction in the decode reader's SASS (session 32)."""
     ptx = compile_for_hopper(name, True).asm["ptx"]
     assert "mma" in ptx and not re.search(r"\bcvt\.rn\.(f32|bf16|f16)\.[su](8|16|32)\b", ptx)
 
