@@ -74,9 +74,6 @@ VARIANTS = {"_qk_norm_rope_store_kernel (int8 cache)": ("_qk_norm_rope_store_ker
 DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max", "_block_argmax",
                     "_store_int8", "_quarters", "_exact_byte", "_scores", "_load_quarters", "_attend",
                     "_store_quarters", "_prefill_tile"}  # called from the kernels, not launched
-DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max", "_block_argmax",
-                    "_store_int8", "_quarters", "_exact_byte", "_scores", "_load_quarters", "_attend",
-                    "_store_quarters", "_prefill_tile"}  # called from the kernels, not launched
 CONVERSIONS = ("I2F", "F2I", "F2F", "I2I")  # SASS conversion opcodes (a conversion unit's, not the ALU's, rate)
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 
