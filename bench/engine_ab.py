@@ -101,6 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in engines:
         if name != reference:
             summary[f"{name}_vs_{reference}"] = agreement(outputs[reference], outputs[name])
+    print(json.dumps({"checks": summary}), flush=True)  # before the runs: a run cut off at its time limit keeps them
 
     summary["frozen_objects"] = freeze_loaded_heap()  # as qasr-transcribe and the engine process do
     records = []
