@@ -1,12 +1,8 @@
 """The kernel-library comparison (bench/kernel_libraries.py): its references and qasr's side on the CPU through
 Triton's interpreter, and its command line (the timing and the libraries' kernels need a GPU)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -23,10 +19,7 @@ print(json.dumps(out))
 
 @pytest.mark.timeout(300)
 def test_qasr_side_agrees_with_the_references_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_interpreted(CHILD, timeout=280)
     assert set(out) == {"add_rms_norm", "silu_mul"}
     for case, result in out.items():
         assert result["max_ref"] > 0.5, case  # the inputs are not zeros

@@ -2,13 +2,11 @@
 step's logits, on the CPU with the plain layer ops and with the fused kernels in Triton's interpreter (the streams and
 the timing need a GPU)."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 from qasr.bench.cli import OFFLINE_MAX_LEN
 from qasr.bench.overlap_probe import cache_parts, decode_in_parts
@@ -80,10 +78,6 @@ print(json.dumps({"logits_max_abs": float((whole - parts).abs().max()),
 @pytest.mark.timeout(600)
 def test_the_fused_kernels_decode_over_cache_parts_as_over_the_whole_cache(tiny_model_dir):
     pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(tiny_model_dir), os.path.dirname(__file__)], env=env,
-                          capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_interpreted(CHILD, str(tiny_model_dir), os.path.dirname(__file__))
     assert out["logits_max_abs"] < 1e-5 and out["tokens_equal"], out
     assert out["cache_max_abs"] < 1e-5 and out["cache_written"], out

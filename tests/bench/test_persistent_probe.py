@@ -1,12 +1,8 @@
 """The persistent-kernel probe (bench/persistent_probe.py): its work split at the real shapes, and its two variants'
 products on the CPU through Triton's interpreter (the timing and the multi-program barrier need a GPU)."""
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -42,10 +38,7 @@ def test_each_product_is_split_until_the_grid_has_work_for_every_program():
 
 @pytest.mark.timeout(600)
 def test_both_variants_compute_the_chain_of_products_in_the_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    out = run_interpreted(CHILD)
     assert out["arrivals"] == 1
     assert max(out["splits"]) > 1  # the atomics' path runs too
     errors = {k: v for k, v in out.items() if k.startswith(("separate", "persistent"))}

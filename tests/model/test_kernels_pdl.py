@@ -10,13 +10,11 @@ integer to a float and that the int8 prefill attention's default tile spills no 
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -124,11 +122,7 @@ print(json.dumps({"tokens": tokens, "launches": len(flags), "flags_on": sum(any(
 
 
 def test_in_the_interpreter_pdl_on_gives_the_same_tokens_with_the_calls_elided(tiny_model_dir):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-c", INTERPRETED, str(tiny_model_dir)], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = run_interpreted(INTERPRETED, str(tiny_model_dir), timeout=600)
     tokens = result["tokens"]
     assert tokens["1"] == tokens["0"] == tokens["plain"] and all(len(t) == 5 for t in tokens["1"])
     assert result["launches"] > 0 and result["flags_on"] == 0
