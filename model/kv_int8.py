@@ -55,10 +55,10 @@ from .kernels import PREFILL_TILE_ROWS, PREFILL_WARPS, _await_inputs, _prefill_t
 # the five tried, the step measured with it; 32 x 4 x 3 in the step is still to be measured
 DECODE_TILE = (128, 4, 2)
 # the int8 prefill attention's tile: (token x query-head) rows a program, warps, stages. kernels.prefill_attention's
-# rows and warps, one stage: compiled for sm_90 at Triton's default three stages the kernel spilled registers (105
-# local stores) and took 66 KB of shared memory; at one stage none and 32 KB, as the bf16 kernel at three (an
-# admission's ~160 keys are three blocks of 64: little for a pipeline to hide)
-PREFILL_TILE = (PREFILL_TILE_ROWS, PREFILL_WARPS, 1)
+# rows and warps at Triton's three stages. There it spills registers on sm_90 (105 local stores, 66 KB of shared
+# memory; at one stage none, 32 KB), and is still the faster: on an H100 (session 35, kernel_check --sections kv_int8)
+# 49.0 us a layer's call at three stages, 56.3 at two, 64.3 at one (bf16's kernel 38.4)
+PREFILL_TILE = (PREFILL_TILE_ROWS, PREFILL_WARPS, 3)
 
 if triton is not None:
     import triton.language as tl

@@ -66,16 +66,17 @@ def test_the_int8_readers_take_bytes_apart_without_int_to_float_conversions(name
     assert "mma" in ptx and not re.search(r"\bcvt\.rn\.(f32|bf16|f16)\.[su](8|16|32)\b", ptx)
 
 
-def test_the_int8_prefill_attention_at_its_default_tile_spills_no_registers_and_converts_no_bytes(capsys):
-    """Its SASS (nvdisasm, through bench/hopper_build.py's command): at Triton's default three stages it spilled 105
-    registers; kv_int8.PREFILL_TILE runs it at one. At the 0.6B heads a program's tile is 64 rows of 2 heads."""
+def test_the_int8_prefill_attention_converts_no_bytes_and_spills_no_registers_at_one_stage(capsys):
+    """Its SASS (nvdisasm, through bench/hopper_build.py's command). kv_int8.PREFILL_TILE keeps Triton's three stages,
+    where it spills (faster on an H100 all the same: session 35); at one stage it does not. At the 0.6B heads a
+    program's tile is 64 rows of 2 heads."""
     rows, warps, stages = kv_int8.PREFILL_TILE
     hopper_build.main(["_prefill_attention_int8_kernel", "--stages", str(stages), "--warps", str(warps),
                        "--set", f"BLOCK_M={rows // 2}"])
     report = json.loads(capsys.readouterr().out)
     assert report["instructions"] > 1000 and report["opcodes"]["HGMMA"] > 0  # a real build, on the tensor cores
-    assert report["spill_stores"] == 0 and report["conversions"].get("I2F", 0) == 0
-    assert build_report("_prefill_attention_int8_kernel", 3, warps, {"BLOCK_M": rows // 2})["spill_stores"] > 0
+    assert report["conversions"].get("I2F", 0) == 0
+    assert build_report("_prefill_attention_int8_kernel", 1, warps, {"BLOCK_M": rows // 2})["spill_stores"] == 0
 
 
 def test_the_switch_is_on_by_default_and_never_on_off_a_gpu(monkeypatch):
