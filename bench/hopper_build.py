@@ -27,9 +27,9 @@ from qasr.model import gemv, kernels, kv_int8
 # every launched kernel of kernels.py, gemv.py and kv_int8.py, with a signature and constexprs at the 0.6B decoder's
 # shapes (bf16, split-K inputs)
 KERNELS = {
-    "_rms_norm_kernel": (kernels, {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "D": "i32", "eps": "fp32",
-                                   "split_stride": "i32"},
-                         {"SPLITS": 2, "HAS_RESIDUAL": True, "BLOCK": 1024}),
+    "_rms_norm_kernel": (kernels, {"X": "*fp32", "R": "*bf16", "W": "*bf16", "Y": "*bf16", "S": "*bf16", "D": "i32",
+                                   "eps": "fp32", "split_stride": "i32"},
+                         {"SPLITS": 2, "HAS_RESIDUAL": True, "FP8": False, "BLOCK": 1024}),
     "_qk_norm_rope_store_kernel": (kernels, {
         "QKV": "*fp32", "Q": "*bf16", "K_CACHE": "*bf16", "V_CACHE": "*bf16", "K_SCALE": "*bf16", "V_SCALE": "*bf16",
         "QW": "*bf16", "KW": "*bf16", "COS": "*bf16", "SIN": "*bf16", "ROPE_POS": "*i64", "SLOT": "*i64",
@@ -52,7 +52,8 @@ KERNELS = {
         "STARTS": "*i64", "LENGTHS": "*i64", "T": "i32", "stride_cs": "i32", "stride_ch": "i32", "stride_cl": "i32",
         "stride_ss": "i32", "stride_sh": "i32", "scale": "fp32"},
         {"H": 16, "G": 2, "G_BLOCK": 2, "HD": 128, "BLOCK_M": 16, "BLOCK_N": 64}),
-    "_silu_mul_kernel": (kernels, {"GU": "*bf16", "OUT": "*bf16", "I": "i32"}, {"BLOCK": 1024}),
+    "_silu_mul_kernel": (kernels, {"GU": "*bf16", "OUT": "*bf16", "S": "*bf16", "I": "i32"},
+                         {"BLOCK": 1024, "FP8": False}),
     "_decode_begin_kernel": (kernels, {
         "TOKENS": "*i64", "POSITIONS": "*i64", "EMBED": "*bf16", "W": "*bf16", "Y": "*bf16", "R": "*bf16",
         "ROPE_POS": "*i64", "SLOTS": "*i64", "WRITE_POS": "*i64", "D": "i32", "V": "i32", "scratch": "i32",
@@ -70,10 +71,14 @@ KERNELS = {
 }
 # kernels with a second case: the name above and the signature and constexprs that differ
 VARIANTS = {"_qk_norm_rope_store_kernel (int8 cache)": ("_qk_norm_rope_store_kernel", {
-    "K_CACHE": "*i32", "V_CACHE": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32"}, {"INT8": True})}
-DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_norm_store", "_norm_rope", "_first_max", "_block_argmax",
-                    "_store_int8", "_quarters", "_exact_byte", "_scores", "_load_quarters", "_attend",
-                    "_store_quarters", "_prefill_tile"}  # called from the kernels, not launched
+    "K_CACHE": "*i32", "V_CACHE": "*i32", "K_SCALE": "*fp32", "V_SCALE": "*fp32"}, {"INT8": True}),
+    "_rms_norm_kernel (fp8 output)": ("_rms_norm_kernel", {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32"},
+                                      {"SPLITS": 0, "FP8": True}),
+    "_silu_mul_kernel (fp8 output)": ("_silu_mul_kernel", {"OUT": "*fp8e4nv", "S": "*fp32"},
+                                      {"BLOCK": 4096, "FP8": True})}
+DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_round_to_e4m3", "_store_e4m3", "_norm_store", "_norm_rope",
+                    "_first_max", "_block_argmax", "_store_int8", "_quarters", "_exact_byte", "_scores",
+                    "_load_quarters", "_attend", "_store_quarters", "_prefill_tile"}  # called, not launched
 CONVERSIONS = ("I2F", "F2I", "F2F", "I2I")  # SASS conversion opcodes (a conversion unit's, not the ALU's, rate)
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 

@@ -36,8 +36,8 @@ def run_lines(run: dict, label: str) -> list[str]:
             + (f" | engine loop step ms {loop}" if loop else ""),
             f"{'':<22} identical rows failed {c['identical_rows_failed_buckets']}, batch independence "
             f"{c['batch_independence_exact_match']}, eager {c['eager_bs1_exact_match']}"
-            + (f", against a bf16 cache {c['bf16_cache_exact_match']} ({c['bf16_cache_token_agreement']:.1%} of tokens)"
-               if "bf16_cache_exact_match" in c else "") + f"; gemv {picks or '-'}"
+            + (f", against bf16 {c['bf16_reference_exact_match']} ({c['bf16_reference_token_agreement']:.1%} of tokens)"
+               if "bf16_reference_exact_match" in c else "") + f"; gemv {picks or '-'}"
             f"{throughput}"]
 
 

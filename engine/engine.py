@@ -112,6 +112,7 @@ class Engine:
             cuda_graphs=options.cuda_graphs,
             fused_kernels=options.fused_kernels,
             kv_int8=options.kv_int8,
+            fp8_prefill=options.fp8_prefill,
         )
         self.scheduler = Scheduler(options.num_slots)
         self.aligner = (AlignerRunner(aligner, max_batch=options.aligner_max_batch, min_batch=options.aligner_min_batch,

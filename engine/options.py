@@ -62,6 +62,9 @@ class EngineOptions:
     # decode step's attention reads, which at large batches is most of the step, and half the cache's memory. Tokens
     # are not bit for bit the bf16 cache's (a vector is off by up to half its absmax / 127 per value):
     # docs/benchmarks.md has the speed and the agreement measured
+    fp8_prefill: bool = False  # every prefill's qkv, gate_up and down products in FP8, their inputs quantized by the
+    # kernels before them (model/fp8.py); decode steps unchanged. Needs the fused kernels and FP8 tensor cores (Ada,
+    # Hopper). Tokens are not bit for bit bf16's: docs/benchmarks.md has the speed and the agreement measured
     stream_priorities: bool = True  # decode steps and admissions on a high-priority CUDA stream, the aligner's forward
     # on the lowest (qasr.engine.streams), so that finals without words keep their pace; False: decoding on the
     # thread's default stream, as before (benchmarks compare)

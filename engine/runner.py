@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from qasr.model import audio as qaudio
-from qasr.model import conv_kernels, kernels
+from qasr.model import conv_kernels, fp8, kernels
 from qasr.model.modeling import (FusedLayerOps, PlainLayerOps, Qwen3ASR, host_to_device, prefill_keys, ranges,
                                  window_lengths)
 from qasr.model.prompt import Prompt
@@ -266,6 +266,7 @@ class ModelRunner:
         fused_kernels: bool | None = None,
         buckets: tuple[int, ...] = DEFAULT_BUCKETS,
         kv_int8: bool = False,
+        fp8_prefill: bool = False,
     ):
         self.model = model
         self.device = model.device
@@ -308,9 +309,14 @@ class ModelRunner:
         if fused_conv1:  # the layout the channels-last input gets from cuDNN anyway, once instead of every call
             for conv in (model.encoder.conv2d2, model.encoder.conv2d3):
                 conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
-        # the decoder's layer ops, chosen once: every prefill and decode step (and so every graph) runs on them
-        self.layer_ops = (FusedLayerOps(model.decoder.rope_table(self.cache.length)) if self.fused_kernels
-                          else PlainLayerOps())
+        # the decoder's layer ops, chosen once: every decode step (and so every graph) runs on them, and every prefill
+        # on prefill_ops, the same but for FP8 products where asked (model/fp8.py: its quantizing norms are kernels)
+        if fp8_prefill and not self.fused_kernels:
+            raise ValueError("FP8 prefill products need the fused kernels (Triton and a CUDA device)")
+        self.fp8_products = fp8.attach(model) if fp8_prefill else 0
+        rope = model.decoder.rope_table(self.cache.length) if self.fused_kernels else None
+        self.layer_ops = FusedLayerOps(rope) if self.fused_kernels else PlainLayerOps()
+        self.prefill_ops = FusedLayerOps(rope, fp8_products=True) if fp8_prefill else self.layer_ops
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.prefill_buckets: dict[tuple[int, int], PrefillBucket] = {}
         self.prefill_lengths = prefill_length_buckets(max_len)  # the graphed prefill's padded lengths
@@ -487,7 +493,7 @@ class ModelRunner:
 
     def _prefill_first(self, x, slots, starts, lengths, num_keys) -> torch.Tensor:
         """Prefill, then the greedy first token of each sequence [B] (a row of length 0 reads its position 0)."""
-        hidden = self.model.decoder.prefill(x, slots, starts, lengths, self.cache, self.layer_ops, num_keys)
+        hidden = self.model.decoder.prefill(x, slots, starts, lengths, self.cache, self.prefill_ops, num_keys)
         last = hidden[torch.arange(x.shape[0], device=x.device), (lengths - 1).clamp(min=0)]
         return self.model.decoder.lm_head(last).argmax(dim=-1)
 

@@ -117,28 +117,61 @@ if triton is not None:
         return acc.to(OUT.dtype.element_ty).to(tl.float32)
 
     @triton.jit
-    def _norm_store(h, W, Y, row, cols, mask, D, eps):
-        # y[row] = norm(h) * w for one row h (float32 [BLOCK], zero past D), rounded where RMSNorm rounds
-        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
-        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-        y = (h * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
-        tl.store(Y + row * D + cols, y.to(Y.dtype.element_ty), mask=mask)
+    def _round_to_e4m3(v):
+        # v: float32 with |v| <= 448 -> the nearest e4m3 value (ties to even), still float32, so that the cast after
+        # it is exact (a GPU's cast and the interpreter's, which rounds e4m3 wrongly, then agree with PyTorch's bit
+        # for bit). Normal range: drop the low 20 of 23 mantissa bits, rounding to nearest even (a carry moves into
+        # the exponent, as it must). Below 2^-6 (e4m3's subnormals, a fixed step of 2^-9): add and take away 2^14,
+        # whose float32 ulp is 2^-9. The sign is kept as it is (a negative value that rounds to zero is -0).
+        bits = v.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # 0xFFF00000
+        a = tl.abs(v)
+        sub = (a + 16384.0) - 16384.0
+        sub = tl.where(bits < 0, -sub, sub)
+        return tl.where(a < 0.015625, sub, normal)
 
     @triton.jit
-    def _rms_norm_kernel(X, R, W, Y, D, eps, split_stride, SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                         BLOCK: tl.constexpr, PDL: tl.constexpr):
-        # one row: h = residual + x (stored back into the residual) or h = x; y = norm(h) * w
+    def _store_e4m3(y, Q, S, row, cols, mask, D):
+        # one row y (float32 [BLOCK], zero past D) as fp8.quantize_rows stores it: S[row] = its scale, max(amax /
+        # 448, fp8.MIN_SCALE), and Q[row] = e4m3(y / scale)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 448.0), 1e-12)
+        v = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0)
+        tl.store(Q + row * D + cols, _round_to_e4m3(v).to(tl.float8e4nv), mask=mask)
+        tl.store(S + row, scale)
+
+    @triton.jit
+    def _norm_store(h, W, Y, S, row, cols, mask, D, eps, FP8: tl.constexpr):
+        # y[row] = norm(h) * w for one row h (float32 [BLOCK], zero past D), rounded where RMSNorm rounds (to Y's
+        # dtype; with FP8 to the weight's, the model's, and then stored as e4m3 with its scale in S)
+        rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=0) / D + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        if FP8:
+            dt = W.dtype.element_ty
+            y = ((h * rstd).to(dt).to(tl.float32) * w).to(dt)
+            _store_e4m3(y.to(tl.float32), Y, S, row, cols, mask, D)
+        else:
+            y = (h * rstd).to(Y.dtype.element_ty).to(tl.float32) * w
+            tl.store(Y + row * D + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rms_norm_kernel(X, R, W, Y, S, D, eps, split_stride, SPLITS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                         FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # one row: h = residual + x (stored back into the residual) or h = x; y = norm(h) * w (FP8: as e4m3, scale
+        # in S)
         _await_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < D
-        h = _load_input(X, row * D + cols, mask, split_stride, SPLITS, Y)
+        if FP8:  # partial sums rounded to the model's dtype (the weight's), as without FP8 to the output's
+            h = _load_input(X, row * D + cols, mask, split_stride, SPLITS, W)
+        else:
+            h = _load_input(X, row * D + cols, mask, split_stride, SPLITS, Y)
         if HAS_RESIDUAL:
             r = tl.load(R + row * D + cols, mask=mask, other=0.0).to(tl.float32)
-            h = (h + r).to(Y.dtype.element_ty)
+            h = (h + r).to(R.dtype.element_ty)
             tl.store(R + row * D + cols, h, mask=mask)
             h = h.to(tl.float32)
-        _norm_store(h, W, Y, row, cols, mask, D, eps)
+        _norm_store(h, W, Y, S, row, cols, mask, D, eps, FP8)
 
     @triton.jit
     def _decode_begin_kernel(TOKENS, POSITIONS, EMBED, W, Y, R, ROPE_POS, SLOTS, WRITE_POS, D, V, scratch, eps,
@@ -156,7 +189,7 @@ if triton is not None:
         mask = cols < D
         x = tl.load(EMBED + token * D + cols, mask=mask, other=0.0)
         tl.store(R + row * D + cols, x, mask=mask)
-        _norm_store(x.to(tl.float32), W, Y, row, cols, mask, D, eps)
+        _norm_store(x.to(tl.float32), W, Y, Y, row, cols, mask, D, eps, False)
 
     @triton.jit
     def _norm_rope(x1, x2, W, c, s, half, eps, HD: tl.constexpr, OUT):
@@ -325,17 +358,22 @@ if triton is not None:
         tl.store(OUT + q_rows[:, None] + d[None, :], out.to(OUT.dtype.element_ty), mask=rmask[:, None])
 
     @triton.jit
-    def _silu_mul_kernel(GU, OUT, I, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        # [N, 2I] gate|up -> [N, I] silu(gate) * up, rounded after the silu as F.silu(gate) * up is
+    def _silu_mul_kernel(GU, OUT, S, I, BLOCK: tl.constexpr, FP8: tl.constexpr, PDL: tl.constexpr):
+        # [N, 2I] gate|up -> [N, I] silu(gate) * up, rounded after the silu as F.silu(gate) * up is, to gate|up's
+        # dtype; FP8: a program holds a whole row (BLOCK >= I) and stores it as e4m3, its scale in S
         _await_inputs(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < I
         gate = tl.load(GU + row * 2 * I + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(GU + row * 2 * I + I + cols, mask=mask, other=0.0).to(tl.float32)
-        dt = OUT.dtype.element_ty
+        dt = GU.dtype.element_ty
         act = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32)
-        tl.store(OUT + row * I + cols, (act * up).to(dt), mask=mask)
+        y = (act * up).to(dt)
+        if FP8:
+            _store_e4m3(y.to(tl.float32), OUT, S, row, cols, mask, I)
+        else:
+            tl.store(OUT + row * I + cols, y, mask=mask)
 
 
     @triton.jit
@@ -428,22 +466,25 @@ def norm_warps(rows: int, block: int) -> int:
     return min(16, max(1, block // (64 if rows <= NORM_WIDE_ROWS else 256)))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             fp8: bool = False):
     """norm(x) * weight over the last dim; with `residual`: residual += x first (in place) and norm that.
 
     x: contiguous [N, D], or the float32 partial sums [S, N, D] of a split product (summed and rounded to the
-    residual's dtype first); residual: contiguous [N, D] -> [N, D].
+    residual's dtype first); residual: contiguous [N, D] -> [N, D]. fp8: -> (e4m3 [N, D], float32 scales [N, 1]),
+    the result rounded to the weight's dtype and quantized a row at a time as fp8.quantize_rows does.
     """
     dtype = residual.dtype if residual is not None else weight.dtype if x.dim() == 3 else x.dtype
     splits = _splits(x, dtype)
     N, D = x.shape[-2:]
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
-    y = torch.empty((N, D), dtype=dtype, device=x.device)
+    y = torch.empty((N, D), dtype=torch.float8_e4m3fn if fp8 else dtype, device=x.device)
+    scales = torch.empty((N, 1), dtype=torch.float32, device=x.device) if fp8 else y
     block = triton.next_power_of_2(D)
-    _rms_norm_kernel[(N,)](x, residual if residual is not None else x, weight, y, D, eps, N * D, SPLITS=splits,
-                           HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=norm_warps(N, block),
-                           **pdl_options(x.device, N))
-    return y
+    _rms_norm_kernel[(N,)](x, residual if residual is not None else x, weight, y, scales, D, eps, N * D,
+                           SPLITS=splits, HAS_RESIDUAL=residual is not None, FP8=fp8, BLOCK=block,
+                           num_warps=norm_warps(N, block), **pdl_options(x.device, N))
+    return (y, scales) if fp8 else y
 
 
 QK_HEADS_MAX = 8  # heads per program of qk_norm_rope_store past QK_ONE_HEAD_TOKENS tokens
@@ -562,16 +603,18 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[N, 2I] -> [N, I]: silu(gate) * up."""
+def silu_mul(gate_up: torch.Tensor, fp8: bool = False):
+    """[N, 2I] -> [N, I]: silu(gate) * up; fp8: -> (e4m3 [N, I], float32 scales [N, 1]) as fp8.quantize_rows."""
     N, two_i = gate_up.shape
     assert gate_up.is_contiguous()
     I = two_i // 2
-    out = torch.empty((N, I), dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
-    _silu_mul_kernel[(N, triton.cdiv(I, block))](gate_up, out, I, BLOCK=block, num_warps=4,
+    out = torch.empty((N, I), dtype=torch.float8_e4m3fn if fp8 else gate_up.dtype, device=gate_up.device)
+    scales = torch.empty((N, 1), dtype=torch.float32, device=gate_up.device) if fp8 else out
+    block = triton.next_power_of_2(I) if fp8 else 1024  # FP8: a row's scale needs the whole row in one program
+    _silu_mul_kernel[(N, triton.cdiv(I, block))](gate_up, out, scales, I, BLOCK=block, FP8=fp8,
+                                                 num_warps=min(16, block // 256) if fp8 else 4,
                                                  **pdl_options(gate_up.device, N))
-    return out
+    return (out, scales) if fp8 else out
 
 
 def decode_begin(tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, norm_weight: torch.Tensor,

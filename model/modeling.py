@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemv, kernels, kv_int8
+from . import fp8, gemv, kernels, kv_int8
 from .config import AudioEncoderConfig, ModelConfig, TextDecoderConfig
 
 
@@ -226,6 +226,9 @@ def window_lengths(num_tokens: int, size: int) -> list[int]:
 
 
 class RMSNorm(nn.Module):
+    feeds_fp8 = False  # fp8.attach sets it where the product after this norm can multiply in FP8 (FusedLayerOps with
+    # fp8 then has the norm quantize its output rows for it)
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -565,24 +568,35 @@ class FusedLayerOps:
     unbroken chain of Triton kernels (programmatic dependent launch overlaps each with the one before).
     """
 
-    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None):
+    def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None,
+                 fp8_products: bool = False):
         self.cos, self.sin = rope_table
         self.gemv_rows = gemv.max_rows() if gemv_rows is None else gemv_rows
+        self.fp8_products = fp8_products  # the products fp8.attach prepared multiply in FP8, their RMSNorm or
+        # SiLU*mul quantizing for them (the runner's prefill ops, with EngineOptions.fp8_prefill)
 
     def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.shape[0] <= self.gemv_rows and gemv.supports(x, weight)
 
-    def begin(self, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def _norm(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None) -> torch.Tensor | fp8.Rows:
+        if self.fp8_products and norm.feeds_fp8:
+            return fp8.Rows(*kernels.rms_norm(x, norm.weight, norm.eps, residual, fp8=True))
+        return kernels.rms_norm(x, norm.weight, norm.eps, residual)
+
+    def begin(self, x: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor | fp8.Rows, torch.Tensor]:
         residual = x.contiguous().clone()
-        return kernels.rms_norm(residual, norm.weight, norm.eps), residual
+        return self._norm(residual, norm, None), residual
 
-    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                 norm: RMSNorm) -> tuple[torch.Tensor | fp8.Rows, torch.Tensor]:
         """x: [N, D] or a product's float32 split-K partial sums [S, N, D]."""
-        return kernels.rms_norm(x, norm.weight, norm.eps, residual), residual
+        return self._norm(x, norm, residual), residual
 
-    def project(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def project(self, linear: nn.Linear, x: torch.Tensor | fp8.Rows) -> torch.Tensor:
         """x @ W.T for a kernel that sums partial products itself (add+RMSNorm, q/k-norm+RoPE): [N, out] or
         float32 [S, N, out]."""
+        if isinstance(x, fp8.Rows):
+            return fp8.linear(x, linear)
         return gemv.partial_products(x, linear.weight) if self._small(x, linear.weight) else linear(x)
 
     def logits(self, lm_head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
@@ -610,8 +624,11 @@ class FusedLayerOps:
 
         return (h, residual), self._attention(rope_pos, slots, write_pos, attend, cache)
 
-    def mlp(self, mlp: MLP, h: torch.Tensor) -> torch.Tensor:
+    def mlp(self, mlp: MLP, h: torch.Tensor | fp8.Rows) -> torch.Tensor:
         """-> [N, D], or down's float32 split-K partial sums [S, N, D] (for add_norm)."""
+        if isinstance(h, fp8.Rows):
+            act = kernels.silu_mul(fp8.linear(h, mlp.gate_up_proj), fp8=True)
+            return fp8.linear(fp8.Rows(*act), mlp.down_proj)
         if self._small(h, mlp.gate_up_proj.weight):
             return gemv.partial_products(gemv.gate_up_silu(h, mlp.gate_up_proj.weight), mlp.down_proj.weight)
         return mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h)))

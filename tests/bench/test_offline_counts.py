@@ -86,7 +86,7 @@ def test_offline_on_an_int8_cache_checks_it_against_the_eager_path_on_one_and_ag
     assert out["engine_options"]["kv_int8"] is True
     checks = out["correctness"]
     assert checks["eager_bs1_exact_match"] == "2/2"  # the eager engine runs on an int8 cache too
-    assert checks["bf16_cache_exact_match"].endswith("/3") and 0 <= checks["bf16_cache_token_agreement"] <= 1
+    assert checks["bf16_reference_exact_match"].endswith("/3") and 0 <= checks["bf16_reference_token_agreement"] <= 1
 
 
 def test_the_offline_bench_freezes_the_loaded_heap_unless_told_not_to():

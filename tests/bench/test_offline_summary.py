@@ -44,7 +44,7 @@ def test_the_throughput_runs_admissions_and_collections_follow_the_checks():
 
 def test_an_int8_cache_run_shows_its_agreement_with_a_bf16_cache():
     run = {"qasr_bs1_latency_ms": 40.0, "qasr_throughput_audio_s_per_s": 9000, "gemv_configs": {},
-           "correctness": CHECKS | {"bf16_cache_exact_match": "20/24", "bf16_cache_token_agreement": 0.9612}}
+           "correctness": CHECKS | {"bf16_reference_exact_match": "20/24", "bf16_reference_token_agreement": 0.9612}}
     _, second = offline_summary.run_lines(run, "0.6B-int8")
-    assert second.strip() == ("identical rows failed [], batch independence 8/8, eager 2/2, against a bf16 cache "
+    assert second.strip() == ("identical rows failed [], batch independence 8/8, eager 2/2, against bf16 "
                               "20/24 (96.1% of tokens); gemv -")

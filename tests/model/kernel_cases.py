@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qasr.model import conv_kernels, gemv, kernels, kv_int8
+from qasr.model import conv_kernels, fp8, gemv, kernels, kv_int8
 from qasr.model.modeling import FusedLayerOps, PlainLayerOps, RMSNorm, rotate_half
 from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
@@ -801,3 +801,115 @@ def test_partials_reusing_a_prefix_on_kernels_match_the_plain_engine(engines):
         (b,) = plain.transcribe([req])
         assert a.token_ids == b.token_ids
     assert fused.counters["reused_tokens"] > before["reused_tokens"]
+
+
+# -- FP8 prefill products (model/fp8.py): the kernels that quantize for them, and the engine's prefill on them ------
+
+if kernels.triton is not None:
+
+    @kernels.triton.jit
+    def _e4m3_probe(X, Q, S, D, BLOCK: tl.constexpr):
+        # kernels._store_e4m3 on one float32 row of D values
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        kernels._store_e4m3(tl.load(X + cols, mask=mask, other=0.0), Q, S, 0, cols, mask, D)
+
+
+def same_rows(got: tuple[torch.Tensor, torch.Tensor], expected: fp8.Rows) -> None:
+    values, scales = got
+    assert values.dtype == fp8.E4M3 and scales.shape == expected.scales.shape
+    assert torch.equal(scales, expected.scales)
+    assert torch.equal(values.view(torch.uint8), expected.values.view(torch.uint8))  # bit for bit, -0 included
+
+
+def test_the_fp8_store_rounds_every_e4m3_value_and_every_tie_as_pytorchs_cast():
+    values = torch.arange(256, dtype=torch.uint8).view(fp8.E4M3).float()
+    values = values[values.isfinite()].sort().values
+    ties = (values[:-1] + values[1:]) / 2  # round to nearest even: subnormals and exponent carries included
+    row = torch.cat([values, ties, -ties, torch.tensor([448.0, -0.0, 1e-9, -1e-9, 3e-3, -3e-3])])
+    for x in (row, row * 2.0 ** -20, torch.zeros(7)):  # scale 1; a tiny row; a padding row (MIN_SCALE)
+        q = torch.empty(x.numel(), dtype=fp8.E4M3)
+        s = torch.empty(1, 1)
+        _e4m3_probe[(1,)](x, q, s, x.numel(), BLOCK=kernels.triton.next_power_of_2(x.numel()))
+        same_rows((q[None], s), fp8.quantize_rows(x[None]))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_fp8_rms_norm_stores_the_quantized_rows_of_the_norms_output(residual):
+    x, w = 3 * torch.randn(6, 96), torch.randn(96)
+    x[2] = 0  # a padding row
+    r1, r2 = (torch.randn(6, 96), torch.randn(6, 96)) if residual else (None, None)
+    if residual:
+        r2.copy_(r1)
+    same_rows(kernels.rms_norm(x, w, 1e-6, r1, fp8=True), fp8.quantize_rows(kernels.rms_norm(x, w, 1e-6, r2)))
+    if residual:
+        assert torch.equal(r1, r2)  # the residual stream is updated as before
+
+
+def test_the_fp8_rms_norm_sums_split_partial_products_first():
+    x, w, residual = torch.randn(6, 64), torch.randn(96, 64), torch.randn(6, 96)
+    parts = gemv.partial_products(x, w, gemv.GemvConfig(32, 16, split=4))
+    nw = torch.randn(96)
+    same_rows(kernels.rms_norm(parts, nw, 1e-6, residual.clone(), fp8=True),
+              fp8.quantize_rows(kernels.rms_norm(parts, nw, 1e-6, residual.clone())))
+
+
+def test_the_fp8_silu_mul_stores_the_quantized_rows_of_its_product():
+    gate_up = 4 * torch.randn(3, 2 * 1500)  # a row wider than the bf16 kernel's column block
+    same_rows(kernels.silu_mul(gate_up, fp8=True), fp8.quantize_rows(kernels.silu_mul(gate_up)))
+
+
+@pytest.fixture(scope="module")
+def fp8_engine(tiny_model_dir):
+    return Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
+        num_slots=4, max_len=256, num_retained=2, fused_kernels=True, fp8_prefill=True))
+
+
+def test_fp8_prefill_multiplies_three_products_a_layer_in_fp8_and_decode_steps_none(fp8_engine, engines,
+                                                                                    monkeypatch):
+    """Every prefill's qkv, gate_up and down take their input from the kernel before them as e4m3 rows; the decode
+    steps run the ops without FP8, so once the prefill is the same the decode is too: bf16 weights, bf16 products."""
+    runner = fp8_engine.runner
+    layers = len(runner.model.decoder.layers)
+    assert runner.fp8_products == 3 * layers and not runner.layer_ops.fp8_products and runner.prefill_ops.fp8_products
+    inputs = []
+    linear = fp8.linear
+    monkeypatch.setattr(fp8, "linear", lambda x, layer: inputs.append((x, layer)) or linear(x, layer))
+    out = fp8_engine.transcribe([DecodeRequest(audio=speech(1.1, seed=70), max_new_tokens=5)])
+    decoder = runner.model.decoder
+    products = [p for l in decoder.layers for p in (l.self_attn.qkv_proj, l.mlp.gate_up_proj, l.mlp.down_proj)]
+    assert sorted(map(id, (layer for _, layer in inputs))) == sorted(map(id, products))  # one prefill, each once
+    assert all(isinstance(x, fp8.Rows) and x.values.dtype == fp8.E4M3 for x, _ in inputs)
+    assert len(out[0].token_ids) == 5
+    fused, _ = engines  # its own model: fp8.attach marked only fp8_engine's
+    assert not any(l.input_layernorm.feeds_fp8 for l in fused.runner.model.decoder.layers)
+
+
+def test_fp8_prefill_keeps_rows_independent_of_their_batch(fp8_engine):
+    """Every prefill is FP8, whatever its size: a clip decodes the same alone, beside others, and beside copies of
+    itself (per-row scales)."""
+    clips = [speech(s, seed=80 + i) for i, s in enumerate([0.4, 2.2, 3.1, 1.3, 0.9])]
+    reqs = [DecodeRequest(audio=c, max_new_tokens=b) for c, b in zip(clips, [6, 12, 9, 15, 7])]  # 5 requests, 4 slots
+    batched = [r.token_ids for r in fp8_engine.transcribe(reqs)]
+    assert batched == [fp8_engine.transcribe([r])[0].token_ids for r in reqs]
+    copies = fp8_engine.transcribe([DecodeRequest(audio=clips[1], max_new_tokens=12) for _ in range(4)])
+    assert [r.token_ids for r in copies] == [batched[1]] * 4
+
+
+def test_fp8_prefill_is_refused_without_the_fused_kernels(tiny_model_dir):
+    with pytest.raises(ValueError, match="fused kernels"):
+        Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
+            num_slots=2, max_len=64, num_retained=0, fused_kernels=False, fp8_prefill=True))
+
+
+def test_fp8_prefill_hidden_states_stay_near_the_plain_pytorch_ones(fp8_engine):
+    model = fp8_engine.runner.model
+    embeds = torch.randn(2, 40, model.cfg.text.hidden_size)
+    slots, starts, lengths = torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), torch.tensor([40, 33])
+    hidden = {}
+    for name, ops in (("fp8", fp8_engine.runner.prefill_ops), ("plain", PlainLayerOps())):
+        hidden[name] = model.decoder.prefill(embeds, slots, starts, lengths, model.new_cache(2, 64), ops)
+    valid = torch.arange(40)[None, :] < lengths[:, None]
+    got, expected = hidden["fp8"][valid], hidden["plain"][valid]
+    # e4m3 keeps 3 mantissa bits (each operand within 1/16): a few percent over two layers, and not nothing
+    assert 0 < float((got - expected).norm() / expected.norm()) < 0.08
