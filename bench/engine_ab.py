@@ -1,9 +1,9 @@
 """Engines that differ in their options, on one loaded model, their offline throughput runs alternating (#16).
 
     python -m qasr.bench.engine_ab --model DIR --num-clips 2048 --slots 512 --runs 3 \
-        --variant bf16 --variant int8:kv_int8=1
+        --variant bf16 --variant int8:kv_int8=1 --variant fp8:fp8_prefill=1
 
-Options fixed when an engine is built (the KV cache's format, say) cannot be swept on one engine as
+Options fixed when an engine is built (the KV cache's format, FP8 products) cannot be swept on one engine as
 bench.offline_sweep sweeps the scheduling options. Here each variant is its own Engine on the same weights (the load
 paid once), and every run goes through the variants in turn, so they share the lease's drift. The first variant is
 the reference: each other's tokens are compared with its tokens on the same clips (decoding forced, so a row that

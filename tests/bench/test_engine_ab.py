@@ -13,8 +13,8 @@ from qasr.bench.engine_ab import main, parse_variant  # noqa: E402
 def test_a_variant_is_a_name_and_engine_options_parsed_as_their_types():
     assert parse_variant("bf16") == ("bf16", {})
     assert parse_variant("int8:kv_int8=1") == ("int8", {"kv_int8": True})
-    assert parse_variant("both:kv_int8=0,stream_priorities=1,decode_steps_ahead=8") == (
-        "both", {"kv_int8": False, "stream_priorities": True, "decode_steps_ahead": 8})
+    assert parse_variant("both:kv_int8=0,fp8_prefill=1,decode_steps_ahead=8") == (
+        "both", {"kv_int8": False, "fp8_prefill": True, "decode_steps_ahead": 8})
     for bad in (":kv_int8=1", "x:no_such_option=1", "x:kv_int8=2", "x:kv_int8", "x:decode_steps_ahead=four"):
         with pytest.raises(argparse.ArgumentTypeError):
             parse_variant(bad)
