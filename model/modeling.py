@@ -226,8 +226,8 @@ def window_lengths(num_tokens: int, size: int) -> list[int]:
 
 
 class RMSNorm(nn.Module):
-    feeds_fp8 = False  # fp8.attach sets it where the product after this norm can multiply in FP8 (FusedLayerOps with
-    # fp8 then has the norm quantize its output rows for it)
+    feeds_fp8 = False  # fp8.attach sets it where the product after this norm can multiply in FP8 (FusedLayerOps
+    # with fp8_products then has the norm quantize its output rows for it)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
