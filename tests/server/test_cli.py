@@ -50,6 +50,11 @@ def test_the_kv_cache_is_int8_only_when_asked():
     assert engine_options("--kv-int8").kv_int8 is True
 
 
+def test_prefill_products_are_fp8_only_when_asked():
+    assert engine_options().fp8_prefill is False
+    assert engine_options("--fp8-prefill").fp8_prefill is True
+
+
 @pytest.mark.parametrize("argv", [
     [], ["--model", "m", "--max-sessions", "0"], ["--model", "m", "--partial-interval-ms", "10"],
     ["--model", "m", "--vad-aggressiveness", "5"], ["--model", "m", "--port", "70000"],
