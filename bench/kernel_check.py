@@ -12,9 +12,11 @@ Run the whole check with QASR_PDL=1 and every kernel comparison after it runs wi
 `decode_tiles` times the decode attention's tiles (kernels.DECODE_TILE against others) in graphs. `kv_int8` checks
 the int8 KV cache's kernels (model/kv_int8.py: the writer against kv_int8.quantize, the readers against the bf16
 kernels over the dequantized cache) and times its decode attention against the bf16 one, each call reading its own
-layer's cache from memory as a step does.
+layer's cache from memory as a step does. `fp8` checks FP8 prefill's kernels (model/fp8.py: the RMSNorm and
+SiLU*mul that quantize for the products, bit for bit against fp8.quantize_rows of the bf16 kernels' output, and the
+products against bf16's) and times a layer's prefill products with their norms, bf16 against FP8.
 
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,decode_tiles,kv_int8,steps]` on a CUDA
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,decode_tiles,kv_int8,fp8,steps]` on a CUDA
 machine;
 prints one JSON object per line, a section each, as each completes (so a time limit leaves the sections that
 finished).
@@ -27,6 +29,7 @@ import json
 import os
 import tempfile
 import time
+from types import SimpleNamespace
 from unittest import mock
 
 import torch
@@ -34,7 +37,7 @@ import torch.nn.functional as F
 
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
-from qasr.model import gemv, kernels, kv_int8
+from qasr.model import fp8, gemv, kernels, kv_int8
 from qasr.model.conv_kernels import conv1_gelu
 from qasr.model.gpu_timing import per_call_ms, replay_ms
 from qasr.model.modeling import RMSNorm, rotate_half
@@ -43,7 +46,7 @@ from qasr.model.testmodel import make_test_model
 from .cli import OFFLINE_MAX_LEN
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "kv_int8", "steps")
+SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "kv_int8", "fp8", "steps")
 KV_INT8_TILES = tuple(dict.fromkeys((kv_int8.DECODE_TILE, (128, 4, 2), (32, 4, 3), (32, 4, 2), (64, 4, 2), (256, 4, 1),
                                      (256, 8, 1), (128, 4, 1), (16, 4, 3))))
 KV_INT8_PREFILL_TILES = tuple(dict.fromkeys((kv_int8.PREFILL_TILE, (64, 4, 3), (64, 4, 2), (128, 4, 1), (128, 8, 1),
@@ -53,6 +56,7 @@ KV_INT8_PREFILL_TILES = tuple(dict.fromkeys((kv_int8.PREFILL_TILE, (64, 4, 3), (
 DECODE_TILES = tuple(dict.fromkeys((kernels.DECODE_TILE, (64, 4, 3), (32, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2),
                                     (128, 8, 2), (128, 4, 1), (256, 4, 1), (256, 8, 1))))
 PDL_BUCKETS = (1, 8, 32, 64, 256)
+FP8_ROWS = (160, 4096, 32768)  # prefill tokens: one 10.9 s clip, an admission of ~25 clips, of ~200
 
 
 def compare(got: torch.Tensor, expected: torch.Tensor) -> dict:
@@ -340,6 +344,93 @@ def prefill_int8_us(cfg, device, gen, sequences: int = 32, tokens: int = 160) ->
     return {name: round(ms * 1e3, 2) for name, ms in out.items()}
 
 
+def fp8_products(layer) -> dict:
+    """A decoder layer's three FP8 products as fp8.linear takes them (fp8.attach's buffers, without changing the
+    model): name -> an object with weight, weight_fp8 and weight_scale."""
+    out = {}
+    for name in fp8.PRODUCTS:
+        weight = layer.get_submodule(name).weight
+        out[name.split(".")[-1]] = SimpleNamespace(weight=weight, **dict(zip(("weight_fp8", "weight_scale"),
+                                                                              fp8.quantize_weight(weight))))
+    return out
+
+
+def fp8_agreement(layer, rows: int, device, splits: int = 4) -> dict:
+    """FP8 prefill's kernels on `rows` tokens of one decoder layer: each quantizing kernel (the input RMSNorm with a
+    residual, the post-attention one summing split partial products, the SiLU*mul) against fp8.quantize_rows of the
+    bf16 kernel's output, as the fraction of identical values and scales; each product's relative RMS error against
+    the bf16 product of the same (unquantized) rows."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    dtype = layer.input_layernorm.weight.dtype
+    D, I = layer.input_layernorm.weight.numel(), layer.mlp.down_proj.in_features
+
+    def rand(*shape, scale=1.0, dt=dtype):
+        return scale * torch.randn(*shape, device=device, dtype=dt, generator=gen)
+
+    def same(got, expected: fp8.Rows) -> dict:
+        values = got[0].view(torch.uint8) == expected.values.view(torch.uint8)  # bit for bit
+        return {"values_identical": float(values.float().mean()),
+                "scales_identical": float((got[1] == expected.scales).float().mean())}
+
+    norm, post = layer.input_layernorm, layer.post_attention_layernorm
+    x, residual = rand(rows, D, scale=3.0), rand(rows, D)
+    def normed(x, norm, fp8_on: bool):
+        return kernels.rms_norm(x, norm.weight, norm.eps, residual.clone(), fp8=fp8_on)
+
+    out = {"input_norm": same(normed(x, norm, True), fp8.quantize_rows(normed(x, norm, False)))}
+    parts = rand(splits, rows, D, dt=torch.float32)
+    out["post_norm_partials"] = same(normed(parts, post, True), fp8.quantize_rows(normed(parts, post, False)))
+    gate_up = rand(rows, 2 * I, scale=4.0)
+    out["silu_mul"] = same(kernels.silu_mul(gate_up, fp8=True), fp8.quantize_rows(kernels.silu_mul(gate_up)))
+    for name, product in fp8_products(layer).items():
+        a = rand(rows, product.weight.shape[1])
+        out[f"{name}_relative_rms"] = relative_rms(fp8.linear(fp8.quantize_rows(a), product),
+                                                   F.linear(a, product.weight))
+    return out
+
+
+def fp8_times_us(layer, rows: int, device) -> dict:
+    """us a call at `rows` tokens: each quantizing kernel and product against the bf16 one it replaces, and a layer's
+    prefill chain without attention (norm, qkv; norm, gate_up, SiLU*mul, down) each way."""
+    dtype = layer.input_layernorm.weight.dtype
+    products = fp8_products(layer)
+    D, I = layer.input_layernorm.weight.numel(), layer.mlp.down_proj.in_features
+    norm, post = layer.input_layernorm, layer.post_attention_layernorm
+    x, residual, gate_up = (torch.randn(rows, n, device=device, dtype=dtype) for n in (D, D, 2 * I))
+    rows_d, rows_i = fp8.quantize_rows(x), fp8.quantize_rows(torch.randn(rows, I, device=device, dtype=dtype))
+
+    def chain(fp8_on: bool):
+        h = kernels.rms_norm(x, norm.weight, norm.eps, residual, fp8=fp8_on)
+        mul = (lambda v, p: fp8.linear(fp8.Rows(*v), p)) if fp8_on else (lambda v, p: F.linear(v, p.weight))
+        mul(h, products["qkv_proj"])
+        h = kernels.rms_norm(x, post.weight, post.eps, residual, fp8=fp8_on)
+        mul(kernels.silu_mul(mul(h, products["gate_up_proj"]), fp8=fp8_on), products["down_proj"])
+
+    calls = {"rms_norm bf16": lambda: kernels.rms_norm(x, norm.weight, norm.eps, residual),
+             "rms_norm fp8": lambda: kernels.rms_norm(x, norm.weight, norm.eps, residual, fp8=True),
+             "silu_mul bf16": lambda: kernels.silu_mul(gate_up),
+             "silu_mul fp8": lambda: kernels.silu_mul(gate_up, fp8=True),
+             "chain bf16": lambda: chain(False), "chain fp8": lambda: chain(True)}
+    for name, product in products.items():
+        a = rows_i if name == "down_proj" else rows_d
+        dense = torch.randn(rows, a.values.shape[1], device=device, dtype=dtype)
+        calls[f"{name} bf16"] = lambda p=product, v=dense: F.linear(v, p.weight)
+        calls[f"{name} fp8"] = lambda p=product, v=a: fp8.linear(v, p)
+    return {name: round(per_call_ms([call] * 4) * 1e3, 2) for name, call in calls.items()}
+
+
+def fp8_cases(model, device, rows=FP8_ROWS) -> dict:
+    """The `fp8` section: agreement at the largest row count (it covers the others' code paths), times at each."""
+    try:
+        fp8.check_supported(device, model.dtype)
+    except RuntimeError as e:
+        return {"skipped": str(e)}
+    layer = model.decoder.layers[0]
+    with torch.no_grad():
+        return {"agreement": fp8_agreement(layer, max(rows), device),
+                **{f"us_a_call_{n}_rows": fp8_times_us(layer, n, device) for n in rows}}
+
+
 def triton_kernel_names() -> set[str]:
     """The names the profiler gives the launches of kernels.py's, gemv.py's and kv_int8.py's Triton kernels."""
     import triton
@@ -479,6 +570,10 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         emit("kv_int8", kv_int8_cases(model.cfg.text, device))
         emit("kv_int8_s", time.perf_counter() - t)
+    if "fp8" in sections:
+        t = time.perf_counter()
+        emit("fp8_prefill", fp8_cases(model, device))
+        emit("fp8_s", time.perf_counter() - t)
     if "steps" not in sections:
         return
     for name, fused, rows in (("fused_gemv", True, gemv.max_rows()), ("fused_cublas", True, 0), ("pytorch", False, 0)):

@@ -896,6 +896,41 @@ def test_fp8_prefill_keeps_rows_independent_of_their_batch(fp8_engine):
     assert [r.token_ids for r in copies] == [batched[1]] * 4
 
 
+def test_the_gpu_kernel_checks_fp8_section_compares_the_kernels_with_pytorch(fp8_engine, monkeypatch):
+    from qasr.bench import kernel_check
+
+    layer = fp8_engine.runner.model.decoder.layers[0]
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        r = kernel_check.fp8_agreement(layer, 5, cpu)
+    exact = {"values_identical": 1.0, "scales_identical": 1.0}
+    assert r["input_norm"] == r["post_norm_partials"] == r["silu_mul"] == exact
+    for name in ("qkv_proj", "gate_up_proj", "down_proj"):
+        assert 0 < r[f"{name}_relative_rms"] < 0.1  # FP8 is near the bf16 product, not equal to it
+    # a quantizing norm that left out its residual is caught
+    rms_norm = kernels.rms_norm
+    monkeypatch.setattr(kernels, "rms_norm", lambda x, w, eps, residual=None, fp8=False:
+                        rms_norm(x, w, eps, None if fp8 else residual, fp8=fp8))
+    with torch.no_grad():
+        wrong = kernel_check.fp8_agreement(layer, 5, cpu)
+    assert wrong["input_norm"]["values_identical"] < 0.5 and wrong["silu_mul"] == exact
+
+
+def test_the_gpu_kernel_checks_fp8_times_run_each_piece_each_way(fp8_engine, monkeypatch):
+    """Timing needs a GPU (graphs): here each timed call runs once, and the FP8 chain must multiply in FP8."""
+    from qasr.bench import kernel_check
+
+    ran = []
+    monkeypatch.setattr(kernel_check, "per_call_ms", lambda calls: [call() for call in calls] and 1e-3)
+    linear = fp8.linear
+    monkeypatch.setattr(fp8, "linear", lambda x, layer: ran.append(layer) or linear(x, layer))
+    with torch.no_grad():
+        times = kernel_check.fp8_times_us(fp8_engine.runner.model.decoder.layers[0], 3, torch.device("cpu"))
+    pieces = ("rms_norm", "silu_mul", "chain", "qkv_proj", "gate_up_proj", "down_proj")
+    assert times == {f"{piece} {kind}": 1.0 for piece in pieces for kind in ("bf16", "fp8")}
+    assert len(ran) == 4 * (3 + 3)  # 4 calls each: the FP8 chain's three products and the three FP8 products
+
+
 def test_fp8_prefill_is_refused_without_the_fused_kernels(tiny_model_dir):
     with pytest.raises(ValueError, match="fused kernels"):
         Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
