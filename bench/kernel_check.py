@@ -350,12 +350,12 @@ def fp8_products(layer) -> dict:
     out = {}
     for name in fp8.PRODUCTS:
         weight = layer.get_submodule(name).weight
-        out[name.split(".")[-1]] = SimpleNamespace(weight=weight, **dict(zip(("weight_fp8", "weight_scale"),
-                                                                              fp8.quantize_weight(weight))))
+        q, scale = fp8.quantize_weight(weight)
+        out[name.split(".")[-1]] = SimpleNamespace(weight=weight, weight_fp8=q, weight_scale=scale)
     return out
 
 
-def fp8_agreement(layer, rows: int, device, splits: int = 4) -> dict:
+def fp8_agreement(layer, products: dict, rows: int, device, splits: int = 4) -> dict:
     """FP8 prefill's kernels on `rows` tokens of one decoder layer: each quantizing kernel (the input RMSNorm with a
     residual, the post-attention one summing split partial products, the SiLU*mul) against fp8.quantize_rows of the
     bf16 kernel's output, as the fraction of identical values and scales; each product's relative RMS error against
@@ -374,6 +374,7 @@ def fp8_agreement(layer, rows: int, device, splits: int = 4) -> dict:
 
     norm, post = layer.input_layernorm, layer.post_attention_layernorm
     x, residual = rand(rows, D, scale=3.0), rand(rows, D)
+
     def normed(x, norm, fp8_on: bool):
         return kernels.rms_norm(x, norm.weight, norm.eps, residual.clone(), fp8=fp8_on)
 
@@ -382,18 +383,17 @@ def fp8_agreement(layer, rows: int, device, splits: int = 4) -> dict:
     out["post_norm_partials"] = same(normed(parts, post, True), fp8.quantize_rows(normed(parts, post, False)))
     gate_up = rand(rows, 2 * I, scale=4.0)
     out["silu_mul"] = same(kernels.silu_mul(gate_up, fp8=True), fp8.quantize_rows(kernels.silu_mul(gate_up)))
-    for name, product in fp8_products(layer).items():
+    for name, product in products.items():
         a = rand(rows, product.weight.shape[1])
         out[f"{name}_relative_rms"] = relative_rms(fp8.linear(fp8.quantize_rows(a), product),
                                                    F.linear(a, product.weight))
     return out
 
 
-def fp8_times_us(layer, rows: int, device) -> dict:
+def fp8_times_us(layer, products: dict, rows: int, device) -> dict:
     """us a call at `rows` tokens: each quantizing kernel and product against the bf16 one it replaces, and a layer's
     prefill chain without attention (norm, qkv; norm, gate_up, SiLU*mul, down) each way."""
     dtype = layer.input_layernorm.weight.dtype
-    products = fp8_products(layer)
     D, I = layer.input_layernorm.weight.numel(), layer.mlp.down_proj.in_features
     norm, post = layer.input_layernorm, layer.post_attention_layernorm
     x, residual, gate_up = (torch.randn(rows, n, device=device, dtype=dtype) for n in (D, D, 2 * I))
@@ -427,8 +427,9 @@ def fp8_cases(model, device, rows=FP8_ROWS) -> dict:
         return {"skipped": str(e)}
     layer = model.decoder.layers[0]
     with torch.no_grad():
-        return {"agreement": fp8_agreement(layer, max(rows), device),
-                **{f"us_a_call_{n}_rows": fp8_times_us(layer, n, device) for n in rows}}
+        products = fp8_products(layer)  # quantized once for every row count
+        return {"agreement": fp8_agreement(layer, products, max(rows), device),
+                **{f"us_a_call_{n}_rows": fp8_times_us(layer, products, n, device) for n in rows}}
 
 
 def triton_kernel_names() -> set[str]:

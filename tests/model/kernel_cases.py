@@ -902,7 +902,7 @@ def test_the_gpu_kernel_checks_fp8_section_compares_the_kernels_with_pytorch(fp8
     layer = fp8_engine.runner.model.decoder.layers[0]
     cpu = torch.device("cpu")
     with torch.no_grad():
-        r = kernel_check.fp8_agreement(layer, 5, cpu)
+        r = kernel_check.fp8_agreement(layer, kernel_check.fp8_products(layer), 5, cpu)
     exact = {"values_identical": 1.0, "scales_identical": 1.0}
     assert r["input_norm"] == r["post_norm_partials"] == r["silu_mul"] == exact
     for name in ("qkv_proj", "gate_up_proj", "down_proj"):
@@ -912,7 +912,7 @@ def test_the_gpu_kernel_checks_fp8_section_compares_the_kernels_with_pytorch(fp8
     monkeypatch.setattr(kernels, "rms_norm", lambda x, w, eps, residual=None, fp8=False:
                         rms_norm(x, w, eps, None if fp8 else residual, fp8=fp8))
     with torch.no_grad():
-        wrong = kernel_check.fp8_agreement(layer, 5, cpu)
+        wrong = kernel_check.fp8_agreement(layer, kernel_check.fp8_products(layer), 5, cpu)
     assert wrong["input_norm"]["values_identical"] < 0.5 and wrong["silu_mul"] == exact
 
 
@@ -925,7 +925,8 @@ def test_the_gpu_kernel_checks_fp8_times_run_each_piece_each_way(fp8_engine, mon
     linear = fp8.linear
     monkeypatch.setattr(fp8, "linear", lambda x, layer: ran.append(layer) or linear(x, layer))
     with torch.no_grad():
-        times = kernel_check.fp8_times_us(fp8_engine.runner.model.decoder.layers[0], 3, torch.device("cpu"))
+        layer = fp8_engine.runner.model.decoder.layers[0]
+        times = kernel_check.fp8_times_us(layer, kernel_check.fp8_products(layer), 3, torch.device("cpu"))
     pieces = ("rms_norm", "silu_mul", "chain", "qkv_proj", "gate_up_proj", "down_proj")
     assert times == {f"{piece} {kind}": 1.0 for piece in pieces for kind in ("bf16", "fp8")}
     assert len(ran) == 4 * (3 + 3)  # 4 calls each: the FP8 chain's three products and the three FP8 products
