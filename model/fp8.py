@@ -13,7 +13,9 @@ ones. o_proj (its input is the attention's output) and the encoder stay bfloat16
 Every prefill takes them (the runner's prefill ops), whatever its size, so a clip's tokens do not depend on how many
 clips were admitted beside it; every decode step computes exactly what it did without FP8.
 
-Formats: an activation row x is stored as e4m3(x / s), s = max(amax(|x|) / 448, MIN_SCALE) in float32 (one scale a
+Formats: an activation row x is stored as e4m3(x * (1 / s)), s = max(amax(|x|) * (1 / 448), MIN_SCALE) in float32
+(products by reciprocals, not divisions: PyTorch's CUDA division by a number multiplies by its reciprocal, so this is
+what it computes on every device, and a kernel divides once a row instead of once an element; one scale a
 row keeps a row's product independent of its batch mates, as every kernel here must); a weight as e4m3 per output
 channel the same way, its scales [1, N]. `torch._scaled_mm` takes both (row-wise scales) and writes bfloat16.
 """
@@ -41,8 +43,8 @@ class Rows(NamedTuple):
 
 def quantize_rows(x: torch.Tensor) -> Rows:
     """x [N, K] -> its Rows, in PyTorch: what kernels.rms_norm and silu_mul write with fp8=True, bit for bit."""
-    scale = (x.abs().amax(dim=1, keepdim=True).float() / E4M3_MAX).clamp(min=MIN_SCALE)
-    return Rows((x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)
+    scale = (x.abs().amax(dim=1, keepdim=True).float() * (1 / E4M3_MAX)).clamp(min=MIN_SCALE)
+    return Rows((x.float() * scale.reciprocal()).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +62,9 @@ def linear(x: Rows, layer: nn.Linear) -> torch.Tensor:
 def attach(model) -> int:
     """Give each decoder layer's PRODUCTS FP8 weights (non-persistent buffers `weight_fp8`, `weight_scale` beside the
     bf16 weight, which the decode steps keep using) and mark the RMSNorms before them to quantize their output (the
-    fused ops with fp8_products then do) -> the number of products. RuntimeError where FP8 cannot run."""
+    fused ops with fp8_products then do) -> the number of products. RuntimeError where FP8 cannot run.
+    A model attached before keeps its FP8 weights: engines sharing one model (bench/engine_ab) captured CUDA graphs
+    that read them, and new buffers would free the ones those graphs hold."""
     weight = model.decoder.embed_tokens.weight
     check_supported(weight.device, weight.dtype)
     for layer in model.decoder.layers:
@@ -69,6 +73,8 @@ def attach(model) -> int:
             if product.in_features % ALIGN or product.out_features % ALIGN or product.bias is not None:
                 raise RuntimeError(f"FP8 products need widths that are multiples of {ALIGN} and no bias, got {name} "
                                    f"{product.in_features} -> {product.out_features}")
+            if hasattr(product, "weight_fp8"):
+                continue
             q, scale = quantize_weight(product.weight)
             product.register_buffer("weight_fp8", q, persistent=False)
             product.register_buffer("weight_scale", scale, persistent=False)

@@ -132,10 +132,10 @@ if triton is not None:
 
     @triton.jit
     def _store_e4m3(y, Q, S, row, cols, mask, D):
-        # one row y (float32 [BLOCK], zero past D) as fp8.quantize_rows stores it: S[row] = its scale, max(amax /
-        # 448, fp8.MIN_SCALE), and Q[row] = e4m3(y / scale)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 448.0), 1e-12)
-        v = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0)
+        # one row y (float32 [BLOCK], zero past D) as fp8.quantize_rows stores it: S[row] = its scale, max(amax *
+        # (1 / 448), fp8.MIN_SCALE), and Q[row] = e4m3(y * (1 / scale)): one division a row, not one an element
+        scale = tl.maximum(tl.max(tl.abs(y), axis=0) * (1.0 / 448.0), 1e-12)
+        v = tl.minimum(tl.maximum(y * tl.math.div_rn(1.0, scale), -448.0), 448.0)
         tl.store(Q + row * D + cols, _round_to_e4m3(v).to(tl.float8e4nv), mask=mask)
         tl.store(S + row, scale)
 

@@ -949,3 +949,13 @@ def test_fp8_prefill_hidden_states_stay_near_the_plain_pytorch_ones(fp8_engine):
     got, expected = hidden["fp8"][valid], hidden["plain"][valid]
     # e4m3 keeps 3 mantissa bits (each operand within 1/16): a few percent over two layers, and not nothing
     assert 0 < float((got - expected).norm() / expected.norm()) < 0.08
+
+
+def test_attaching_fp8_weights_again_keeps_the_ones_captured_graphs_read(fp8_engine):
+    """Engines that share one model (bench/engine_ab) each attach it; a second attach must not swap the buffers, or
+    the first engine's CUDA graphs would read freed memory."""
+    model = fp8_engine.runner.model
+    before = [(l.self_attn.qkv_proj.weight_fp8, l.mlp.down_proj.weight_scale) for l in model.decoder.layers]
+    assert fp8.attach(model) == fp8_engine.runner.fp8_products
+    after = [(l.self_attn.qkv_proj.weight_fp8, l.mlp.down_proj.weight_scale) for l in model.decoder.layers]
+    assert all(a is b for pair in zip(before, after) for a, b in zip(*pair))
