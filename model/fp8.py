@@ -13,11 +13,12 @@ ones. o_proj (its input is the attention's output) and the encoder stay bfloat16
 Every prefill takes them (the runner's prefill ops), whatever its size, so a clip's tokens do not depend on how many
 clips were admitted beside it; every decode step computes exactly what it did without FP8.
 
-Formats: an activation row x is stored as e4m3(x * (1 / s)), s = max(amax(|x|) * (1 / 448), MIN_SCALE) in float32
-(products by reciprocals, not divisions: PyTorch's CUDA division by a number multiplies by its reciprocal, so this is
-what it computes on every device, and a kernel divides once a row instead of once an element; one scale a
-row keeps a row's product independent of its batch mates, as every kernel here must); a weight as e4m3 per output
-channel the same way, its scales [1, N]. `torch._scaled_mm` takes both (row-wise scales) and writes bfloat16.
+Formats: an activation row x is stored as e4m3(x * (1 / s)), s = max(amax(|x|) * (1 / 448), MIN_SCALE) in float32,
+one scale a row (a row's product then does not depend on its batch mates, as every kernel here must not); a weight as
+e4m3 per output channel the same way, its scales [1, N]. `torch._scaled_mm` takes both (row-wise scales) and writes
+bfloat16. Reciprocals, not divisions: PyTorch on CUDA divides by a number by multiplying with its reciprocal (with
+divisions, the kernels' scales matched it in 44% of rows on an H100), so this reads the same on every device, and a
+kernel divides once a row instead of once an element (the quantizing SiLU*mul 1.34x -> 1.02x the bf16 one's time).
 """
 
 from __future__ import annotations
