@@ -268,6 +268,27 @@ def test_cli_reports_bad_files_and_goes_on(tiny_model_dir, audio_files, tmp_path
     assert "Traceback" not in err
 
 
+def test_cli_kv_int8_transcribes_from_an_int8_cache(tiny_model_dir, audio_files, monkeypatch, capsys):
+    built = []
+    from_pretrained = Transcriber.from_pretrained.__func__
+    monkeypatch.setattr(Transcriber, "from_pretrained", classmethod(
+        lambda cls, *a, **k: built.append(from_pretrained(cls, *a, **k)) or built[-1]))
+    file = str(audio_files["a.wav"])
+    assert cli(file, "--model", str(tiny_model_dir), "--kv-int8") == 0
+    engine = built[0].engine
+    assert engine.options.kv_int8 and engine.runner.cache.int8 and not engine.options.fp8_prefill
+    out = capsys.readouterr().out
+    assert out.startswith(f"{file}: ") and len(out.split(": ", 1)[1].strip()) > 0
+
+
+def test_cli_fp8_prefill_where_it_cannot_run_is_one_line(tiny_model_dir, audio_files, capsys):
+    # the CPU: no fused kernels here, and FP8 prefill needs them
+    assert cli(str(audio_files["a.wav"]), "--model", str(tiny_model_dir), "--device", "cpu", "--fp8-prefill") == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1
+    assert err.startswith("qasr-transcribe: error: cannot load model") and "FP8 prefill" in err
+
+
 def test_cli_missing_model_is_one_line(tmp_path, audio_files, capsys):
     assert cli(str(audio_files["a.wav"]), "--model", str(tmp_path / "no-such-model")) == 1
     out, err = capsys.readouterr()
