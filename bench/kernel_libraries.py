@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from qasr.model import kernels
 from qasr.model.gpu_timing import per_call_ms
+from qasr.model.modeling import RMSNorm
 from qasr.model.testmodel import SHAPES
 
 ROWS = (1, 32, 256, 4096, 32768)
@@ -34,8 +35,9 @@ EPS = 1e-6
 
 
 def reference_add_rms_norm(x, residual, weight):
-    h = (residual + x).float()
-    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype)
+    norm = RMSNorm(weight.numel(), EPS).to(weight.device, weight.dtype)  # the model's own, Qwen3's casting
+    norm.weight.data = weight
+    return norm(residual + x)
 
 
 def reference_silu_mul(gate_up):
