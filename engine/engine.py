@@ -113,6 +113,7 @@ class Engine:
             fused_kernels=options.fused_kernels,
             kv_int8=options.kv_int8,
             fp8_prefill=options.fp8_prefill,
+            fp8_encoder=options.fp8_encoder,
         )
         self.scheduler = Scheduler(options.num_slots)
         self.aligner = (AlignerRunner(aligner, max_batch=options.aligner_max_batch, min_batch=options.aligner_min_batch,

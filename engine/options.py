@@ -65,6 +65,8 @@ class EngineOptions:
     fp8_prefill: bool = False  # every prefill's qkv, gate_up and down products in FP8, their inputs quantized by the
     # kernels before them (model/fp8.py); decode steps unchanged. Needs the fused kernels and FP8 tensor cores (Ada,
     # Hopper). Tokens are not bit for bit bf16's: docs/benchmarks.md has the speed and the agreement measured
+    fp8_encoder: bool = False  # the audio encoder's q/k/v, fc1 and fc2 products in FP8 the same way, their inputs
+    # quantized by its LayerNorms and GELU (fp8.attach_encoder); the same needs and caveat as fp8_prefill
     stream_priorities: bool = True  # decode steps and admissions on a high-priority CUDA stream, the aligner's forward
     # on the lowest (qasr.engine.streams), so that finals without words keep their pace; False: decoding on the
     # thread's default stream, as before (benchmarks compare)

@@ -8,7 +8,9 @@ and writing the activations at the bandwidth) brought that to 0.78-1.47x, and of
 activations come out of the kernel before the product already quantized: the RMSNorms that feed qkv and gate_up and
 the SiLU*mul that feeds down write e4m3 rows and their scales (kernels.rms_norm / silu_mul with fp8=True), in fewer
 bytes than the bfloat16 rows they wrote before, so the only extra work is the products' FP8 weights beside the bf16
-ones. o_proj (its input is the attention's output) and the encoder stay bfloat16.
+ones. o_proj (its input is the attention's output) stays bfloat16. The audio encoder's products can go the same way
+(EngineOptions.fp8_encoder, attach_encoder): q/k/v and fc1 fed by its LayerNorms, fc2 by its GELU, those kernels
+quantizing (kernels.layer_norm / gelu with fp8=True); out_proj stays bfloat16.
 
 Every prefill takes them (the runner's prefill ops), whatever its size, so a clip's tokens do not depend on how many
 clips were admitted beside it; every decode step computes exactly what it did without FP8.
@@ -34,6 +36,8 @@ MIN_SCALE = 1e-12  # a row of zeros (a padding row) gets this scale: its values 
 ALIGN = 16  # _scaled_mm's K and N multiple (the real models' widths are)
 PRODUCTS = ("self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj")  # each decoder layer's, fed by a quantizing
 # kernel: the input RMSNorm, the post-attention RMSNorm, the SiLU*mul
+ENCODER_PRODUCTS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "fc1", "fc2")  # each audio encoder
+# layer's: q/k/v and fc1 fed by its LayerNorms, fc2 by the GELU (out_proj's input, the attention's, stays bfloat16)
 
 
 class Rows(NamedTuple):
@@ -57,7 +61,7 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def linear(x: Rows, layer: nn.Linear) -> torch.Tensor:
     """x @ layer.weight.T in FP8 (the layer's weight as `attach` quantized it) -> [N, out] in the weight's dtype."""
     return torch._scaled_mm(x.values, layer.weight_fp8.t(), scale_a=x.scales, scale_b=layer.weight_scale,
-                            out_dtype=layer.weight.dtype)
+                            bias=layer.bias, out_dtype=layer.weight.dtype)
 
 
 def attach(model) -> int:
@@ -70,17 +74,34 @@ def attach(model) -> int:
     check_supported(weight.device, weight.dtype)
     for layer in model.decoder.layers:
         for name in PRODUCTS:
-            product = layer.get_submodule(name)
-            if product.in_features % ALIGN or product.out_features % ALIGN or product.bias is not None:
-                raise RuntimeError(f"FP8 products need widths that are multiples of {ALIGN} and no bias, got {name} "
-                                   f"{product.in_features} -> {product.out_features}")
-            if hasattr(product, "weight_fp8"):
-                continue
-            q, scale = quantize_weight(product.weight)
-            product.register_buffer("weight_fp8", q, persistent=False)
-            product.register_buffer("weight_scale", scale, persistent=False)
+            _quantize_once(layer.get_submodule(name), name)
         layer.input_layernorm.feeds_fp8 = layer.post_attention_layernorm.feeds_fp8 = True
     return len(model.decoder.layers) * len(PRODUCTS)
+
+
+def attach_encoder(model) -> int:
+    """Give each audio encoder layer's ENCODER_PRODUCTS FP8 weights as `attach` gives the decoder's (their biases
+    stay bfloat16: the product adds them) -> the number of products. The encoder runs them when asked
+    (encode_windows(fp8_products=True)), its LayerNorms and GELU quantizing their inputs. RuntimeError where FP8
+    cannot run."""
+    weight = model.decoder.embed_tokens.weight
+    check_supported(weight.device, weight.dtype)
+    for layer in model.encoder.layers:
+        for name in ENCODER_PRODUCTS:
+            _quantize_once(layer.get_submodule(name), name)
+    return len(model.encoder.layers) * len(ENCODER_PRODUCTS)
+
+
+def _quantize_once(product: nn.Linear, name: str) -> None:
+    """`product`'s FP8 weight buffers, unless it has them (see attach)."""
+    if product.in_features % ALIGN or product.out_features % ALIGN:
+        raise RuntimeError(f"FP8 products need widths that are multiples of {ALIGN}, got {name} "
+                           f"{product.in_features} -> {product.out_features}")
+    if hasattr(product, "weight_fp8"):
+        return
+    q, scale = quantize_weight(product.weight)
+    product.register_buffer("weight_fp8", q, persistent=False)
+    product.register_buffer("weight_scale", scale, persistent=False)
 
 
 def check_supported(device: torch.device, dtype: torch.dtype) -> None:

@@ -377,6 +377,40 @@ if triton is not None:
 
 
     @triton.jit
+    def _layer_norm_kernel(X, W, B, Y, S, D, eps, FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # one row: (x - mean) / sqrt(var + eps) * w + b in float32, rounded once to X's dtype as F.layer_norm rounds
+        # (the encoder's LayerNorms); FP8: that row stored as e4m3, its scale in S
+        _await_inputs(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(X + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        centred = tl.where(mask, x - tl.sum(x, axis=0) / D, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / D + eps)
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (centred * rstd * w + b).to(X.dtype.element_ty)
+        if FP8:
+            _store_e4m3(y.to(tl.float32), Y, S, row, cols, mask, D)
+        else:
+            tl.store(Y + row * D + cols, y, mask=mask)
+
+    @triton.jit
+    def _gelu_kernel(X, Y, S, D, FP8: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # one row: x * (1 + erf(x / sqrt(2))) / 2 (F.gelu's exact form) in float32, rounded to X's dtype; FP8: that
+        # row stored as e4m3, its scale in S
+        _await_inputs(PDL)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < D
+        x = tl.load(X + row * D + cols, mask=mask, other=0.0).to(tl.float32)
+        y = (0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))).to(X.dtype.element_ty)
+        if FP8:
+            _store_e4m3(y.to(tl.float32), Y, S, row, cols, mask, D)
+        else:
+            tl.store(Y + row * D + cols, y, mask=mask)
+
+    @triton.jit
     def _first_max(VALUES, INDEX, W, BLOCK: tl.constexpr):
         # the greedy token of one row from W block maxima (gemv's lm_head: VALUES[j] the largest logit of column
         # block j, INDEX[j] its first column, NaN for a block holding a NaN), as torch.argmax picks it: a NaN first,
@@ -615,6 +649,34 @@ def silu_mul(gate_up: torch.Tensor, fp8: bool = False):
                                                  num_warps=min(16, block // 256) if fp8 else 4,
                                                  **pdl_options(gate_up.device, N))
     return (out, scales) if fp8 else out
+
+
+def _rows_out(x: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output of a one-row-a-program kernel over contiguous [N, D] x: x's dtype, or e4m3 and its float32 scales."""
+    N, D = x.shape
+    y = torch.empty((N, D), dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
+    return y, torch.empty((N, 1), dtype=torch.float32, device=x.device) if fp8 else y
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, fp8: bool = False):
+    """F.layer_norm over the last dim of contiguous [N, D] x (the encoder's); fp8: -> (e4m3 [N, D], float32 scales
+    [N, 1]), the result quantized a row at a time as fp8.quantize_rows does."""
+    assert x.is_contiguous() and x.dim() == 2
+    y, scales = _rows_out(x, fp8)
+    block = triton.next_power_of_2(x.shape[1])
+    _layer_norm_kernel[(x.shape[0],)](x, weight, bias, y, scales, x.shape[1], eps, FP8=fp8, BLOCK=block,
+                                      num_warps=norm_warps(x.shape[0], block), **pdl_options(x.device, x.shape[0]))
+    return (y, scales) if fp8 else y
+
+
+def gelu(x: torch.Tensor, fp8: bool = False):
+    """F.gelu (exact) of contiguous [N, D] x; fp8: -> (e4m3 [N, D], float32 scales [N, 1]) as fp8.quantize_rows."""
+    assert x.is_contiguous() and x.dim() == 2
+    y, scales = _rows_out(x, fp8)
+    block = triton.next_power_of_2(x.shape[1])  # a whole row a program: its scale needs all of it
+    _gelu_kernel[(x.shape[0],)](x, y, scales, x.shape[1], FP8=fp8, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+                                **pdl_options(x.device, x.shape[0]))
+    return (y, scales) if fp8 else y
 
 
 def decode_begin(tokens: torch.Tensor, positions: torch.Tensor, embed: torch.Tensor, norm_weight: torch.Tensor,

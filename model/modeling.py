@@ -50,8 +50,12 @@ class EncoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
         # x: [W, T, D] windows; key_bias: [W, 1, 1, T] 0 where the key is a real token, -inf elsewhere
-        W, T, D = x.shape
-        q, k, v = (p(x).view(W, T, self.num_heads, -1).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        return self.attend(*(p(x) for p in (self.q_proj, self.k_proj, self.v_proj)), key_bias)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+        # q, k, v: [W, T, D] projected -> [W, T, D] after out_proj
+        W, T, D = q.shape
+        q, k, v = (t.view(W, T, self.num_heads, -1).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_bias)
         return self.out_proj(out.transpose(1, 2).reshape(W, T, D))
 
@@ -65,13 +69,28 @@ class EncoderLayer(nn.Module):
         self.fc2 = nn.Linear(cfg.encoder_ffn_dim, cfg.d_model)
         self.final_layer_norm = nn.LayerNorm(cfg.d_model)
 
-    def forward(self, x: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, key_bias: torch.Tensor, fp8_products: bool = False) -> torch.Tensor:
+        # fp8_products: q/k/v, fc1 and fc2 in FP8 (fp8.attach_encoder), their inputs quantized by the kernels before
+        if fp8_products:
+            return self._forward_fp8(x, key_bias)
         x = x + self.self_attn(self.self_attn_layer_norm(x), key_bias)
         x = x + self.fc2(F.gelu(self.fc1(self.final_layer_norm(x))))
         if x.dtype == torch.float16:  # as the official encoder: keep fp16 activations finite
             clamp = torch.finfo(x.dtype).max - 1000
             x = x.clamp(-clamp, clamp)
         return x
+
+    def _forward_fp8(self, x: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
+        W, T, D = x.shape
+
+        def normed(norm: nn.LayerNorm) -> fp8.Rows:
+            return fp8.Rows(*kernels.layer_norm(x.reshape(W * T, D), norm.weight, norm.bias, norm.eps, fp8=True))
+
+        h, attn = normed(self.self_attn_layer_norm), self.self_attn
+        x = x + attn.attend(*(fp8.linear(h, p).view(W, T, D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)),
+                            key_bias)
+        h = fp8.Rows(*kernels.gelu(fp8.linear(normed(self.final_layer_norm), self.fc1), fp8=True))
+        return x + fp8.linear(h, self.fc2).view(W, T, D)
 
 
 class AudioEncoder(nn.Module):
@@ -105,14 +124,16 @@ class AudioEncoder(nn.Module):
         x = self.conv_out(x.permute(0, 3, 1, 2).reshape(n, t, c * f).contiguous())
         return x + self.positions[:t].to(x.dtype)
 
-    def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        # windows: [W, window_tokens, D] zero-padded; lengths: [W] real tokens per window -> [W, window_tokens, out]
+    def encode_windows(self, windows: torch.Tensor, lengths: torch.Tensor, fp8_products: bool = False
+                       ) -> torch.Tensor:
+        # windows: [W, window_tokens, D] zero-padded; lengths: [W] real tokens per window -> [W, window_tokens, out].
+        # fp8_products: the layers' products in FP8 (EncoderLayer.forward; fp8.attach_encoder first)
         T = windows.shape[1]
         key_mask = (torch.arange(T, device=windows.device)[None, :] < lengths[:, None])[:, None, None, :]
         key_bias = additive_mask(key_mask, windows.dtype)
         x = windows
         for layer in self.layers:
-            x = layer(x, key_bias)
+            x = layer(x, key_bias, fp8_products)
         return self.proj2(F.gelu(self.proj1(self.ln_post(x))))
 
     def forward(self, mels: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -896,6 +896,55 @@ def test_fp8_prefill_keeps_rows_independent_of_their_batch(fp8_engine):
     assert [r.token_ids for r in copies] == [batched[1]] * 4
 
 
+def test_the_encoder_layer_norm_and_gelu_kernels_match_pytorch_and_quantize_their_rows():
+    x, w, b = 3 * torch.randn(6, 96) + 1, torch.randn(96), torch.randn(96)
+    x[2] = 0  # a padding row: its output is the bias
+    y = kernels.layer_norm(x, w, b, 1e-5)
+    torch.testing.assert_close(y, F.layer_norm(x, (96,), w, b, 1e-5), atol=1e-5, rtol=1e-5)
+    same_rows(kernels.layer_norm(x, w, b, 1e-5, fp8=True), fp8.quantize_rows(y))
+    g = 4 * torch.randn(3, 1500)  # rows of a width that is not a power of two, as the encoder's ffn (3,584)
+    torch.testing.assert_close(kernels.gelu(g), F.gelu(g), atol=1e-5, rtol=1e-5)
+    same_rows(kernels.gelu(g, fp8=True), fp8.quantize_rows(kernels.gelu(g)))
+
+
+@pytest.fixture(scope="module")
+def fp8_encoder_engine(tiny_model_dir):
+    return Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(
+        num_slots=4, max_len=256, num_retained=2, fused_kernels=True, fp8_encoder=True))
+
+
+def test_fp8_encoder_multiplies_five_products_a_layer_in_fp8_and_keeps_windows_independent(fp8_encoder_engine,
+                                                                                           monkeypatch):
+    """q/k/v, fc1 and fc2 take e4m3 rows from the LayerNorm or GELU kernel before them; the output stays near the
+    plain encoder's (FP8 moves it a little, not to noise) and a window's rows do not depend on the windows beside it."""
+    runner = fp8_encoder_engine.runner
+    encoder = runner.model.encoder
+    assert runner.fp8_encoder_products == 5 * len(encoder.layers) and runner.fp8_products == 0
+    inputs = []
+    linear = fp8.linear
+    monkeypatch.setattr(fp8, "linear", lambda x, layer: inputs.append((x, layer)) or linear(x, layer))
+    T, D = encoder.cfg.window_tokens, encoder.cfg.d_model
+    windows, lengths = torch.randn(3, T, D), torch.tensor([T, T - 3, 5])
+    got = runner.encode_windows(windows, lengths)
+    assert len(inputs) == 5 * len(encoder.layers)
+    assert all(isinstance(x, fp8.Rows) and x.values.dtype == fp8.E4M3 for x, _ in inputs)
+    assert {id(layer) for _, layer in inputs} == {id(l.get_submodule(n)) for l in encoder.layers
+                                                  for n in fp8.ENCODER_PRODUCTS}
+    plain = encoder.encode_windows(windows, lengths)
+    for w, n in enumerate(lengths.tolist()):
+        error = (got[w, :n] - plain[w, :n]).norm() / plain[w, :n].norm()
+        assert 0 < error < 0.1, error
+        alone = runner.encode_windows(windows[w : w + 1], lengths[w : w + 1])
+        assert torch.equal(alone[0, :n], got[w, :n])
+
+
+def test_fp8_encoder_engine_decodes_a_clip_the_same_alone_and_beside_others(fp8_encoder_engine):
+    clips = [speech(s, seed=90 + i) for i, s in enumerate([0.4, 2.2, 3.1, 1.3, 0.9])]
+    reqs = [DecodeRequest(audio=c, max_new_tokens=b) for c, b in zip(clips, [6, 12, 9, 15, 7])]  # 5 requests, 4 slots
+    batched = [r.token_ids for r in fp8_encoder_engine.transcribe(reqs)]
+    assert all(batched) and batched == [fp8_encoder_engine.transcribe([r])[0].token_ids for r in reqs]
+
+
 def test_the_gpu_kernel_checks_fp8_section_compares_the_kernels_with_pytorch(fp8_engine, monkeypatch):
     from qasr.bench import kernel_check
 
