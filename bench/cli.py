@@ -67,6 +67,9 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--fp8-prefill", action="store_true", default=None,
                    help="the prefill's qkv, gate_up and down products in FP8 (EngineOptions.fp8_prefill); the "
                         "correctness checks then also compare its tokens with bf16 products'")
+    p.add_argument("--fp8-encoder", action="store_true", default=None,
+                   help="the audio encoder's q/k/v, fc1 and fc2 products in FP8 (EngineOptions.fp8_encoder); the "
+                        "correctness checks then also compare its tokens with bf16 products'")
     p.add_argument("--freeze-heap", action=argparse.BooleanOptionalAction, default=True,
                    help="freeze the loaded engine's objects out of Python's collector (gc.freeze), as qasr-transcribe "
                         "and the server's engine process do (default: on; --no-freeze-heap leaves them to it, as a "

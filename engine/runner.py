@@ -312,8 +312,9 @@ class ModelRunner:
                 conv.weight.data = conv.weight.data.contiguous(memory_format=torch.channels_last)
         # the decoder's layer ops, chosen once: every decode step (and so every graph) runs on them, and every prefill
         # on prefill_ops, the same but for FP8 products where asked (model/fp8.py: its quantizing norms are kernels)
-        if (fp8_prefill or fp8_encoder) and not self.fused_kernels:
-            raise ValueError("FP8 products need the fused kernels (Triton and a CUDA device)")
+        for asked, products in ((fp8_prefill, "prefill"), (fp8_encoder, "encoder")):
+            if asked and not self.fused_kernels:
+                raise ValueError(f"FP8 {products} products need the fused kernels (Triton and a CUDA device)")
         self.fp8_products = fp8.attach(model) if fp8_prefill else 0
         self.fp8_encoder_products = fp8.attach_encoder(model) if fp8_encoder else 0  # every encoder run takes them
         rope = model.decoder.rope_table(self.cache.length) if self.fused_kernels else None

@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-prefill", action="store_true",
                         help="FP8 prefill products (as qasr-server's; GPUs with FP8 tensor cores: Ada, Hopper): more "
                              "files a second at large --batch-size; tokens may differ from bf16's")
+    parser.add_argument("--fp8-encoder", action="store_true",
+                        help="the audio encoder's products in FP8 too (as qasr-server's); tokens may differ from "
+                             "bf16's")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: on for many or long files when stderr is a terminal)")
     return parser
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         transcriber = Transcriber.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                                   max_batch=args.batch_size, max_new_tokens=args.max_new_tokens,
                                                   aligner=args.aligner, kv_int8=args.kv_int8,
-                                                  fp8_prefill=args.fp8_prefill)
+                                                  fp8_prefill=args.fp8_prefill, fp8_encoder=args.fp8_encoder)
     except (CheckpointError, ValueError, OSError, RuntimeError) as error:  # RuntimeError: FP8 or CUDA says why
         return _fail(f"cannot load model {args.model}: {error}")
 

@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-prefill", action="store_true",
                         help="run every prefill's qkv, gate_up and down products in FP8 (GPUs with FP8 tensor cores: "
                              "Ada, Hopper); decode steps stay bf16; tokens may differ from bf16's (docs/benchmarks.md)")
+    parser.add_argument("--fp8-encoder", action="store_true",
+                        help="run the audio encoder's q/k/v, fc1 and fc2 products in FP8 the same way (with "
+                             "--fp8-prefill for offline throughput); tokens may differ from bf16's")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--workers", type=int, default=1,
@@ -215,7 +218,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
                          decode_steps_ahead=args.decode_steps_ahead, decode_run_ahead=args.decode_run_ahead,
                          max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner,
-                         kv_int8=args.kv_int8, fp8_prefill=args.fp8_prefill)
+                         kv_int8=args.kv_int8, fp8_prefill=args.fp8_prefill, fp8_encoder=args.fp8_encoder)
 
 
 async def serve(args: argparse.Namespace, config: ServerConfig, *, build=None, replica=None) -> int:

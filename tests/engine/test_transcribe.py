@@ -281,12 +281,13 @@ def test_cli_kv_int8_transcribes_from_an_int8_cache(tiny_model_dir, audio_files,
     assert out.startswith(f"{file}: ") and len(out.split(": ", 1)[1].strip()) > 0
 
 
-def test_cli_fp8_prefill_where_it_cannot_run_is_one_line(tiny_model_dir, audio_files, capsys):
-    # the CPU: no fused kernels here, and FP8 prefill needs them
-    assert cli(str(audio_files["a.wav"]), "--model", str(tiny_model_dir), "--device", "cpu", "--fp8-prefill") == 1
+@pytest.mark.parametrize("flag, products", [("--fp8-prefill", "FP8 prefill"), ("--fp8-encoder", "FP8 encoder")])
+def test_cli_fp8_where_it_cannot_run_is_one_line(tiny_model_dir, audio_files, capsys, flag, products):
+    # the CPU: no fused kernels here, and FP8 products need them
+    assert cli(str(audio_files["a.wav"]), "--model", str(tiny_model_dir), "--device", "cpu", flag) == 1
     out, err = capsys.readouterr()
     assert out == "" and len(err.strip().splitlines()) == 1
-    assert err.startswith("qasr-transcribe: error: cannot load model") and "FP8 prefill" in err
+    assert err.startswith("qasr-transcribe: error: cannot load model") and products in err
 
 
 def test_cli_missing_model_is_one_line(tmp_path, audio_files, capsys):

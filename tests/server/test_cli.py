@@ -53,6 +53,8 @@ def test_the_kv_cache_is_int8_only_when_asked():
 def test_prefill_products_are_fp8_only_when_asked():
     assert engine_options().fp8_prefill is False
     assert engine_options("--fp8-prefill").fp8_prefill is True
+    assert engine_options().fp8_encoder is False
+    assert engine_options("--fp8-encoder").fp8_encoder is True
 
 
 @pytest.mark.parametrize("argv", [
