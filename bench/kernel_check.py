@@ -351,7 +351,7 @@ def fp8_products(layer) -> dict:
     for name in fp8.PRODUCTS:
         weight = layer.get_submodule(name).weight
         q, scale = fp8.quantize_weight(weight)
-        out[name.split(".")[-1]] = SimpleNamespace(weight=weight, weight_fp8=q, weight_scale=scale)
+        out[name.split(".")[-1]] = SimpleNamespace(weight=weight, bias=None, weight_fp8=q, weight_scale=scale)
     return out
 
 
@@ -387,6 +387,37 @@ def fp8_agreement(layer, products: dict, rows: int, device, splits: int = 4) -> 
         a = rand(rows, product.weight.shape[1])
         out[f"{name}_relative_rms"] = relative_rms(fp8.linear(fp8.quantize_rows(a), product),
                                                    F.linear(a, product.weight))
+    return out
+
+
+def fp8_encoder_agreement(layer, rows: int, device) -> dict:
+    """The FP8 encoder's kernels on `rows` tokens of one encoder layer: the LayerNorm and GELU kernels against
+    PyTorch's (fraction of identical values), their quantizing form against fp8.quantize_rows of the plain kernel's
+    output (as fp8_agreement), and fc1's and fc2's FP8 products (bias added) against bf16's (relative RMS error)."""
+    gen = torch.Generator(device=device).manual_seed(1)
+    norm = layer.final_layer_norm
+    x = 3 * torch.randn(rows, norm.weight.numel(), device=device, dtype=norm.weight.dtype, generator=gen)
+    h = torch.randn(rows, layer.fc1.out_features, device=device, dtype=x.dtype, generator=gen)
+
+    def identical(got, expected) -> float:
+        return float((got == expected).float().mean())
+
+    def same(got, expected: fp8.Rows) -> dict:
+        return {"values_identical": identical(got[0].view(torch.uint8), expected.values.view(torch.uint8)),
+                "scales_identical": identical(got[1], expected.scales)}
+
+    normed = kernels.layer_norm(x, norm.weight, norm.bias, norm.eps)
+    out = {"layer_norm_vs_pytorch": identical(normed, F.layer_norm(x, x.shape[-1:], norm.weight, norm.bias, norm.eps)),
+           "layer_norm_fp8": same(kernels.layer_norm(x, norm.weight, norm.bias, norm.eps, fp8=True),
+                                  fp8.quantize_rows(normed)),
+           "gelu_vs_pytorch": identical(kernels.gelu(h), F.gelu(h)),
+           "gelu_fp8": same(kernels.gelu(h, fp8=True), fp8.quantize_rows(kernels.gelu(h)))}
+    for name, a in (("fc1", x), ("fc2", h)):
+        product = getattr(layer, name)
+        q, scale = fp8.quantize_weight(product.weight)
+        fp8_product = SimpleNamespace(weight=product.weight, bias=product.bias, weight_fp8=q, weight_scale=scale)
+        out[f"{name}_relative_rms"] = relative_rms(fp8.linear(fp8.quantize_rows(a), fp8_product),
+                                                   F.linear(a, product.weight, product.bias))
     return out
 
 
@@ -429,6 +460,7 @@ def fp8_cases(model, device, rows=FP8_ROWS) -> dict:
     with torch.no_grad():
         products = fp8_products(layer)  # quantized once for every row count
         return {"agreement": fp8_agreement(layer, products, max(rows), device),
+                "encoder_agreement": fp8_encoder_agreement(model.encoder.layers[0], max(rows), device),
                 **{f"us_a_call_{n}_rows": fp8_times_us(layer, products, n, device) for n in rows}}
 
 

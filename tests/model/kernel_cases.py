@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from types import SimpleNamespace
 
 from qasr.model import conv_kernels, fp8, gemv, kernels, kv_int8
 from qasr.model.modeling import FusedLayerOps, PlainLayerOps, RMSNorm, rotate_half
@@ -963,6 +964,26 @@ def test_the_gpu_kernel_checks_fp8_section_compares_the_kernels_with_pytorch(fp8
     with torch.no_grad():
         wrong = kernel_check.fp8_agreement(layer, kernel_check.fp8_products(layer), 5, cpu)
     assert wrong["input_norm"]["values_identical"] < 0.5 and wrong["silu_mul"] == exact
+
+
+def test_the_gpu_kernel_checks_fp8_section_compares_the_encoders_kernels_with_pytorch(fp8_engine, monkeypatch):
+    from qasr.bench import kernel_check
+
+    layer = fp8_engine.runner.model.encoder.layers[0]
+    with torch.no_grad():
+        r = kernel_check.fp8_encoder_agreement(layer, 5, torch.device("cpu"))
+    exact = {"values_identical": 1.0, "scales_identical": 1.0}
+    assert r["layer_norm_fp8"] == r["gelu_fp8"] == exact
+    # float32 here, where the kernel's sums and PyTorch's round differently (the GPU check runs bfloat16); a kernel
+    # that left out a term would match in no element
+    assert r["layer_norm_vs_pytorch"] > 0.25 and r["gelu_vs_pytorch"] > 0.5
+    assert 0 < r["fc1_relative_rms"] < 0.1 and 0 < r["fc2_relative_rms"] < 0.1
+    # a product that left out its bias is caught
+    linear = fp8.linear
+    monkeypatch.setattr(fp8, "linear", lambda x, layer: linear(x, SimpleNamespace(**{**vars(layer), "bias": None})))
+    with torch.no_grad():
+        wrong = kernel_check.fp8_encoder_agreement(layer, 5, torch.device("cpu"))
+    assert wrong["fc1_relative_rms"] > 0.1 or wrong["fc2_relative_rms"] > 0.1
 
 
 def test_the_gpu_kernel_checks_fp8_times_run_each_piece_each_way(fp8_engine, monkeypatch):
