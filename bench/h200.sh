@@ -19,9 +19,11 @@ done
 # the int8 KV cache (--kv-int8) on the same lease as the bf16 0.6B run above: its steps, throughput and agreement
 python3 -m qasr.bench.cli offline --size 0.6B --kv-int8 --out "$out/offline-0.6B-int8.json" "$@" 2>&1 \
   | grep --line-buffered -v "pad_token_id" | tee "$out/offline-0.6B-int8.log"
-# the opt-in options (the int8 cache, FP8 prefill, both) against bf16 as engines on one loaded model, alternating in one
-# process (session 35: 1.015x, 1.038x and 1.068x on an H100); their tokens against bf16's come first
+# the opt-in options (the int8 cache, FP8 prefill, both, both with FP8 encoder products) against bf16 as engines on one
+# loaded model, alternating in one process (session 36 on an H100: 1.015x, 1.051x, 1.088x; all three 1.092x against
+# both's 1.076x in another call); their tokens against bf16's come first
 M=/tmp/model-0.6B; [ -d $M ] || python3 -m qasr.model.testmodel $M --size 0.6B --dtype bfloat16 > /dev/null
 python3 -m qasr.bench.engine_ab --model $M --num-clips 2048 --slots 512 --prefill-tokens 65536 --runs 3 \
-  --variant bf16 --variant int8:kv_int8=1 --variant fp8:fp8_prefill=1 --variant both:kv_int8=1,fp8_prefill=1 2>&1 \
+  --variant bf16 --variant int8:kv_int8=1 --variant fp8:fp8_prefill=1 --variant both:kv_int8=1,fp8_prefill=1 \
+  --variant all:kv_int8=1,fp8_prefill=1,fp8_encoder=1 2>&1 \
   | tee "$out/engine-ab-0.6B.log"
