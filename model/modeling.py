@@ -83,13 +83,13 @@ class EncoderLayer(nn.Module):
     def _forward_fp8(self, x: torch.Tensor, key_bias: torch.Tensor) -> torch.Tensor:
         W, T, D = x.shape
 
-        def normed(norm: nn.LayerNorm) -> fp8.Rows:
+        def normed(norm: nn.LayerNorm, x: torch.Tensor) -> fp8.Rows:  # [W, T, D] -> its W * T rows, quantized
             return fp8.Rows(*kernels.layer_norm(x.reshape(W * T, D), norm.weight, norm.bias, norm.eps, fp8=True))
 
-        h, attn = normed(self.self_attn_layer_norm), self.self_attn
+        h, attn = normed(self.self_attn_layer_norm, x), self.self_attn
         x = x + attn.attend(*(fp8.linear(h, p).view(W, T, D) for p in (attn.q_proj, attn.k_proj, attn.v_proj)),
                             key_bias)
-        h = fp8.Rows(*kernels.gelu(fp8.linear(normed(self.final_layer_norm), self.fc1), fp8=True))
+        h = fp8.Rows(*kernels.gelu(fp8.linear(normed(self.final_layer_norm, x), self.fc1), fp8=True))
         return x + fp8.linear(h, self.fc2).view(W, T, D)
 
 
