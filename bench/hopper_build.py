@@ -68,6 +68,10 @@ KERNELS = {
     "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "M": "i32", "I": "i32", "K": "i32",
                                     "stride_xm": "i32"},
                              {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
+    # the audio encoder's (FP8 encoder products), at the 0.6B encoder's widths: 896, and 3,584 for the GELU
+    "_layer_norm_kernel": (kernels, {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "S": "*bf16", "D": "i32",
+                                     "eps": "fp32"}, {"FP8": False, "BLOCK": 1024}),
+    "_gelu_kernel": (kernels, {"X": "*bf16", "Y": "*bf16", "S": "*bf16", "D": "i32"}, {"FP8": False, "BLOCK": 4096}),
 }
 # kernels with a second case: the name above and the signature and constexprs that differ
 VARIANTS = {"_qk_norm_rope_store_kernel (int8 cache)": ("_qk_norm_rope_store_kernel", {
@@ -75,7 +79,9 @@ VARIANTS = {"_qk_norm_rope_store_kernel (int8 cache)": ("_qk_norm_rope_store_ker
     "_rms_norm_kernel (fp8 output)": ("_rms_norm_kernel", {"X": "*bf16", "Y": "*fp8e4nv", "S": "*fp32"},
                                       {"SPLITS": 0, "FP8": True}),
     "_silu_mul_kernel (fp8 output)": ("_silu_mul_kernel", {"OUT": "*fp8e4nv", "S": "*fp32"},
-                                      {"BLOCK": 4096, "FP8": True})}
+                                      {"BLOCK": 4096, "FP8": True}),
+    "_layer_norm_kernel (fp8 output)": ("_layer_norm_kernel", {"Y": "*fp8e4nv", "S": "*fp32"}, {"FP8": True}),
+    "_gelu_kernel (fp8 output)": ("_gelu_kernel", {"Y": "*fp8e4nv", "S": "*fp32"}, {"FP8": True})}
 DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_round_to_e4m3", "_store_e4m3", "_norm_store", "_norm_rope",
                     "_first_max", "_block_argmax", "_store_int8", "_quarters", "_exact_byte", "_scores",
                     "_load_quarters", "_attend", "_store_quarters", "_prefill_tile"}  # called, not launched
