@@ -14,7 +14,7 @@ import argparse
 import importlib
 import sys
 
-from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD
+from qasr.engine.options import OFFLINE_DECODE_STEPS_AHEAD, add_number_format_flags
 
 MODEL_SIZES = ("tiny", "0.6B", "1.7B")
 OFFLINE_MAX_LEN = 320  # KV positions a slot in the offline benches: a 10.9 s clip's prompt and 40 tokens fit
@@ -61,15 +61,7 @@ def offline_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-decode-run-ahead", dest="decode_run_ahead", action="store_false", default=None,
                    help="read each decode step before queuing the next (default: offline's run-ahead, the next step "
                         "queued before the last is read)")
-    p.add_argument("--kv-int8", action="store_true", default=None,
-                   help="the KV cache as int8 (EngineOptions.kv_int8); the correctness checks then also compare its "
-                        "tokens with a bf16 cache's")
-    p.add_argument("--fp8-prefill", action="store_true", default=None,
-                   help="the prefill's qkv, gate_up and down products in FP8 (EngineOptions.fp8_prefill); the "
-                        "correctness checks then also compare its tokens with bf16 products'")
-    p.add_argument("--fp8-encoder", action="store_true", default=None,
-                   help="the audio encoder's q/k/v, fc1 and fc2 products in FP8 (EngineOptions.fp8_encoder); the "
-                        "correctness checks then also compare its tokens with bf16 products'")
+    add_number_format_flags(p, "the correctness checks then also compare the tokens with bf16's", default=None)
     p.add_argument("--freeze-heap", action=argparse.BooleanOptionalAction, default=True,
                    help="freeze the loaded engine's objects out of Python's collector (gc.freeze), as qasr-transcribe "
                         "and the server's engine process do (default: on; --no-freeze-heap leaves them to it, as a "

@@ -355,6 +355,14 @@ def fp8_products(layer) -> dict:
     return out
 
 
+def same_rows(got: tuple[torch.Tensor, torch.Tensor], expected: fp8.Rows) -> dict:
+    """A quantizing kernel's (e4m3 values, scales) against fp8.quantize_rows': the fraction identical of each, the
+    values bit for bit."""
+    values = got[0].view(torch.uint8) == expected.values.view(torch.uint8)
+    return {"values_identical": float(values.float().mean()),
+            "scales_identical": float((got[1] == expected.scales).float().mean())}
+
+
 def fp8_agreement(layer, products: dict, rows: int, device, splits: int = 4) -> dict:
     """FP8 prefill's kernels on `rows` tokens of one decoder layer: each quantizing kernel (the input RMSNorm with a
     residual, the post-attention one summing split partial products, the SiLU*mul) against fp8.quantize_rows of the
@@ -367,22 +375,17 @@ def fp8_agreement(layer, products: dict, rows: int, device, splits: int = 4) -> 
     def rand(*shape, scale=1.0, dt=dtype):
         return scale * torch.randn(*shape, device=device, dtype=dt, generator=gen)
 
-    def same(got, expected: fp8.Rows) -> dict:
-        values = got[0].view(torch.uint8) == expected.values.view(torch.uint8)  # bit for bit
-        return {"values_identical": float(values.float().mean()),
-                "scales_identical": float((got[1] == expected.scales).float().mean())}
-
     norm, post = layer.input_layernorm, layer.post_attention_layernorm
     x, residual = rand(rows, D, scale=3.0), rand(rows, D)
 
     def normed(x, norm, fp8_on: bool):
         return kernels.rms_norm(x, norm.weight, norm.eps, residual.clone(), fp8=fp8_on)
 
-    out = {"input_norm": same(normed(x, norm, True), fp8.quantize_rows(normed(x, norm, False)))}
+    out = {"input_norm": same_rows(normed(x, norm, True), fp8.quantize_rows(normed(x, norm, False)))}
     parts = rand(splits, rows, D, dt=torch.float32)
-    out["post_norm_partials"] = same(normed(parts, post, True), fp8.quantize_rows(normed(parts, post, False)))
+    out["post_norm_partials"] = same_rows(normed(parts, post, True), fp8.quantize_rows(normed(parts, post, False)))
     gate_up = rand(rows, 2 * I, scale=4.0)
-    out["silu_mul"] = same(kernels.silu_mul(gate_up, fp8=True), fp8.quantize_rows(kernels.silu_mul(gate_up)))
+    out["silu_mul"] = same_rows(kernels.silu_mul(gate_up, fp8=True), fp8.quantize_rows(kernels.silu_mul(gate_up)))
     for name, product in products.items():
         a = rand(rows, product.weight.shape[1])
         out[f"{name}_relative_rms"] = relative_rms(fp8.linear(fp8.quantize_rows(a), product),
@@ -402,16 +405,12 @@ def fp8_encoder_agreement(layer, rows: int, device) -> dict:
     def identical(got, expected) -> float:
         return float((got == expected).float().mean())
 
-    def same(got, expected: fp8.Rows) -> dict:
-        return {"values_identical": identical(got[0].view(torch.uint8), expected.values.view(torch.uint8)),
-                "scales_identical": identical(got[1], expected.scales)}
-
     normed = kernels.layer_norm(x, norm.weight, norm.bias, norm.eps)
     out = {"layer_norm_vs_pytorch": identical(normed, F.layer_norm(x, x.shape[-1:], norm.weight, norm.bias, norm.eps)),
-           "layer_norm_fp8": same(kernels.layer_norm(x, norm.weight, norm.bias, norm.eps, fp8=True),
-                                  fp8.quantize_rows(normed)),
+           "layer_norm_fp8": same_rows(kernels.layer_norm(x, norm.weight, norm.bias, norm.eps, fp8=True),
+                                       fp8.quantize_rows(normed)),
            "gelu_vs_pytorch": identical(kernels.gelu(h), F.gelu(h)),
-           "gelu_fp8": same(kernels.gelu(h, fp8=True), fp8.quantize_rows(kernels.gelu(h)))}
+           "gelu_fp8": same_rows(kernels.gelu(h, fp8=True), fp8.quantize_rows(kernels.gelu(h)))}
     for name, a in (("fc1", x), ("fc2", h)):
         product = getattr(layer, name)
         q, scale = fp8.quantize_weight(product.weight)

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 from qasr.engine import gpu_timeline
 from qasr.engine.gc_pauses import GcPauses, freeze_loaded_heap, thaw
 from qasr.engine.engine import Engine, EngineOptions
-from qasr.engine.options import OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD
+from qasr.engine.options import NUMBER_FORMATS, OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD, number_formats
 from qasr.engine.request import DecodeRequest
 from qasr.model import gemv
 
@@ -116,8 +116,7 @@ def requests(clips: list[np.ndarray], tokens: int) -> list[DecodeRequest]:
 
 def engine_overrides(args) -> dict:
     """The engine options the command line set (None: the engine's default; steps ahead and run-ahead: offline's)."""
-    names = ("decode_steps_ahead", "admission_interval_ms", "decode_run_ahead", "kv_int8", "fp8_prefill",
-             "fp8_encoder")
+    names = ("decode_steps_ahead", "admission_interval_ms", "decode_run_ahead", *NUMBER_FORMATS)
     overrides = {"decode_steps_ahead": OFFLINE_DECODE_STEPS_AHEAD, "decode_run_ahead": OFFLINE_DECODE_RUN_AHEAD}
     return overrides | {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
 
@@ -139,7 +138,7 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
         out["qasr_frozen_objects"] = freeze_loaded_heap()
     out["engine_options"] = {"decode_steps_ahead": opts.decode_steps_ahead,
                              "admission_interval_ms": opts.admission_interval_ms, "decode_run_ahead": engine.run_ahead,
-                             "kv_int8": opts.kv_int8, "fp8_prefill": opts.fp8_prefill, "fp8_encoder": opts.fp8_encoder}
+                             **number_formats(opts)}
 
     # batch-1 latency, features included: audio array in -> text out
     for _ in range(3):
@@ -341,11 +340,10 @@ def correctness(engine: Engine, args) -> dict:
     res["eager_bs1_token_agreement"] = agree / max(1, total)
     res["eager_bs1_exact_match"] = f"{sum(a.token_ids == b.token_ids for a, b in zip(eager_out, batched[:k]))}/{k}"
     del eager
-    if engine.options.kv_int8 or engine.options.fp8_prefill or engine.options.fp8_encoder:  # what they change: the
-        # same requests batched on a bf16 cache with bf16 products
-        plain = Engine(engine.model, engine.tokenizer, dataclasses.replace(engine.options, kv_int8=False,
-                                                                          fp8_prefill=False, fp8_encoder=False,
-                                                                          cuda_graphs=False))
+    if any(number_formats(engine.options).values()):  # what they change: the same requests batched on a bf16
+        # cache with bf16 products
+        plain = Engine(engine.model, engine.tokenizer, dataclasses.replace(
+            engine.options, cuda_graphs=False, **dict.fromkeys(NUMBER_FORMATS, False)))
         reference = plain.transcribe(reqs)
         agree = sum(sum(x == y for x, y in zip(a.token_ids, b.token_ids)) for a, b in zip(reference, batched))
         res["bf16_reference_token_agreement"] = agree / max(1, sum(len(a.token_ids) for a in reference))

@@ -77,6 +77,29 @@ class EngineOptions:
                 raise ValueError(f"invalid engine options: {name} must be >= {least}, got {getattr(self, name):g}")
 
 
+# the opt-in number formats (EngineOptions fields, all off by default) and what each command line's flag says of them
+NUMBER_FORMATS = {
+    "kv_int8": "keep the KV cache as int8 with a scale per vector: half the memory a slot needs and about half the "
+               "bytes a decode step's attention reads",
+    "fp8_prefill": "run every prefill's qkv, gate_up and down products in FP8 (GPUs with FP8 tensor cores: Ada, "
+                   "Hopper); decode steps stay bf16",
+    "fp8_encoder": "run the audio encoder's q/k/v, fc1 and fc2 products in FP8 the same way",
+}
+
+
+def add_number_format_flags(parser, note: str, default: bool | None = False) -> None:
+    """--kv-int8, --fp8-prefill, --fp8-encoder on an argparse parser (store_true; `default` None: unset unless given),
+    each help ending with `note`."""
+    for field, text in NUMBER_FORMATS.items():
+        parser.add_argument("--" + field.replace("_", "-"), action="store_true", default=default,
+                            help=f"{text}; {note}")
+
+
+def number_formats(source) -> dict[str, bool]:
+    """The NUMBER_FORMATS fields of parsed arguments or EngineOptions, as keyword arguments."""
+    return {field: getattr(source, field) for field in NUMBER_FORMATS}
+
+
 # decode_steps_ahead for offline work (file transcription, qasr-bench offline): admissions of ~200 clips take longer
 # than 4 steps, and on one H200 16 gave 7,990 / 7,927 / 7,916 audio-s/s against 4's 7,669 / 6,796 / 7,515
 # (bench.offline_sweep, alternating, session 14)

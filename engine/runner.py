@@ -316,7 +316,8 @@ class ModelRunner:
             if asked and not self.fused_kernels:
                 raise ValueError(f"FP8 {products} products need the fused kernels (Triton and a CUDA device)")
         self.fp8_products = fp8.attach(model) if fp8_prefill else 0
-        self.fp8_encoder_products = fp8.attach_encoder(model) if fp8_encoder else 0  # every encoder run takes them
+        self.fp8_encoder_products = fp8.attach_encoder(model) if fp8_encoder else 0
+        self.fp8_encoder = fp8_encoder  # every encoder run takes them
         rope = model.decoder.rope_table(self.cache.length) if self.fused_kernels else None
         self.layer_ops = FusedLayerOps(rope) if self.fused_kernels else PlainLayerOps()
         self.prefill_ops = FusedLayerOps(rope, fp8_products=True) if fp8_prefill else self.layer_ops
@@ -663,7 +664,7 @@ class ModelRunner:
                                self.encoder_lengths if sizes is not None else (T,), graphs)
         if graphs is None and len(runs) == 1 and runs[0][0] == T:  # every window whole, in order: as it is
             self.encoder_positions_run += W * T
-            return self.model.encoder.encode_windows(windows, lengths, self.fp8_encoder_products > 0)
+            return self.model.encoder.encode_windows(windows, lengths, self.fp8_encoder)
         out = windows.new_zeros(W, T, self.model.encoder.cfg.output_dim)
         order = self.to_device([w for _, piece, _ in runs for w in piece])  # the windows, run after run
         first = 0
@@ -672,7 +673,7 @@ class ModelRunner:
             self.encoder_positions_run += bucket * length
             if graphs is None:
                 y = self.model.encoder.encode_windows(windows[:, :length].index_select(0, rows),
-                                                      lengths.index_select(0, rows), self.fp8_encoder_products > 0)
+                                                      lengths.index_select(0, rows), self.fp8_encoder)
             else:
                 y = self._replay_encoder(windows, lengths, rows, length, bucket)
             # into the answer: a copy, as callers keep windows (a stream's cache) and the graph's output is
@@ -700,7 +701,7 @@ class ModelRunner:
         self._enc_windows = {n: torch.zeros(top, n, cfg.d_model, dtype=self.model.dtype, device=self.device)
                              for n in self.encoder_lengths}
         self._enc_lengths = {n: torch.ones(top, dtype=torch.long, device=self.device) for n in self.encoder_lengths}
-        encode = functools.partial(self.model.encoder.encode_windows, fp8_products=self.fp8_encoder_products > 0)
+        encode = functools.partial(self.model.encoder.encode_windows, fp8_products=self.fp8_encoder)
         keys = sorted(((n, W) for n in self.encoder_lengths for W in ENCODER_BUCKETS), key=lambda k: k[0] * k[1],
                       reverse=True)
         pool = None

@@ -200,12 +200,8 @@ class Transcriber:
                                     decode_run_ahead=OFFLINE_DECODE_RUN_AHEAD)
         if aligner is not None:
             options = dataclasses.replace(options, aligner=str(aligner))
-        if kv_int8:
-            options = dataclasses.replace(options, kv_int8=True)
-        if fp8_prefill:
-            options = dataclasses.replace(options, fp8_prefill=True)
-        if fp8_encoder:
-            options = dataclasses.replace(options, fp8_encoder=True)
+        asked = {"kv_int8": kv_int8, "fp8_prefill": fp8_prefill, "fp8_encoder": fp8_encoder}
+        options = dataclasses.replace(options, **{field: True for field, on in asked.items() if on})
         engine = Engine.from_pretrained(str(model), device=device, dtype=dtype, options=options)
         return cls(engine, max_piece_seconds=max_piece_seconds, max_new_tokens=max_new_tokens)
 

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from .gc_pauses import freeze_loaded_heap, thaw  # torch-free
+from .options import add_number_format_flags, number_formats  # torch-free
 
 DEFAULT_MODEL = "Qwen/Qwen3-ASR-0.6B"
 EXIT_OUTPUT_CLOSED = 141  # as a shell reports a tool that SIGPIPE stopped (128 + 13)
@@ -42,15 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "file's text, or `words` [{word, start, end}] in --json (seconds in the file)")
     parser.add_argument("--aligner", default=None, metavar="DIR_OR_ID",
                         help="Qwen3-ForcedAligner checkpoint for --words (e.g. Qwen/Qwen3-ForcedAligner-0.6B)")
-    parser.add_argument("--kv-int8", action="store_true",
-                        help="an int8 KV cache (as qasr-server's): faster decode steps at large batches, half the "
-                             "cache's memory; tokens may differ from a bf16 cache's")
-    parser.add_argument("--fp8-prefill", action="store_true",
-                        help="FP8 prefill products (as qasr-server's; GPUs with FP8 tensor cores: Ada, Hopper): more "
-                             "files a second at large --batch-size; tokens may differ from bf16's")
-    parser.add_argument("--fp8-encoder", action="store_true",
-                        help="the audio encoder's products in FP8 too (as qasr-server's); tokens may differ from "
-                             "bf16's")
+    add_number_format_flags(parser, "more files a second at a large --batch-size; tokens may differ from bf16's")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: on for many or long files when stderr is a terminal)")
     return parser
@@ -87,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         transcriber = Transcriber.from_pretrained(args.model, device=args.device, dtype=args.dtype,
                                                   max_batch=args.batch_size, max_new_tokens=args.max_new_tokens,
-                                                  aligner=args.aligner, kv_int8=args.kv_int8,
-                                                  fp8_prefill=args.fp8_prefill, fp8_encoder=args.fp8_encoder)
+                                                  aligner=args.aligner, **number_formats(args))
     except (CheckpointError, ValueError, OSError, RuntimeError) as error:  # RuntimeError: FP8 or CUDA says why
         return _fail(f"cannot load model {args.model}: {error}")
 

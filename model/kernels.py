@@ -500,6 +500,13 @@ def norm_warps(rows: int, block: int) -> int:
     return min(16, max(1, block // (64 if rows <= NORM_WIDE_ROWS else 256)))
 
 
+def _rows_out(N: int, D: int, dtype: torch.dtype, device, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row kernel's output [N, D]: (rows of `dtype`, the same tensor again for its unused scale argument), or with
+    fp8 (e4m3 rows, their float32 scales [N, 1])."""
+    y = torch.empty((N, D), dtype=torch.float8_e4m3fn if fp8 else dtype, device=device)
+    return y, torch.empty((N, 1), dtype=torch.float32, device=device) if fp8 else y
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
              fp8: bool = False):
     """norm(x) * weight over the last dim; with `residual`: residual += x first (in place) and norm that.
@@ -512,8 +519,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     splits = _splits(x, dtype)
     N, D = x.shape[-2:]
     assert x.is_contiguous() and (residual is None or residual.is_contiguous())
-    y = torch.empty((N, D), dtype=torch.float8_e4m3fn if fp8 else dtype, device=x.device)
-    scales = torch.empty((N, 1), dtype=torch.float32, device=x.device) if fp8 else y
+    y, scales = _rows_out(N, D, dtype, x.device, fp8)
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(N,)](x, residual if residual is not None else x, weight, y, scales, D, eps, N * D,
                            SPLITS=splits, HAS_RESIDUAL=residual is not None, FP8=fp8, BLOCK=block,
@@ -642,8 +648,7 @@ def silu_mul(gate_up: torch.Tensor, fp8: bool = False):
     N, two_i = gate_up.shape
     assert gate_up.is_contiguous()
     I = two_i // 2
-    out = torch.empty((N, I), dtype=torch.float8_e4m3fn if fp8 else gate_up.dtype, device=gate_up.device)
-    scales = torch.empty((N, 1), dtype=torch.float32, device=gate_up.device) if fp8 else out
+    out, scales = _rows_out(N, I, gate_up.dtype, gate_up.device, fp8)
     block = triton.next_power_of_2(I) if fp8 else 1024  # FP8: a row's scale needs the whole row in one program
     _silu_mul_kernel[(N, triton.cdiv(I, block))](gate_up, out, scales, I, BLOCK=block, FP8=fp8,
                                                  num_warps=min(16, block // 256) if fp8 else 4,
@@ -651,18 +656,11 @@ def silu_mul(gate_up: torch.Tensor, fp8: bool = False):
     return (out, scales) if fp8 else out
 
 
-def _rows_out(x: torch.Tensor, fp8: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The output of a one-row-a-program kernel over contiguous [N, D] x: x's dtype, or e4m3 and its float32 scales."""
-    N, D = x.shape
-    y = torch.empty((N, D), dtype=torch.float8_e4m3fn if fp8 else x.dtype, device=x.device)
-    return y, torch.empty((N, 1), dtype=torch.float32, device=x.device) if fp8 else y
-
-
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, fp8: bool = False):
     """F.layer_norm over the last dim of contiguous [N, D] x (the encoder's); fp8: -> (e4m3 [N, D], float32 scales
     [N, 1]), the result quantized a row at a time as fp8.quantize_rows does."""
     assert x.is_contiguous() and x.dim() == 2
-    y, scales = _rows_out(x, fp8)
+    y, scales = _rows_out(*x.shape, x.dtype, x.device, fp8)
     block = triton.next_power_of_2(x.shape[1])
     _layer_norm_kernel[(x.shape[0],)](x, weight, bias, y, scales, x.shape[1], eps, FP8=fp8, BLOCK=block,
                                       num_warps=norm_warps(x.shape[0], block), **pdl_options(x.device, x.shape[0]))
@@ -672,10 +670,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 def gelu(x: torch.Tensor, fp8: bool = False):
     """F.gelu (exact) of contiguous [N, D] x; fp8: -> (e4m3 [N, D], float32 scales [N, 1]) as fp8.quantize_rows."""
     assert x.is_contiguous() and x.dim() == 2
-    y, scales = _rows_out(x, fp8)
+    y, scales = _rows_out(*x.shape, x.dtype, x.device, fp8)
     block = triton.next_power_of_2(x.shape[1])  # a whole row a program: its scale needs all of it
-    _gelu_kernel[(x.shape[0],)](x, y, scales, x.shape[1], FP8=fp8, BLOCK=block, num_warps=min(16, max(1, block // 256)),
-                                **pdl_options(x.device, x.shape[0]))
+    _gelu_kernel[(x.shape[0],)](x, y, scales, x.shape[1], FP8=fp8, BLOCK=block,
+                                num_warps=min(16, max(1, block // 256)), **pdl_options(x.device, x.shape[0]))
     return (y, scales) if fp8 else y
 
 

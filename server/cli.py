@@ -28,7 +28,7 @@ from qasr.server import logs, security, telephony
 from qasr.server.http import find_web_root
 from qasr.server.limits import ServerLimits
 from qasr.streaming.settings import StreamLimits, StreamSettings, VadSettings
-from qasr.engine.options import MINIMUMS, EngineOptions
+from qasr.engine.options import MINIMUMS, EngineOptions, add_number_format_flags, number_formats
 from qasr.engine.restart_budget import RestartBudget
 from qasr.engine.pool import LoadPolicy
 from qasr.server import engine_load
@@ -107,16 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--decode-run-ahead", action="store_true",
                         help="queue the next decode step before reading the last, so the GPU does not wait while "
                              "the host handles its tokens (offline work does; live, it gave a worse final p95)")
-    parser.add_argument("--kv-int8", action="store_true",
-                        help="keep the KV cache as int8 with a scale per vector: half the memory a slot needs and "
-                             "about half the bytes a decode step's attention reads; tokens may differ from a bf16 "
-                             "cache's (docs/benchmarks.md has the agreement measured)")
-    parser.add_argument("--fp8-prefill", action="store_true",
-                        help="run every prefill's qkv, gate_up and down products in FP8 (GPUs with FP8 tensor cores: "
-                             "Ada, Hopper); decode steps stay bf16; tokens may differ from bf16's (docs/benchmarks.md)")
-    parser.add_argument("--fp8-encoder", action="store_true",
-                        help="run the audio encoder's q/k/v, fc1 and fc2 products in FP8 the same way (with "
-                             "--fp8-prefill for offline throughput); tokens may differ from bf16's")
+    add_number_format_flags(parser, "tokens may differ from bf16's (docs/benchmarks.md has the speed and the "
+                                    "agreement measured; FP8 products are for offline throughput)")
     parser.add_argument("--ignore-eos", action="store_true",
                         help="benchmarks only: decode every request's full budget (random-weight models)")
     parser.add_argument("--workers", type=int, default=1,
@@ -218,7 +210,7 @@ def engine_options(args: argparse.Namespace) -> EngineOptions:
                          admission_interval_ms=args.admission_interval_ms, rollback_tokens=args.rollback_tokens,
                          decode_steps_ahead=args.decode_steps_ahead, decode_run_ahead=args.decode_run_ahead,
                          max_audio_seconds=max(60.0, args.max_segment_s + 5), aligner=args.aligner,
-                         kv_int8=args.kv_int8, fp8_prefill=args.fp8_prefill, fp8_encoder=args.fp8_encoder)
+                         **number_formats(args))
 
 
 async def serve(args: argparse.Namespace, config: ServerConfig, *, build=None, replica=None) -> int:
