@@ -79,3 +79,79 @@ def test_a_launch_past_one_row_tile_keeps_at_most_three_stages():
     deep, shallow = gemv.GemvConfig(64, 128), gemv.GemvConfig(64, 128, num_stages=2)
     assert [deep.stages(M) for M in (1, gemv.BLOCK_M, gemv.BLOCK_M + 1, 32)] == [4, 4, 3, 3]
     assert [shallow.stages(M) for M in (1, 32)] == [2, 2]  # a config asking for fewer keeps them
+
+
+def test_the_lead_distance_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(gemv.LEAD_ENV, raising=False)
+    assert gemv.lead_distance() == gemv.DEFAULT_LEAD
+    monkeypatch.setenv(gemv.LEAD_ENV, "2")
+    assert gemv.lead_distance() == 2
+    monkeypatch.setenv(gemv.LEAD_ENV, "on")
+    with pytest.raises(ValueError, match="QASR_L2_LEAD"):
+        gemv.lead_distance()
+
+
+def decoder_at(hidden: int, intermediate: int, layers: int = 2):
+    """A decoder of real widths with no storage (meta tensors know their bytes)."""
+    from qasr.model.config import TextDecoderConfig
+    from qasr.model.modeling import TextDecoder
+
+    with torch.device("meta"):
+        cfg = TextDecoderConfig(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers)
+        return TextDecoder(cfg).to(torch.bfloat16)
+
+
+def test_each_product_leads_the_one_so_many_products_later_unless_that_weight_would_crowd_l2():
+    small, large = decoder_at(1024, 3072), decoder_at(2048, 6144)  # 0.6B's widths, 1.7B's
+    names = ["qkv0", "o0", "gate_up0", "down0", "qkv1", "o1", "gate_up1", "down1"]
+    for decoder, fits in ((small, set(names)), (large, {"qkv0", "o0", "qkv1", "o1"})):  # 1.7B: gate_up 48, down 24 MiB
+        products = decoder.products()
+        layer = decoder.layers[1]
+        assert products[4:] == [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                                layer.mlp.down_proj]  # step order
+        weights = [p.weight for p in products]
+        assert gemv.leads(weights, 0) == [None] * 8
+        for distance in (1, 2, 3):
+            got = gemv.leads(weights, distance)
+            expected = [weights[i + distance] if i + distance < 8 and names[i + distance] in fits else None
+                        for i in range(8)]
+            assert [id(w) for w in got] == [id(w) for w in expected]
+    assert max(w.nbytes for w in gemv.leads([p.weight for p in large.products()], 1) if w is not None) \
+        == gemv.LEAD_MAX_BYTES  # 1.7B's qkv, exactly at the cap, is kept
+
+
+@pytest.mark.parametrize("grid,nbytes", [((1, 64, 4), 8 << 20), ((2, 96, 1), 6144 * 1024 * 2), ((1, 1, 3), 48),
+                                         ((1, 7, 1), 1024 * 2 * 3)])
+def test_the_programs_shares_of_a_lead_cover_its_bytes_once_in_16_byte_aligned_pieces(grid, nbytes):
+    weight, lead = torch.zeros(4, 8, dtype=torch.bfloat16), torch.zeros(nbytes // 2, dtype=torch.bfloat16)
+    view, chunk, total = gemv._lead_args(lead, weight, grid)
+    assert view.dtype == torch.uint8 and view.numel() == total == nbytes and view.data_ptr() == lead.data_ptr()
+    pieces = []  # as _prefetch_lead computes them, program by program
+    for p in range(grid[0] * grid[1] * grid[2]):
+        start = p * chunk
+        size = min(chunk, total - start)
+        if size > 0:
+            pieces.append((start, size))
+    assert all(start % 16 == 0 and size % 16 == 0 for start, size in pieces)
+    assert sum(size for _, size in pieces) == nbytes and pieces[0][0] == 0
+    assert all(a + n == b for (a, n), (b, _) in zip(pieces, pieces[1:]))
+    assert gemv._lead_args(None, weight, grid) == (weight, 0, 0)
+
+
+def test_no_product_asks_for_a_lead_off_hopper_or_with_the_switch_off(monkeypatch):
+    from qasr.model.modeling import FusedLayerOps
+
+    decoder = decoder_at(1024, 3072)
+    rope = (torch.zeros(8, 128), torch.zeros(8, 128))
+    ops = FusedLayerOps(rope, products=decoder.products())
+    qkv, down = decoder.layers[0].self_attn.qkv_proj, decoder.layers[1].mlp.down_proj
+    x = torch.zeros(1, 1024)
+    monkeypatch.setenv(gemv.LEAD_ENV, "1")
+    assert not gemv.can_lead(torch.device("cpu")) and ops._lead(qkv, x) is None  # the bulk prefetch is Hopper's
+    monkeypatch.setattr(gemv, "can_lead", lambda device: True)  # as on an H100 or H200
+    assert ops._lead(qkv, x) is decoder.layers[0].self_attn.o_proj.weight and ops._lead(down, x) is None
+    monkeypatch.setenv(gemv.LEAD_ENV, "4")
+    assert ops._lead(qkv, x) is decoder.layers[1].self_attn.qkv_proj.weight
+    assert FusedLayerOps(rope)._lead(qkv, x) is None  # no step order given (the prefill-only ops)
+    monkeypatch.setenv(gemv.LEAD_ENV, "0")
+    assert ops._lead(qkv, x) is None
