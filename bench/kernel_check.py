@@ -7,8 +7,7 @@ eager.
 First, programmatic dependent launch (#16, $QASR_PDL): one runner's decode step captured twice in one process, with
 QASR_PDL=0 and =1, timed at each bucket (graph replay), its logits compared bit for bit between the two, and its
 kernels per step counted by kind (Triton, whose launches PDL can overlap, and the rest: cuBLAS, PyTorch, copies).
-Run the whole check with QASR_PDL=1 and every kernel comparison after it runs with PDL on too. `lead` does the same
-for $QASR_L2_LEAD (a GEMV product asking L2 for a later product's weight, model/gemv.py) at 0-3 products ahead.
+Run the whole check with QASR_PDL=1 and every kernel comparison after it runs with PDL on too.
 
 `decode_tiles` times the decode attention's tiles (kernels.DECODE_TILE against others) in graphs. `kv_int8` checks
 the int8 KV cache's kernels (model/kv_int8.py: the writer against kv_int8.quantize, the readers against the bf16
@@ -17,9 +16,10 @@ layer's cache from memory as a step does. `fp8` checks FP8 prefill's kernels (mo
 SiLU*mul that quantize for the products, bit for bit against fp8.quantize_rows of the bf16 kernels' output, and the
 products against bf16's) and times a layer's prefill products with their norms, bf16 against FP8.
 
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,lead,kernels,gemv,decode_tiles,kv_int8,fp8,steps]`
-on a CUDA machine; prints one JSON object per line, a section each, as each completes (so a time limit leaves the
-sections that finished).
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,decode_tiles,kv_int8,fp8,steps]` on a CUDA
+machine;
+prints one JSON object per line, a section each, as each completes (so a time limit leaves the sections that
+finished).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from qasr.model.testmodel import make_test_model
 from .cli import OFFLINE_MAX_LEN
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "lead", "kernels", "gemv", "decode_tiles", "kv_int8", "fp8", "steps")
+SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "kv_int8", "fp8", "steps")
 KV_INT8_TILES = tuple(dict.fromkeys((kv_int8.DECODE_TILE, (128, 4, 2), (32, 4, 3), (32, 4, 2), (64, 4, 2), (256, 4, 1),
                                      (256, 8, 1), (128, 4, 1), (16, 4, 3))))
 KV_INT8_PREFILL_TILES = tuple(dict.fromkeys((kv_int8.PREFILL_TILE, (64, 4, 3), (64, 4, 2), (128, 4, 1), (128, 8, 1),
@@ -56,8 +56,6 @@ KV_INT8_PREFILL_TILES = tuple(dict.fromkeys((kv_int8.PREFILL_TILE, (64, 4, 3), (
 DECODE_TILES = tuple(dict.fromkeys((kernels.DECODE_TILE, (64, 4, 3), (32, 4, 3), (64, 4, 4), (64, 8, 3), (128, 4, 2),
                                     (128, 8, 2), (128, 4, 1), (256, 4, 1), (256, 8, 1))))
 PDL_BUCKETS = (1, 8, 32, 64, 256)
-LEAD_DISTANCES = (0, 1, 2, 3)  # products ahead ($QASR_L2_LEAD; 0: no lead)
-LEAD_BUCKETS = (1, 8, 32)  # where the products are GEMVs (gemv.max_rows)
 FP8_ROWS = (160, 4096, 32768)  # prefill tokens: one 10.9 s clip, an admission of ~25 clips, of ~200
 
 
@@ -496,13 +494,10 @@ def kernel_kinds(replay, replays: int = 3) -> dict:
     return launch_kinds([e.name for e in events], triton_kernel_names(), replays)
 
 
-def switched_steps(model, device, env: str, values: tuple[str, ...], label: str, buckets=PDL_BUCKETS,
-                   context: int = 200, rounds: int = 1) -> dict:
-    """The decode step captured once per value of the step switch $`env` on one runner (one cache, one graph pool):
-    ms per graph replay at each bucket (step_ms[label + value], the values alternating, `rounds` times: a list
-    where more than one), the other values' logits against the first value's bit for bit (the least identical
-    fraction and the largest difference: the same products in the same order, so a missing wait would show as a
-    race), and the kernels of a step by kind at 1 and 64 rows with the last value."""
+def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
+    """The decode step with QASR_PDL=0 and =1 on one runner (one cache, one graph pool): ms per graph replay at each
+    bucket, the logits of the two bit for bit (the same kernels and configs; a missing wait would show as a race),
+    and the kernels of a step by kind at 1 and 64 rows."""
     S = max(buckets)
     runner = ModelRunner(model, num_slots=S, max_len=OFFLINE_MAX_LEN, fused_kernels=True, cuda_graphs=False,
                          buckets=tuple(b for b in buckets if b < S))
@@ -523,13 +518,15 @@ def switched_steps(model, device, env: str, values: tuple[str, ...], label: str,
     def logits(B: int):
         return decoder.decode(runner.tokens[:B], runner.positions[:B], runner.cache, runner.layer_ops)
 
-    graphs: dict[tuple[str, str, int], tuple] = {}  # (step or logits, value, bucket) -> (graph, its output)
-    out = {env: list(values), "step_ms": {}, "logits_identical": {}, "logits_max_abs": {}, "kinds": {}}
+    graphs: dict[tuple[str, str, int], tuple] = {}  # (step or logits, QASR_PDL, bucket) -> (graph, its output)
+    out = {"use_pdl_when_on": None, "step_ms": {}, "logits_identical": {}, "logits_max_abs": {}, "kinds": {}}
     t0 = time.perf_counter()
     pool = None
     with torch.inference_mode():
-        for value in values:
-            with mock.patch.dict(os.environ, {env: value}), capture_stream() as stream:
+        for value in ("0", "1"):
+            with mock.patch.dict(os.environ, {kernels.PDL_ENV: value}), capture_stream() as stream:
+                if value == "1":
+                    out["use_pdl_when_on"] = kernels.use_pdl(device)
                 for B in reversed(buckets):
                     reset(B)
                     for kind, fn in (("step", step), ("logits", logits)):
@@ -539,46 +536,24 @@ def switched_steps(model, device, env: str, values: tuple[str, ...], label: str,
         out["capture_s"] = time.perf_counter() - t0
         for B in buckets:
             got = {}
-            for value in values:
+            for value in ("0", "1"):
                 graph, result = graphs[("logits", value, B)]
                 reset(B)
                 graph.replay()
                 got[value] = result.float().clone()
-            first, others = got[values[0]], [got[value] for value in values[1:]]
-            out["logits_identical"][B] = min(float((first == other).float().mean()) for other in others)
-            out["logits_max_abs"][B] = max(float((first - other).abs().max()) for other in others)
-            for _ in range(rounds):
-                for value in values:
-                    ms = replay_ms(graphs[("step", value, B)][0], lambda: reset(B))
-                    at = out["step_ms"].setdefault(f"{label}{value}", {})
-                    at[B] = ms if rounds == 1 else [*at.get(B, []), ms]
+            out["logits_identical"][B] = float((got["0"] == got["1"]).float().mean())
+            out["logits_max_abs"][B] = float((got["0"] - got["1"]).abs().max())
+            for value in ("0", "1"):
+                out["step_ms"].setdefault(f"pdl{value}", {})[B] = replay_ms(graphs[("step", value, B)][0],
+                                                                          lambda: reset(B))
         for B in (1, 64):
             if B in buckets:  # rows stay live for the few replays profiled (each moves them on by one position)
                 reset(B)
-                out["kinds"][B] = kernel_kinds(graphs[("step", values[-1], B)][0].replay)
+                out["kinds"][B] = kernel_kinds(graphs[("step", "1", B)][0].replay)
     runner.positions.fill_(-1)
     del graphs, runner
     torch.cuda.empty_cache()
     return out
-
-
-def pdl_steps(model, device, buckets=PDL_BUCKETS, context: int = 200) -> dict:
-    """switched_steps of $QASR_PDL=0 and =1 (step_ms pdl0 and pdl1), and whether PDL was on when asked for."""
-    with mock.patch.dict(os.environ, {kernels.PDL_ENV: "1"}):
-        on = kernels.use_pdl(device)
-    return {"use_pdl_when_on": on,
-            **switched_steps(model, device, kernels.PDL_ENV, ("0", "1"), "pdl", buckets, context)}
-
-
-def lead_steps(model, device, distances=LEAD_DISTANCES, buckets=LEAD_BUCKETS, context: int = 200) -> dict:
-    """switched_steps of $QASR_L2_LEAD at each distance (step_ms lead0, lead1, ...; three rounds, alternating),
-    where the GEMV products run (up to 32 rows), and which products got a lead at each distance."""
-    weights = [p.weight for p in model.decoder.products()]
-    names = ("qkv", "o_proj", "gate_up", "down")  # a layer's products in step order
-    given = {d: [name for name, w in zip(names, gemv.leads(weights, d)) if w is not None] for d in distances}
-    return {"leads_in_a_layer": given,
-            **switched_steps(model, device, gemv.LEAD_ENV, tuple(map(str, distances)), "lead", buckets, context,
-                             rounds=3)}
 
 
 def size_and_sections(prog: str, known: tuple[str, ...], argv=None) -> tuple[str, set[str]]:
@@ -613,10 +588,6 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         emit("decode_step_pdl", pdl_steps(model, device))
         emit("decode_step_pdl_s", time.perf_counter() - t)
-    if "lead" in sections:
-        t = time.perf_counter()
-        emit("decode_step_lead", lead_steps(model, device))
-        emit("decode_step_lead_s", time.perf_counter() - t)
     if "kernels" in sections:
         emit("kernels_bf16_vs_pytorch", kernel_cases(model.cfg.text, device))
         emit("conv1_gelu_bf16_vs_pytorch", conv1_case(model.encoder, device))

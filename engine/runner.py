@@ -319,8 +319,7 @@ class ModelRunner:
         self.fp8_encoder_products = fp8.attach_encoder(model) if fp8_encoder else 0
         self.fp8_encoder = fp8_encoder  # every encoder run takes them
         rope = model.decoder.rope_table(self.cache.length) if self.fused_kernels else None
-        self.layer_ops = (FusedLayerOps(rope, products=model.decoder.products()) if self.fused_kernels
-                          else PlainLayerOps())
+        self.layer_ops = FusedLayerOps(rope) if self.fused_kernels else PlainLayerOps()
         self.prefill_ops = FusedLayerOps(rope, fp8_products=True) if fp8_prefill else self.layer_ops
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.prefill_buckets: dict[tuple[int, int], PrefillBucket] = {}

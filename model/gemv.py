@@ -19,11 +19,6 @@ bits whatever its batch mates and its bucket. More than 16 rows are more program
 
 These kernels take part in programmatic dependent launch as kernels.py's do (on by default, $QASR_PDL=0 turns it
 off; see its docstring): each program waits for the kernel before it before its first load.
-
-A product can also ask L2 for a later product's weight (`lead`, $QASR_L2_LEAD): before that wait each program issues
-one bulk prefetch of its share of that weight (`cp.async.bulk.prefetch.L2`, Hopper's; one instruction, not one per
-line as session 15's removed prefetch of a kernel's own tile was), so the weight streams in from memory while the
-latency-bound kernels in between (norms, attention) leave the bandwidth idle, and its product reads it from L2.
 """
 
 from __future__ import annotations
@@ -47,10 +42,6 @@ MULTI_TILE_STAGES = 3  # the most loads in flight per program once the rows take
 DEFAULT_MAX_ROWS = 32
 MAX_ROWS_ENV = "QASR_DECODE_GEMV"  # rows up to which the decode step's products use these kernels; 0: cuBLAS only
 TUNE_ENV = "QASR_GEMV_TUNE"  # "0": take each shape's heuristic config instead of timing a few at first use
-LEAD_ENV = "QASR_L2_LEAD"  # how many products ahead a product prefetches the weight of (0: none); see lead_distance
-DEFAULT_LEAD = 0
-LEAD_MAX_BYTES = 16 << 20  # larger weights are not prefetched: a third of L2 (50 MB on an H100 or H200) or more
-# would evict what the products in between still read (1.7B's gate_up is 50 MB, its down 25)
 
 
 def max_rows() -> int:
@@ -89,19 +80,6 @@ if triton is not None:
     _await_inputs = kernels._await_inputs
 
     @triton.jit
-    def _prefetch_lead(LEAD_W, lead_chunk, lead_bytes):
-        # this program's share of a later product's weight (LEAD_W, bytes) asked into L2: one bulk prefetch issued
-        # by one thread, a hint that never loads into the program. The weights are no kernel's output, so it may
-        # (and should) come before _await_inputs.
-        p = tl.program_id(0) + tl.num_programs(0) * (tl.program_id(1) + tl.num_programs(1) * tl.program_id(2))
-        start = p * lead_chunk
-        size = tl.minimum(lead_chunk, lead_bytes - start)
-        if size > 0:
-            tl.inline_asm_elementwise("{ .reg .pred p; .reg .b32 t; mov.u32 t, %tid.x; setp.eq.u32 p, t, 0; "
-                                      "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }", "=r,l,r",
-                                      [LEAD_W + start, size], dtype=tl.int32, is_pure=False, pack=1)
-
-    @triton.jit
     def _block_argmax(v, rows, rmask, cols, cmask, MAX_V, MAX_I):
         # v: [BLOCK_N, BLOCK_M] this program's rounded products as float32; per row, MAX_V/MAX_I [M, column blocks]
         # at this column block take its largest value and that value's first column (NaN and the first NaN's column
@@ -119,15 +97,12 @@ if triton is not None:
         tl.store(MAX_I + at, tl.where(has_nan, nan_col, first), mask=rmask)
 
     @triton.jit
-    def _gemv_kernel(X, W, OUT, MAX_V, MAX_I, M, N, K, stride_xm, LEAD_W, lead_chunk, lead_bytes,
-                     K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr, ARGMAX: tl.constexpr, LEAD: tl.constexpr, PDL: tl.constexpr):
+    def _gemv_kernel(X, W, OUT, MAX_V, MAX_I, M, N, K, stride_xm, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ARGMAX: tl.constexpr,
+                     PDL: tl.constexpr):
         # program (row tile, column block, split): OUT[split, m, n] = sum over this split's k of X[m, k] W[n, k]
         # (OUT float32 partials) or, with one split, the product rounded to OUT's dtype; with ARGMAX (one split)
-        # also each row's largest product of the block and its column (_block_argmax); with LEAD, first its share
-        # of a later product's weight asked into L2
-        if LEAD:
-            _prefetch_lead(LEAD_W, lead_chunk, lead_bytes)
+        # also each row's largest product of the block and its column (_block_argmax)
         _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,14 +124,10 @@ if triton is not None:
             _block_argmax(rounded.to(tl.float32), rows, rmask, cols, cmask, MAX_V, MAX_I)
 
     @triton.jit
-    def _gate_up_silu_kernel(X, W, OUT, M, I, K, stride_xm, LEAD_W, lead_chunk, lead_bytes, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
-                             LEAD: tl.constexpr, PDL: tl.constexpr):
+    def _gate_up_silu_kernel(X, W, OUT, M, I, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         # program (row tile, column block): OUT[m, n] = silu(gate) * up for gate = X W[n].T and up = X W[I + n].T,
-        # each rounded where F.silu(gate) * up of nn.Linear's outputs rounds (as kernels.silu_mul does); LEAD as
-        # _gemv_kernel's
-        if LEAD:
-            _prefetch_lead(LEAD_W, lead_chunk, lead_bytes)
+        # each rounded where F.silu(gate) * up of nn.Linear's outputs rounds (as kernels.silu_mul does)
         _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -200,17 +171,15 @@ def _row_tiles(M: int) -> int:
     return -(-M // BLOCK_M)
 
 
-def partial_products(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
-                     lead: torch.Tensor | None = None) -> torch.Tensor:
+def partial_products(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T as float32 partial sums [S, M, N] (S = the shape's split, often 1): their sum in
-    order, rounded to x's dtype, is the product. kernels.rms_norm and kernels.qk_norm_rope_store take them. lead: a
-    later product's weight to ask L2 for (`leads`)."""
+    order, rounded to x's dtype, is the product. kernels.rms_norm and kernels.qk_norm_rope_store take them."""
     _check(x, weight)
     M, K = x.shape
     N = weight.shape[0]
     config = config or config_for("products", N, K, x)
     out = torch.empty((config.splits(K), M, N), dtype=torch.float32, device=x.device)
-    _launch_products(x, weight, out, config, lead=lead)
+    _launch_products(x, weight, out, config)
     return out
 
 
@@ -248,23 +217,19 @@ def _unsplit(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None,
     return config, torch.empty((M, N), dtype=x.dtype, device=x.device)
 
 
-def _launch_products(x, weight, out, config: GemvConfig, maxima: kernels.BlockMaxima | None = None,
-                     lead: torch.Tensor | None = None) -> None:
+def _launch_products(x, weight, out, config: GemvConfig, maxima: kernels.BlockMaxima | None = None) -> None:
     M, K = x.shape
     N = weight.shape[0]
     grid = (_row_tiles(M), triton.cdiv(N, config.block_n), config.splits(K))
     max_v, max_i = (maxima.values, maxima.index) if maxima is not None else (out, out)
-    _gemv_kernel[grid](x, weight, out, max_v, max_i, M, N, K, x.stride(0), *_lead_args(lead, weight, grid),
-                       K_SPLIT=config.k_per_split(K), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
-                       BLOCK_K=config.block_k, PRECISION=_precision(x), ARGMAX=maxima is not None,
-                       LEAD=lead is not None, num_warps=config.num_warps, num_stages=config.stages(M),
+    _gemv_kernel[grid](x, weight, out, max_v, max_i, M, N, K, x.stride(0), K_SPLIT=config.k_per_split(K),
+                       BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=_precision(x),
+                       ARGMAX=maxima is not None, num_warps=config.num_warps, num_stages=config.stages(M),
                        **kernels.pdl_options(x.device, M))
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
-                 lead: torch.Tensor | None = None) -> torch.Tensor:
-    """The MLP's first half in one kernel: x [M, K], gate|up weight [2I, K] -> silu(x gate.T) * (x up.T) [M, I].
-    lead: as partial_products'."""
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """The MLP's first half in one kernel: x [M, K], gate|up weight [2I, K] -> silu(x gate.T) * (x up.T) [M, I]."""
     _check(x, weight)
     M, K = x.shape
     I = weight.shape[0] // 2
@@ -273,56 +238,10 @@ def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | Non
     config = config or config_for("gate_up_silu", I, K, x)
     out = torch.empty((M, I), dtype=x.dtype, device=x.device)
     grid = (_row_tiles(M), triton.cdiv(I, config.block_n))
-    _gate_up_silu_kernel[grid](x, weight, out, M, I, K, x.stride(0), *_lead_args(lead, weight, grid),
-                               BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                               PRECISION=_precision(x), LEAD=lead is not None, num_warps=config.num_warps,
+    _gate_up_silu_kernel[grid](x, weight, out, M, I, K, x.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
+                               BLOCK_K=config.block_k, PRECISION=_precision(x), num_warps=config.num_warps,
                                num_stages=config.stages(M), **kernels.pdl_options(x.device, M))
     return out
-
-
-# -- leads: a product asks L2 for a later product's weight --------------------------------------------------------
-
-def lead_distance() -> int:
-    """How many products ahead a decode product prefetches the weight of ($QASR_L2_LEAD; 0: none). Read at every
-    launch, as $QASR_PDL is, so that a graph captured with one value keeps it (kernel_check captures several)."""
-    value = os.environ.get(LEAD_ENV, str(DEFAULT_LEAD))
-    if not value.isdigit():
-        raise ValueError(f"{LEAD_ENV} must be a whole number of products (0: off), got {value!r}")
-    return int(value)
-
-
-def can_lead(device: torch.device) -> bool:
-    """Whether launches on `device` can prefetch a weight into L2: the bulk prefetch is Hopper's (compute
-    capability 9.0+), and Triton's interpreter runs no inline assembly."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _hopper_or_later(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
-
-
-def leads(weights: list[torch.Tensor], distance: int) -> list[torch.Tensor | None]:
-    """For the weights of the products a step runs, in order: each one's lead, the weight `distance` products later
-    where there is one no larger than LEAD_MAX_BYTES (and of whole 16-byte units, as the prefetch needs), else None."""
-    def fits(w: torch.Tensor) -> bool:
-        return w.nbytes <= LEAD_MAX_BYTES and w.nbytes % 16 == 0 and w.is_contiguous()
-
-    later = weights[distance:] if distance > 0 else []
-    return [w if w is not None and fits(w) else None for w in later + [None] * (len(weights) - len(later))]
-
-
-def _lead_args(lead: torch.Tensor | None, weight: torch.Tensor, grid: tuple[int, ...]) -> tuple:
-    """(LEAD_W, lead_chunk, lead_bytes) for a launch of `grid`: the lead weight's bytes cut into one 16-byte-aligned
-    share per program (the kernel's LEAD constexpr is `lead is not None`; without a lead the arguments are unused)."""
-    if lead is None:
-        return weight, 0, 0
-    programs = grid[0] * grid[1] * (grid[2] if len(grid) == 3 else 1)
-    share = -(-lead.nbytes // programs)
-    chunk = -(-share // 16) * 16
-    return lead.view(torch.uint8).view(-1), chunk, lead.nbytes
 
 
 # -- configs: one per (kind, N, K, dtype, device), chosen at first use, never inside a graph capture --------------

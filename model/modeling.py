@@ -426,12 +426,6 @@ class TextDecoder(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
-    def products(self) -> list[nn.Linear]:
-        """The layers' products in the order a step runs them (qkv, o_proj, gate_up, down a layer): the order in
-        which FusedLayerOps has a product ask L2 for a later one's weight (gemv.leads)."""
-        return [p for layer in self.layers for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                     layer.mlp.gate_up_proj, layer.mlp.down_proj)]
-
     def rope_table(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [num_positions, head_dim] for FusedLayerOps: the same ops as `rope`, so both paths rotate by
         identical values."""
@@ -593,32 +587,17 @@ class FusedLayerOps:
     lookup, the position arithmetic, the residual copy and the first RMSNorm) and, where the lm_head is a GEMV, the
     argmax is taken by it and the bookkeeping kernel after it (`greedy`). With the GEMV products a step is then one
     unbroken chain of Triton kernels (programmatic dependent launch overlaps each with the one before).
-
-    products: the decoder's products in step order (TextDecoder.products); given, a GEMV product asks L2 for the
-    weight of the one $QASR_L2_LEAD products later (gemv.leads; read at each launch, as $QASR_PDL is).
     """
 
     def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None,
-                 fp8_products: bool = False, products: list[nn.Linear] | None = None):
+                 fp8_products: bool = False):
         self.cos, self.sin = rope_table
         self.gemv_rows = gemv.max_rows() if gemv_rows is None else gemv_rows
         self.fp8_products = fp8_products  # the products fp8.attach prepared multiply in FP8, their RMSNorm or
         # SiLU*mul quantizing for them (the runner's prefill ops, with EngineOptions.fp8_prefill)
-        self._place = {id(p): i for i, p in enumerate(products or [])}
-        self._weights = [p.weight for p in products or []]
-        self._leads: dict[int, list[torch.Tensor | None]] = {}  # per distance
 
     def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.shape[0] <= self.gemv_rows and gemv.supports(x, weight)
-
-    def _lead(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
-        """The weight this GEMV product asks L2 for, if any."""
-        distance = gemv.lead_distance()
-        if distance == 0 or id(linear) not in self._place or not gemv.can_lead(x.device):
-            return None
-        if distance not in self._leads:
-            self._leads[distance] = gemv.leads(self._weights, distance)
-        return self._leads[distance][self._place[id(linear)]]
 
     def _norm(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None) -> torch.Tensor | fp8.Rows:
         if self.fp8_products and norm.feeds_fp8:
@@ -639,9 +618,7 @@ class FusedLayerOps:
         float32 [S, N, out]."""
         if isinstance(x, fp8.Rows):
             return fp8.linear(x, linear)
-        if self._small(x, linear.weight):
-            return gemv.partial_products(x, linear.weight, lead=self._lead(linear, x))
-        return linear(x)
+        return gemv.partial_products(x, linear.weight) if self._small(x, linear.weight) else linear(x)
 
     def logits(self, lm_head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
         return gemv.linear(h, lm_head.weight) if self._small(h, lm_head.weight) else lm_head(h)
@@ -674,8 +651,7 @@ class FusedLayerOps:
             act = kernels.silu_mul(fp8.linear(h, mlp.gate_up_proj), fp8=True)
             return fp8.linear(fp8.Rows(*act), mlp.down_proj)
         if self._small(h, mlp.gate_up_proj.weight):
-            act = gemv.gate_up_silu(h, mlp.gate_up_proj.weight, lead=self._lead(mlp.gate_up_proj, h))
-            return gemv.partial_products(act, mlp.down_proj.weight, lead=self._lead(mlp.down_proj, h))
+            return gemv.partial_products(gemv.gate_up_silu(h, mlp.gate_up_proj.weight), mlp.down_proj.weight)
         return mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h)))
 
     def prefill_attention(self, decoder: TextDecoder, x, positions, slots, starts, lengths, write_pos,

@@ -506,8 +506,8 @@ def test_decode_streams_small_products_through_gemv_and_larger_ones_through_cubl
     calls = []
     for name in ("partial_products", "linear", "linear_argmax", "gate_up_silu"):
         real = getattr(gemv, name)
-        monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name, **kw: calls.append((name, x.shape[0]))
-                            or real(x, *a, **kw))
+        monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name: calls.append((name, x.shape[0])) or
+                            real(x, *a))
     reqs = [DecodeRequest(audio=speech(s, seed=40 + i), max_new_tokens=5) for i, s in enumerate([0.6, 1.4, 2.0])]
     expected = [r.token_ids for r in plain.transcribe(reqs)]
     assert [r.token_ids for r in fused.transcribe(reqs)] == expected

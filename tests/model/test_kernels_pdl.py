@@ -22,9 +22,7 @@ from qasr.bench import hopper_build  # noqa: E402
 from qasr.bench.hopper_build import KERNELS, VARIANTS, build_report, compile_for_hopper, launched_kernels  # noqa: E402
 from qasr.model import gemv, kernels, kv_int8  # noqa: E402
 
-MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b(?!\.bulk\.prefetch\.L2)")  # an L2 prefetch hint
-# of a later product's weight (gemv.py's lead) is no access to another kernel's output: it may and should come first
-L2_LEAD = re.compile(r"@p cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;")
+MEMORY = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\b")
 
 
 def test_every_launched_kernel_takes_the_pdl_flag_and_is_checked_here():
@@ -129,17 +127,6 @@ def test_in_the_interpreter_pdl_on_gives_the_same_tokens_with_the_calls_elided(t
     tokens = result["tokens"]
     assert tokens["1"] == tokens["0"] == tokens["plain"] and all(len(t) == 5 for t in tokens["1"])
     assert result["launches"] > 0 and result["flags_on"] == 0
-
-
-@pytest.mark.parametrize("name", ["_gemv_kernel", "_gate_up_silu_kernel"])
-def test_with_a_lead_each_program_asks_l2_for_its_share_once_from_one_thread_before_the_wait(name):
-    """gemv.py's lead: one bulk prefetch per program, predicated on thread 0 (each of 128 threads issuing it would
-    ask for the same bytes 128 times), ahead of griddepcontrol.wait; without a lead, no prefetch at all."""
-    ptx = compile_for_hopper(f"{name} (L2 lead)", True).asm["ptx"]
-    assert len(L2_LEAD.findall(ptx)) == 1 and "setp.eq.u32 p, t, 0" in ptx and "mov.u32 t, %tid.x" in ptx
-    assert ptx.find("cp.async.bulk.prefetch.L2") < ptx.find("griddepcontrol.wait")
-    for pdl in (True, False):
-        assert "prefetch" not in compile_for_hopper(name, pdl).asm["ptx"]
 
 
 def test_kernel_check_counts_the_launches_pdl_can_chain():
