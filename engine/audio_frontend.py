@@ -92,14 +92,17 @@ class AudioFrontEnd:
 
     def run(self, work: list[_Clip]) -> list[AudioEmbedding]:
         """The device's part: prepare's clips -> their audio embeddings (states updated)."""
-        self._log_spectrogram(work, work[0].staged if work else None)
-        redo = [clip for clip in work if self._floor_moved_into_kept_chunks(clip)]
-        self.counters["floor_moves"] += len(redo)
-        if redo:  # the clip's maximum rose and dropped kept chunks, whose frames are needed again
-            for clip in redo:
-                clip.first_frame = clip.state.num_chunks * qaudio.CHUNK_FRAMES
-            self._log_spectrogram(redo)
-        features = self._floored(work)
+        if all(clip.state is None for clip in work):  # finals, offline clips: no kept chunks to decide about
+            features = self._whole_clip_features(work)
+        else:
+            self._log_spectrogram(work, work[0].staged if work else None)
+            redo = [clip for clip in work if self._floor_moved_into_kept_chunks(clip)]
+            self.counters["floor_moves"] += len(redo)
+            if redo:  # the clip's maximum rose and dropped kept chunks, whose frames are needed again
+                for clip in redo:
+                    clip.first_frame = clip.state.num_chunks * qaudio.CHUNK_FRAMES
+                self._log_spectrogram(redo)
+            features = self._floored(work)
         tokens = self._conv_tokens(work, features)
         encoded = self._encode(work, tokens)
         out = []
@@ -123,6 +126,16 @@ class AudioFrontEnd:
             kept_high = max(clip.state.chunk_highs, default=-np.inf) if clip.state else -np.inf
             clip.clip_max = float(max(kept_high, highs[i].max(initial=-np.inf)))
         self.counters["mel_frames"] += sum(counts)
+
+    def _whole_clip_features(self, work: list[_Clip]) -> list[torch.Tensor]:
+        """_floored's features for clips without stream state, the host reading nothing: each clip's maximum stays
+        on the device (the host read of the chunks' extremes waits for the mel, and with it for all the admission
+        stream's work queued before; those extremes only matter to a stream's kept chunks)."""
+        counts = [clip.num_new_frames for clip in work]
+        log_spec = self.runner.log_spectrogram([clip.audio for clip in work], [0] * len(work), work[0].staged)
+        floored = self.runner.floor_log_spectrogram(log_spec, self.runner.clip_maxima(log_spec, counts))
+        self.counters["mel_frames"] += sum(counts)
+        return [floored[i, :, :count] for i, count in enumerate(counts)]
 
     @staticmethod
     def _floor_moved_into_kept_chunks(clip: _Clip) -> bool:

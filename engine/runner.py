@@ -571,9 +571,21 @@ class ModelRunner:
         return torch.stack([lows, highs]).cpu().numpy()
 
     @torch.inference_mode()
-    def floor_log_spectrogram(self, log_spec: torch.Tensor, clip_maxes: list[float]) -> torch.Tensor:
-        """The features: each clip's raw frames [B, mels, n] floored 8 below its whole clip's maximum, then scaled."""
-        clip_max = self.to_device(clip_maxes, dtype=log_spec.dtype).view(-1, 1, 1)
+    def clip_maxima(self, log_spec: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each clip's greatest value over its counts[i] frames of `log_spec` [B, mels, n], left on the device as
+        [B, 1, 1] (-inf for a clip without frames): the maximum chunk_extremes' highs give the host, bit for bit."""
+        B, _, n = log_spec.shape
+        if n == 0:
+            return log_spec.new_full((B, 1, 1), float("-inf"))
+        beyond = (torch.arange(n, device=self.device)[None, :] >= self.to_device(counts)[:, None])[:, None, :]
+        return log_spec.masked_fill(beyond, float("-inf")).amax(dim=(1, 2)).view(B, 1, 1)
+
+    @torch.inference_mode()
+    def floor_log_spectrogram(self, log_spec: torch.Tensor, clip_maxes: list[float] | torch.Tensor) -> torch.Tensor:
+        """The features: each clip's raw frames [B, mels, n] floored 8 below its whole clip's maximum, then scaled.
+        clip_maxes: the host's floats, or clip_maxima's device tensor."""
+        clip_max = (clip_maxes if isinstance(clip_maxes, torch.Tensor)
+                    else self.to_device(clip_maxes, dtype=log_spec.dtype).view(-1, 1, 1))
         return qaudio.floor_log_spectrogram(log_spec, clip_max)
 
     @torch.inference_mode()

@@ -1,7 +1,7 @@
 """An admission overlapped with a decode step (Engine.step): the step is launched, the admission's host work (prompts,
 the audio front end's staging) runs while it decodes, the step is read, then the admission's device work is queued;
 the first tokens of a prefill stay on the device until the next step's read. The host waits (counted, not timed)
-once per step and once per admission's mel, not once more per prefill; and the results are those of admitting
+once per step and once per admission's mel where a partial needs its extremes, not once more per prefill; and the results are those of admitting
 first and decoding after (the order before the overlap), token for token, including rows that end at their first
 token."""
 
@@ -45,7 +45,9 @@ def test_the_admissions_host_work_runs_between_the_decode_steps_launch_and_its_r
     assert_idle(engine)
 
 
-def test_the_host_waits_once_per_step_and_once_per_admissions_mel_not_for_the_prefill(engine):
+def test_the_host_waits_once_per_step_and_for_a_partials_mel_never_for_a_final_or_the_prefill(engine):
+    """A stream's partial needs its chunks' extremes on the host (whether its kept chunks changed); finals and offline
+    clips keep their maxima on the device (AudioFrontEnd._whole_clip_features), so their admission reads nothing."""
     def reads_of(step):
         before = engine.runner.host_reads
         step()
@@ -53,12 +55,16 @@ def test_the_host_waits_once_per_step_and_once_per_admissions_mel_not_for_the_pr
 
     engine.add(DecodeRequest(audio=speech(1.3, seed=1), max_new_tokens=12), lambda r: None)
     engine.add(DecodeRequest(audio=speech(2.2, seed=3), max_new_tokens=12), lambda r: None)
-    # admitting two while idle: the mel's extremes, then the step (the first tokens come with it); before: + 1
-    assert reads_of(engine.step) == 2
+    assert reads_of(engine.step) == 1  # admitting two finals while idle: the step alone (the first tokens with it)
     engine.add(DecodeRequest(audio=speech(0.9, seed=2), max_new_tokens=4), lambda r: None)
-    assert reads_of(engine.step) == 2  # admitting while decoding: the step and the mel
-    assert reads_of(engine.step) == 1  # the admitted row's first token came with this step's read
+    assert reads_of(engine.step) == 1  # admitting a final while decoding: the step
+    engine.add(DecodeRequest(audio=speech(1.6, seed=4), priority=Priority.PARTIAL, stream_id="w", max_new_tokens=4),
+               lambda r: None)
+    assert reads_of(engine.step) == 2  # a partial: the step and its mel's extremes
+    assert reads_of(engine.step) == 1  # the admitted rows' first tokens came with the step's read
     engine.run_until_done()
+    engine.release_stream("w")
+    engine.step()
     assert_idle(engine)
 
 

@@ -207,3 +207,26 @@ def test_partials_decode_the_same_tokens_as_fresh_ones_when_the_floor_moves(engi
     engine.release_stream("floor")
     engine.step()
     assert engine.streams.peek("floor") is None  # released: its windows, chunks and KV slot with it
+
+
+def test_clips_without_stream_state_get_the_host_paths_features_bit_for_bit_without_a_host_read(engine):
+    """Finals and offline clips keep their maxima on the device (AudioFrontEnd._whole_clip_features): the same
+    features as the path that reads the chunks' extremes to the host (which partials still take), and no read."""
+    seconds = (0.3, 2.0, 10.9, 0.0125, 4.37)  # under a chunk, whole chunks, #16's clip, two frames, a ragged end
+    clips = [speech_like(s, seed=60 + i) for i, s in enumerate(seconds)]
+    clips.append((speech_like(1.5, seed=70) * 1e-5).astype(np.float32))  # a whisper: every raw value below 0, so a
+    # maximum taken over the zeros past its end (the batch's padding) would be wrong
+    frontend = engine.frontend
+    with torch.inference_mode():
+        work = frontend.prepare(clips, [None] * len(clips))
+        reads = engine.runner.host_reads
+        on_device = frontend._whole_clip_features(work)
+        assert engine.runner.host_reads == reads
+        frontend._log_spectrogram(work, work[0].staged)  # the partials' path: extremes read, maxima on the host
+        assert engine.runner.host_reads == reads + 1
+        on_host = frontend._floored(work)
+    assert work[-1].clip_max < 0
+    for clip, a, b in zip(clips, on_device, on_host):
+        assert a.shape == b.shape == (qaudio.N_MELS, qaudio.num_frames(clip.size))
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, qaudio.log_mel(clip), atol=ATOL, rtol=0)  # the clip's features, alone
