@@ -98,7 +98,9 @@ def run_load(engine: Engine, args, overlap: bool, round_index: int) -> dict:
 # where the engine thread's time goes inside a step, by the method it is in (--phases): (phase, owner, method). The
 # owners are the engine's own objects; mel includes mel_read, the host's wait for the mel's chunk extremes
 PHASES = (("prepare", "engine", "_prepare"), ("mel", "frontend", "_log_spectrogram"),
-          ("mel_read", "runner", "chunk_extremes"), ("floor", "frontend", "_floored"), ("conv", "frontend", "_conv_tokens"),
+          ("mel_read", "runner", "chunk_extremes"), ("floor", "frontend", "_floored"),
+          ("mel_finals", "frontend", "_whole_clip_features"),  # an admission of finals only: mel and floor, no read
+          ("conv", "frontend", "_conv_tokens"),
           ("encoder", "frontend", "_encode"), ("prompts", "runner", "embed_prompts"), ("prefill", "runner", "prefill"),
           ("start_rows", "runner", "start_rows"), ("launch", "runner", "launch_decode"), ("read", "runner", "read_decode"),
           ("postprocess", "engine", "_postprocess"), ("admissions", "engine", "_admit_together"))
