@@ -454,14 +454,12 @@ class Engine:
         return any(slot not in waiting for slot in self.scheduler.running)
 
     def _start_admitted(self, wait: bool) -> None:
-        """Put the rows of every admission whose device work is done into decode, on the decode stream (wait: all of
-        them, the decode stream waiting on the device for those not done; the host goes on to launch the step, where
-        a host wait here left the GPU idle through its own launches after it). A row cancelled meanwhile (its slot
-        freed) is started and idled again at once."""
+        """Put the rows of every admission whose device work is done into decode, on the decode stream (wait: for
+        all of them, blocking). A row cancelled meanwhile (its slot freed) is started and idled again at once."""
         while self._admitted and (wait or self._admitted[0].ready()):
             admitted = self._admitted.pop(0)
-            if not admitted.ready():
-                torch.cuda.current_stream(self.runner.device).wait_event(admitted.done)
+            if admitted.done is not None:
+                admitted.done.synchronize()  # returns at once when ready()
             seqs = admitted.seqs
             self.runner.start_rows([seq.slot for seq in seqs], admitted.first, [seq.prompt.num_tokens for seq in seqs],
                                    [seq.budget for seq in seqs])

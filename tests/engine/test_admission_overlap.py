@@ -219,39 +219,3 @@ def test_admissions_are_counted_and_those_with_nothing_decoding_apart(tiny_model
     engine.run_until_done()
     assert (engine.counters["admissions"], engine.counters["admissions_alone"]) == (3, 2)
     assert_idle(engine)
-
-
-def test_with_nothing_else_decoding_the_decode_stream_waits_for_an_admission_on_the_device_not_the_host(
-        tiny_model_dir, monkeypatch):
-    """On CUDA an admission's device work ends with an event; with no other row decoding, its rows start at once, the
-    decode stream waiting for that event on the device, so the host launches the first step meanwhile (a host wait
-    left the GPU idle through the launches after it). Stand-ins for the event and the stream: the CPU has neither."""
-    from qasr.engine import engine as engine_module
-
-    engine = make_engine(tiny_model_dir, admission_interval_ms=0)
-
-    class Pending:  # an admission's event whose work is still running
-        def query(self):
-            return False
-
-        def synchronize(self):
-            raise AssertionError("the host waited for the admission")
-
-    waited = []
-    monkeypatch.setattr(engine_module.torch.cuda, "current_stream",
-                        lambda device=None: type("Stream", (), {"wait_event": lambda self, e: waited.append(e)})())
-    real_admit = engine._admit_together
-    pending = Pending()
-
-    def admit(*args, **kwargs):
-        real_admit(*args, **kwargs)
-        engine._admitted[-1].done = pending  # as on CUDA: recorded after the prefill, not yet done
-
-    monkeypatch.setattr(engine, "_admit_together", admit)
-    results = []
-    engine.add(DecodeRequest(audio=speech(1.3, seed=1), max_new_tokens=3), results.append)
-    engine.step()
-    assert waited == [pending] and not engine._admitted and len(engine.scheduler.running) == 1
-    engine.run_until_done()
-    assert len(results) == 1 and len(results[0].token_ids) == 3
-    assert_idle(engine)

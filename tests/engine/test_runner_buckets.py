@@ -101,11 +101,6 @@ def test_encoder_windows_are_grouped_by_length_bucket_and_each_group_padded_to_a
     assert encoder_replays([104] * 9 + [5], lengths, windows) == [
         (32, [9], 1), (104, [0, 1, 2, 3, 4, 5, 6, 7], 8), (104, [8], 1)]  # past the largest: several replays
     assert encoder_replays([104] * 5, (104,), windows) == [(104, [0, 1, 2, 3, 4], 6)]
-    # at most merged_windows windows: one run, at the longest length any of them needs
-    assert encoder_replays([104, 39], lengths, windows, merged_windows=4) == [(104, [0, 1], 2)]  # a 10.9 s clip
-    assert encoder_replays([14, 40, 27], lengths, windows, merged_windows=4) == [(56, [0, 1, 2], 3)]
-    assert encoder_replays([14, 40, 27], lengths, windows, merged_windows=2) == [(32, [0, 2], 2), (56, [1], 1)]
-    assert encoder_replays(sizes, lengths, windows, merged_windows=4) == encoder_replays(sizes, lengths, windows)
     assert bucket_of(57, lengths) == 104 and bucket_of(56, lengths) == 56
 
 
