@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from qasr.engine.engine import Engine
 
-from .offline import _sync, offline_options, requests
+from .offline import _sync, batch1_latency, offline_options, requests
 from .synthetic import speech_like
 
 RUNNER_CALLS = ("stage_samples", "log_spectrogram", "chunk_extremes", "floor_log_spectrogram", "embed_chunks",
@@ -96,16 +96,8 @@ def main(argv=None) -> None:
     for _ in range(3):
         engine.transcribe(requests([clip], args.tokens))
     out: dict = {}
-    latency, parts = [], []
     calls = instrument(engine)
-    for _ in range(args.runs):
-        _sync(device)
-        t = time.perf_counter()
-        (r,) = engine.transcribe(requests([clip], args.tokens))
-        latency.append((time.perf_counter() - t) * 1e3)
-        parts.append(r.timings)
-    out["latency_ms"] = statistics.median(latency)
-    out["breakdown_ms"] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    out["latency_ms"], out["breakdown_ms"] = batch1_latency(engine, clip, args.tokens, args.runs, device)
     out["host_calls"] = per_request(calls, args.runs)
     profiled = max(3, args.runs // 4)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])

@@ -143,16 +143,8 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     # batch-1 latency, features included: audio array in -> text out
     for _ in range(3):
         engine.transcribe(requests([clip], args.tokens))
-    lat, parts = [], []
-    for _ in range(args.latency_runs):
-        _sync(device)
-        t = time.perf_counter()
-        (r,) = engine.transcribe(requests([clip], args.tokens))
-        lat.append((time.perf_counter() - t) * 1e3)
-        parts.append(r.timings)
-        assert len(r.token_ids) == args.tokens, r.finish_reason
-    out["qasr_bs1_latency_ms"] = statistics.median(lat)
-    out["qasr_bs1_breakdown_ms"] = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+    out["qasr_bs1_latency_ms"], out["qasr_bs1_breakdown_ms"] = batch1_latency(engine, clip, args.tokens,
+                                                                              args.latency_runs, device)
     out["engine_step_ms"] = engine_step_ms(engine, clip, args.tokens)
 
     # throughput at the engine's concurrency (all clips queued at once; continuous batching)
@@ -178,6 +170,21 @@ def bench_qasr(model_dir: Path, args, device: torch.device, out: dict) -> None:
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def batch1_latency(engine: Engine, clip: np.ndarray, tokens: int, runs: int,
+                   device: torch.device) -> tuple[float, dict[str, float]]:
+    """The clip alone, `runs` times, audio array in to text out -> (median ms, the median of each piece of the
+    engine's breakdown: queue, encode, prefill, decode)."""
+    latency, parts = [], []
+    for _ in range(runs):
+        _sync(device)
+        t = time.perf_counter()
+        (r,) = engine.transcribe(requests([clip], tokens))
+        latency.append((time.perf_counter() - t) * 1e3)
+        parts.append(r.timings)
+        assert len(r.token_ids) == tokens, r.finish_reason
+    return statistics.median(latency), {k: statistics.median(p[k] for p in parts) for k in parts[0]}
 
 
 ENGINE_STEP_ROWS = (1, 16, 128)
