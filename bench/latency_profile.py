@@ -6,8 +6,10 @@ This runs the offline bench's engine on one clip, `--runs` times, and reports:
 - the engine's own breakdown (queue, encode, prefill, decode; medians);
 - host time per call of each admission function (runner and audio front end; wall time around the call, nothing
   synchronized, so a function that waits for the device shows that wait);
-- from the PyTorch profiler (CPU and CUDA): the host calls that wait for the device (synchronizations, copies to the
-  host) with their time, the CPU ops by self time, and the GPU's busy time inside the admission.
+- from the PyTorch profiler (CPU and CUDA): the host calls that wait for the device (synchronizations, copies) with
+  their time, the CPU ops by self time, and the GPU kernels a request with their summed time (kernels that
+  programmatic dependent launch overlaps count twice there: not the GPU's busy time). `--trace` keeps the timeline,
+  where each request's admission shows as the span from the last request's final step to its first.
 
 `python -m qasr.bench.latency_profile --model DIR [--runs 20] [--trace OUT.json]` on a CUDA machine; prints one JSON.
 """
@@ -73,7 +75,7 @@ def profile_summary(prof, runs: int, top: int = 25) -> dict:
             "cpu_self_ms_a_request": {e.key: round(e.self_cpu_time_total / 1e3 / runs, 4) for e in cpu},
             "cpu_calls_a_request": {e.key: e.count / runs for e in cpu},
             "gpu_kernels_a_request": len(gpu) / runs,
-            "gpu_busy_ms_a_request": sum(e.time_range.end - e.time_range.start for e in gpu) / 1e3 / runs}
+            "gpu_kernel_ms_a_request": sum(e.time_range.end - e.time_range.start for e in gpu) / 1e3 / runs}
 
 
 def main(argv=None) -> None:
@@ -109,7 +111,6 @@ def main(argv=None) -> None:
     if args.trace:
         prof.export_chrome_trace(args.trace)
     print(json.dumps(out, indent=1))
-
 
 
 if __name__ == "__main__":

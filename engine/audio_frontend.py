@@ -92,7 +92,7 @@ class AudioFrontEnd:
 
     def run(self, work: list[_Clip]) -> list[AudioEmbedding]:
         """The device's part: prepare's clips -> their audio embeddings (states updated)."""
-        if all(clip.state is None for clip in work):  # finals, offline clips: no kept chunks to decide about
+        if work and all(clip.state is None for clip in work):  # finals, offline clips: no kept chunks to decide
             features = self._whole_clip_features(work)
         else:
             self._log_spectrogram(work, work[0].staged if work else None)
