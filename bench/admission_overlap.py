@@ -107,11 +107,11 @@ PHASES = (("prepare", "engine", "_prepare"), ("mel", "frontend", "_log_spectrogr
 
 
 @contextlib.contextmanager
-def phase_timers(engine: Engine):
-    """Times the PHASES' methods on this engine while inside -> {phase: [calls, wall seconds]} (filled as it runs).
-    Instance attributes shadow the methods and are removed after."""
+def phase_timers(engine: Engine, phases=PHASES):
+    """Times the `phases`' methods ((phase, owner, method), as PHASES) on this engine while inside -> {phase: [calls,
+    wall seconds]} (filled as it runs). Instance attributes shadow the methods and are removed after."""
     owners = {"engine": engine, "frontend": engine.frontend, "runner": engine.runner}
-    spent = {phase: [0, 0.0] for phase, _, _ in PHASES}
+    spent = {phase: [0, 0.0] for phase, _, _ in phases}
 
     def timed(phase, method):
         def call(*args, **kwargs):
@@ -123,12 +123,12 @@ def phase_timers(engine: Engine):
                 spent[phase][1] += time.perf_counter() - start
         return call
 
-    for phase, owner, name in PHASES:
+    for phase, owner, name in phases:
         setattr(owners[owner], name, timed(phase, getattr(owners[owner], name)))
     try:
         yield spent
     finally:
-        for _, owner, name in PHASES:
+        for _, owner, name in phases:
             delattr(owners[owner], name)
 
 

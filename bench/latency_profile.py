@@ -4,8 +4,8 @@ The offline bench's breakdown (`qasr_bs1_breakdown_ms`) puts ~4.8 ms of a 42.7 m
 36) where the mel, the convolutions and the encoder are well under a millisecond of GPU work: that stage is host time.
 This runs the offline bench's engine on one clip, `--runs` times, and reports:
 - the engine's own breakdown (queue, encode, prefill, decode; medians);
-- host time per call of each admission function (runner and audio front end; wall time around the call, nothing
-  synchronized, so a function that waits for the device shows that wait);
+- host time a request in each admission function (runner and audio front end; wall time around each call, nothing
+  synchronized, so a function that waits for the device shows that wait; admission_overlap.phase_timers wraps them);
 - from the PyTorch profiler (CPU and CUDA): the host calls that wait for the device (synchronizations, copies) with
   their time, the CPU ops by self time, and the GPU kernels a request with their summed time (kernels that
   programmatic dependent launch overlaps count twice there: not the GPU's busy time). `--trace` keeps the timeline,
@@ -17,52 +17,30 @@ This runs the offline bench's engine on one clip, `--runs` times, and reports:
 from __future__ import annotations
 
 import argparse
-import collections
-import functools
 import json
-import statistics
-import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from qasr.engine.engine import Engine
 
+from .admission_overlap import phase_timers
 from .offline import _sync, batch1_latency, offline_options, requests
 from .synthetic import speech_like
 
-RUNNER_CALLS = ("stage_samples", "log_spectrogram", "chunk_extremes", "floor_log_spectrogram", "embed_chunks",
-                "encode", "embed_prompts", "prefill", "start_rows", "to_device")
-FRONTEND_CALLS = ("prepare", "run")
-ENGINE_CALLS = ("_prepare", "_encode", "_admit_together", "_start_admitted")
+# the admission's functions, timed as admission_overlap's phases are: (name, owner, method)
+CALLS = tuple((f"{owner}.{name}", owner, name) for owner, names in (
+    ("runner", ("stage_samples", "log_spectrogram", "chunk_extremes", "floor_log_spectrogram", "embed_chunks",
+                "encode", "embed_prompts", "prefill", "start_rows", "to_device")),
+    ("frontend", ("prepare", "run")),
+    ("engine", ("_prepare", "_encode", "_admit_together", "_start_admitted"))) for name in names)
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync")
 
 
-def timed(calls: dict, name: str, fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        t = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            calls[name].append((time.perf_counter() - t) * 1e3)
-    return wrapper
-
-
-def instrument(engine: Engine) -> dict[str, list[float]]:
-    """Wrap the admission's functions on these objects (their instances only) -> name -> ms of each call."""
-    calls: dict[str, list[float]] = collections.defaultdict(list)
-    for owner, names, prefix in ((engine.runner, RUNNER_CALLS, "runner."), (engine.frontend, FRONTEND_CALLS,
-                                                                             "frontend."),
-                                 (engine, ENGINE_CALLS, "engine.")):
-        for name in names:
-            setattr(owner, name, timed(calls, prefix + name, getattr(owner, name)))
-    return calls
-
-
-def per_request(calls: dict[str, list[float]], runs: int) -> dict[str, dict[str, float]]:
-    return {name: {"calls_a_request": len(ms) / runs, "ms_a_request": sum(ms) / runs,
-                   "ms_a_call_median": statistics.median(ms)} for name, ms in sorted(calls.items())}
+def per_request(spent: dict[str, list], runs: int) -> dict[str, dict[str, float]]:
+    """phase_timers' {name: [calls, seconds]} -> each function called, its calls and ms a request."""
+    return {name: {"calls_a_request": calls / runs, "ms_a_request": seconds * 1e3 / runs}
+            for name, (calls, seconds) in sorted(spent.items()) if calls}
 
 
 def profile_summary(prof, runs: int, top: int = 25) -> dict:
@@ -98,9 +76,9 @@ def main(argv=None) -> None:
     for _ in range(3):
         engine.transcribe(requests([clip], args.tokens))
     out: dict = {}
-    calls = instrument(engine)
-    out["latency_ms"], out["breakdown_ms"] = batch1_latency(engine, clip, args.tokens, args.runs, device)
-    out["host_calls"] = per_request(calls, args.runs)
+    with phase_timers(engine, CALLS) as spent:
+        out["latency_ms"], out["breakdown_ms"] = batch1_latency(engine, clip, args.tokens, args.runs, device)
+    out["host_calls"] = per_request(spent, args.runs)
     profiled = max(3, args.runs // 4)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:

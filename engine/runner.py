@@ -563,8 +563,7 @@ class ModelRunner:
         if chunks == 0:  # no clip has new frames
             return np.zeros((2, B, 0), dtype=np.float32)
         padded = torch.nn.functional.pad(log_spec, (0, chunks * qaudio.CHUNK_FRAMES - n))
-        beyond = (torch.arange(padded.shape[-1], device=self.device)[None, :]
-                  >= self.to_device(counts)[:, None])[:, None, :]  # [B, 1, frames]
+        beyond = self._past_counts(padded.shape[-1], counts)
         lows = padded.masked_fill(beyond, float("inf")).view(B, qaudio.N_MELS, chunks, -1).amin(dim=(1, 3))
         highs = padded.masked_fill(beyond, float("-inf")).view(B, qaudio.N_MELS, chunks, -1).amax(dim=(1, 3))
         self.host_reads += 1  # needed: the host decides from them whether kept chunks changed
@@ -577,8 +576,11 @@ class ModelRunner:
         B, _, n = log_spec.shape
         if n == 0:
             return log_spec.new_full((B, 1, 1), float("-inf"))
-        beyond = (torch.arange(n, device=self.device)[None, :] >= self.to_device(counts)[:, None])[:, None, :]
-        return log_spec.masked_fill(beyond, float("-inf")).amax(dim=(1, 2)).view(B, 1, 1)
+        return log_spec.masked_fill(self._past_counts(n, counts), float("-inf")).amax(dim=(1, 2)).view(B, 1, 1)
+
+    def _past_counts(self, frames: int, counts: list[int]) -> torch.Tensor:
+        """[B, 1, frames] on the device: True at clip i's frames from counts[i] on (not its own)."""
+        return (torch.arange(frames, device=self.device)[None, :] >= self.to_device(counts)[:, None])[:, None, :]
 
     @torch.inference_mode()
     def floor_log_spectrogram(self, log_spec: torch.Tensor, clip_maxes: list[float] | torch.Tensor) -> torch.Tensor:
