@@ -25,7 +25,7 @@ from qasr.engine.gc_pauses import GcPauses, freeze_loaded_heap, thaw
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.options import NUMBER_FORMATS, OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD, number_formats
 from qasr.engine.request import DecodeRequest
-from qasr.model import gemv
+from qasr.model import fp8_weights, gemv
 
 from .synthetic import speech_like
 
@@ -335,8 +335,9 @@ def correctness(engine: Engine, args) -> dict:
     res["batch_independence_exact_match"] = f"{same}/{n}"
     res["batch_independence_token_agreement"] = tok_same / max(1, tok_total)
     # agreement with the eager batch-1 path: a fresh engine on the same model in plain PyTorch (no graphs, no fused
-    # kernels), the reference the fast path must reproduce
-    eager = Engine(engine.model, engine.tokenizer, EngineOptions(num_slots=1, max_len=engine.options.max_len,
+    # kernels), the reference the fast path must reproduce; with fp8_weights, on the rounded model's plain weights
+    reference = fp8_weights.rounded_copy(engine.model) if engine.options.fp8_weights else engine.model
+    eager = Engine(reference, engine.tokenizer, EngineOptions(num_slots=1, max_len=engine.options.max_len,
                                                                num_retained=0, ignore_eos=True, repetition_window=0,
                                                                cuda_graphs=False, fused_kernels=False,
                                                                kv_int8=engine.options.kv_int8))
@@ -346,7 +347,7 @@ def correctness(engine: Engine, args) -> dict:
     total = sum(len(a.token_ids) for a in eager_out)
     res["eager_bs1_token_agreement"] = agree / max(1, total)
     res["eager_bs1_exact_match"] = f"{sum(a.token_ids == b.token_ids for a, b in zip(eager_out, batched[:k]))}/{k}"
-    del eager
+    del eager, reference
     if any(number_formats(engine.options).values()):  # what they change: the same requests batched on a bf16
         # cache with bf16 products
         plain = Engine(engine.model, engine.tokenizer, dataclasses.replace(

@@ -114,6 +114,7 @@ class Engine:
             kv_int8=options.kv_int8,
             fp8_prefill=options.fp8_prefill,
             fp8_encoder=options.fp8_encoder,
+            fp8_weights=options.fp8_weights,
         )
         self.scheduler = Scheduler(options.num_slots)
         self.aligner = (AlignerRunner(aligner, max_batch=options.aligner_max_batch, min_batch=options.aligner_min_batch,

@@ -67,6 +67,10 @@ class EngineOptions:
     # Hopper). Tokens are not bit for bit bf16's: docs/benchmarks.md has the speed and the agreement measured
     fp8_encoder: bool = False  # the audio encoder's q/k/v, fc1 and fc2 products in FP8 the same way, their inputs
     # quantized by its LayerNorms and GELU (fp8.attach_encoder); the same needs and caveat as fp8_prefill
+    fp8_weights: bool = False  # the decoder's products and lm_head on weights rounded to FP8 (model/fp8_weights.py):
+    # the decode step's small products stream half the bytes (batch-1 latency), every other product multiplies the
+    # same rounded numbers in bf16. Needs the fused kernels; not with fp8_prefill (that quantizes the unrounded
+    # weights). Tokens are not bit for bit bf16's: docs/benchmarks.md has the speed and the agreement measured
     stream_priorities: bool = True  # decode steps and admissions on a high-priority CUDA stream, the aligner's forward
     # on the lowest (qasr.engine.streams), so that finals without words keep their pace; False: decoding on the
     # thread's default stream, as before (benchmarks compare)
@@ -75,6 +79,9 @@ class EngineOptions:
         for name, least in MINIMUMS.items():
             if getattr(self, name) < least:
                 raise ValueError(f"invalid engine options: {name} must be >= {least}, got {getattr(self, name):g}")
+        if self.fp8_weights and self.fp8_prefill:
+            raise ValueError("invalid engine options: fp8_weights and fp8_prefill do not combine (FP8 prefill "
+                             "quantizes the decoder's own weights, not the rounded ones); choose one")
 
 
 # the opt-in number formats (EngineOptions fields, all off by default) and what each command line's flag says of them
@@ -84,12 +91,14 @@ NUMBER_FORMATS = {
     "fp8_prefill": "run every prefill's qkv, gate_up and down products in FP8 (GPUs with FP8 tensor cores: Ada, "
                    "Hopper); decode steps stay bf16",
     "fp8_encoder": "run the audio encoder's q/k/v, fc1 and fc2 products in FP8 the same way",
+    "fp8_weights": "round the decoder's weights to FP8: small decode steps stream half the bytes (lower latency a "
+                   "request); not with --fp8-prefill",
 }
 
 
 def add_number_format_flags(parser, note: str, default: bool | None = False) -> None:
-    """--kv-int8, --fp8-prefill, --fp8-encoder on an argparse parser (store_true; `default` None: unset unless given),
-    each help ending with `note`."""
+    """The NUMBER_FORMATS flags (--kv-int8, ...) on an argparse parser (store_true; `default` None: unset unless
+    given), each help ending with `note`."""
     for field, text in NUMBER_FORMATS.items():
         parser.add_argument("--" + field.replace("_", "-"), action="store_true", default=default,
                             help=f"{text}; {note}")

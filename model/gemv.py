@@ -10,6 +10,11 @@ Split-K partial sums are not reduced here (that would be one more launch): `part
 [S, M, N] and the kernel that consumes the product (add+RMSNorm, q/k-norm+RoPE in kernels.py) sums them in a fixed
 order and rounds to the activation dtype, as nn.Linear's output would be rounded.
 
+FP8 weights (model/fp8_weights.py): a weight may be e4m3 with a float32 power-of-two scale per output column. The
+kernels widen its bytes to the activations' dtype on the way to the MMA and scale each column's sums at the end. A
+power-of-two scale commutes with every rounding, so the result is that of the same kernel over the bf16 weight
+`values * scale` bit for bit, in half the weight bytes.
+
 The lm_head's product can also take each row's argmax (linear_argmax): every program leaves its column block's
 largest logit and that logit's first column, and kernels.advance_rows reduces those in the launch it makes anyway.
 
@@ -97,12 +102,25 @@ if triton is not None:
         tl.store(MAX_I + at, tl.where(has_nan, nan_col, first), mask=rmask)
 
     @triton.jit
-    def _gemv_kernel(X, W, OUT, MAX_V, MAX_I, M, N, K, stride_xm, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
+    def _weight_tile(W, at, mask, X):
+        # a weight tile in X's dtype: FP8 bytes widened (exactly) for the MMA, other weights as they are
+        return tl.load(W + at, mask=mask, other=0.0).to(X.dtype.element_ty)
+
+    @triton.jit
+    def _scaled(acc, SCALE, cols, cmask, SCALED: tl.constexpr):
+        # an FP8 weight's column sums times its columns' power-of-two scales (exact: see the module's docstring)
+        if SCALED:
+            acc = acc * tl.load(SCALE + cols, mask=cmask, other=1.0)[:, None]
+        return acc
+
+    @triton.jit
+    def _gemv_kernel(X, W, SCALE, OUT, MAX_V, MAX_I, M, N, K, stride_xm, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ARGMAX: tl.constexpr,
-                     PDL: tl.constexpr):
+                     SCALED: tl.constexpr, PDL: tl.constexpr):
         # program (row tile, column block, split): OUT[split, m, n] = sum over this split's k of X[m, k] W[n, k]
         # (OUT float32 partials) or, with one split, the product rounded to OUT's dtype; with ARGMAX (one split)
-        # also each row's largest product of the block and its column (_block_argmax)
+        # also each row's largest product of the block and its column (_block_argmax); SCALED: W is FP8, its
+        # column n scaled by SCALE[n]
         _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -113,10 +131,10 @@ if triton is not None:
         for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
-            w = tl.load(W + cols[:, None].to(tl.int64) * K + k[None, :], mask=cmask[:, None] & kmask[None, :],
-                        other=0.0)
+            w = _weight_tile(W, cols[:, None].to(tl.int64) * K + k[None, :], cmask[:, None] & kmask[None, :], X)
             x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
+        acc = _scaled(acc, SCALE, cols, cmask, SCALED)
         out = OUT + split.to(tl.int64) * M * N + rows[None, :] * N + cols[:, None]
         rounded = acc.to(OUT.dtype.element_ty)
         tl.store(out, rounded, mask=cmask[:, None] & rmask[None, :])
@@ -124,10 +142,12 @@ if triton is not None:
             _block_argmax(rounded.to(tl.float32), rows, rmask, cols, cmask, MAX_V, MAX_I)
 
     @triton.jit
-    def _gate_up_silu_kernel(X, W, OUT, M, I, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    def _gate_up_silu_kernel(X, W, SCALE, OUT, M, I, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
+                             PDL: tl.constexpr):
         # program (row tile, column block): OUT[m, n] = silu(gate) * up for gate = X W[n].T and up = X W[I + n].T,
-        # each rounded where F.silu(gate) * up of nn.Linear's outputs rounds (as kernels.silu_mul does)
+        # each rounded where F.silu(gate) * up of nn.Linear's outputs rounds (as kernels.silu_mul does); SCALED: W is
+        # FP8, its row n scaled by SCALE[n]
         _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -141,8 +161,10 @@ if triton is not None:
             at = cols[:, None].to(tl.int64) * K + k[None, :]
             x = tl.trans(tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None] & kmask[None, :],
                                  other=0.0))
-            gate = tl.dot(tl.load(W + at, mask=wmask, other=0.0), x, gate, input_precision=PRECISION)
-            up = tl.dot(tl.load(W + I * K + at, mask=wmask, other=0.0), x, up, input_precision=PRECISION)
+            gate = tl.dot(_weight_tile(W, at, wmask, X), x, gate, input_precision=PRECISION)
+            up = tl.dot(_weight_tile(W + I * K, at, wmask, X), x, up, input_precision=PRECISION)
+        gate = _scaled(gate, SCALE, cols, cmask, SCALED)
+        up = _scaled(up, SCALE + I, cols, cmask, SCALED)
         dt = OUT.dtype.element_ty
         g = gate.to(dt).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
@@ -150,17 +172,27 @@ if triton is not None:
         tl.store(OUT + rows[None, :] * I + cols[:, None], out, mask=cmask[:, None] & rmask[None, :])
 
 
+E4M3 = torch.float8_e4m3fn  # an FP8 weight's dtype (model/fp8_weights.py)
+
+
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether these kernels can multiply x [M, K] by weight [N, K] (2-D, same dtype, device the kernels run on)."""
-    return (kernels.available(x.device) and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
+    """Whether these kernels can multiply x [M, K] by weight [N, K] (2-D, of x's dtype or FP8, on a device the kernels
+    run on)."""
+    return (kernels.available(x.device) and x.dim() == 2 and weight.dim() == 2 and weight.dtype in (x.dtype, E4M3)
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.is_contiguous())
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None) -> None:
     if not supports(x, weight) or x.shape[1] != weight.shape[1] or x.stride(1) != 1:
-        raise ValueError(f"gemv needs x [M, K] (unit stride along K) and a contiguous weight [N, K] of its dtype on a "
-                         f"device the kernels run on; got x {tuple(x.shape)} {x.dtype} {x.device}, weight "
+        raise ValueError(f"gemv needs x [M, K] (unit stride along K) and a contiguous weight [N, K] of its dtype or "
+                         f"FP8 on a device the kernels run on; got x {tuple(x.shape)} {x.dtype} {x.device}, weight "
                          f"{tuple(weight.shape)} {weight.dtype}")
+    if (weight.dtype == E4M3) != (scale is not None):
+        raise ValueError("an FP8 weight needs its scales (float32 [N]), and only an FP8 weight takes them")
+    if scale is not None and (scale.dtype != torch.float32 or scale.shape != weight.shape[:1]
+                              or not scale.is_contiguous()):
+        raise ValueError(f"an FP8 weight [N, K] takes contiguous float32 scales [N]; got {scale.dtype} "
+                         f"{tuple(scale.shape)} for a weight {tuple(weight.shape)}")
 
 
 def _precision(x: torch.Tensor) -> str | None:
@@ -171,80 +203,86 @@ def _row_tiles(M: int) -> int:
     return -(-M // BLOCK_M)
 
 
-def partial_products(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def partial_products(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+                     scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T as float32 partial sums [S, M, N] (S = the shape's split, often 1): their sum in
-    order, rounded to x's dtype, is the product. kernels.rms_norm and kernels.qk_norm_rope_store take them."""
-    _check(x, weight)
+    order, rounded to x's dtype, is the product. kernels.rms_norm and kernels.qk_norm_rope_store take them.
+    scale: an FP8 weight's per-column scales (float32 [N]; every function here takes them the same way)."""
+    _check(x, weight, scale)
     M, K = x.shape
     N = weight.shape[0]
-    config = config or config_for("products", N, K, x)
+    config = config or config_for("products", N, K, x, weight.dtype)
     out = torch.empty((config.splits(K), M, N), dtype=torch.float32, device=x.device)
-    _launch_products(x, weight, out, config)
+    _launch_products(x, weight, scale, out, config)
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T -> [M, N] in x's dtype (no split: for products nothing fuses the sums into)."""
-    config, out = _unsplit(x, weight, config, "linear")
-    _launch_products(x, weight, out, config)
+    config, out = _unsplit(x, weight, scale, config, "linear")
+    _launch_products(x, weight, scale, out, config)
     return out
 
 
-def linear_argmax(x: torch.Tensor, weight: torch.Tensor,
-                  config: GemvConfig | None = None) -> tuple[torch.Tensor, kernels.BlockMaxima]:
+def linear_argmax(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+                  scale: torch.Tensor | None = None) -> tuple[torch.Tensor, kernels.BlockMaxima]:
     """linear(x, weight) and, from the same launch, each row's largest product per block of output columns with its
     first column (kernels.BlockMaxima [M, column blocks]): the lm_head's logits and what kernels.advance_rows needs
     to take their argmax, as torch.argmax would, without a launch of its own. The logits are linear's, bit for bit
     (the same config: the argmax only adds to the kernel's end)."""
-    config, out = _unsplit(x, weight, config, "linear_argmax")
+    config, out = _unsplit(x, weight, scale, config, "linear_argmax")
     M, N = out.shape
     blocks = triton.cdiv(N, config.block_n)
     maxima = kernels.BlockMaxima(torch.empty((M, blocks), dtype=torch.float32, device=x.device),
                                  torch.empty((M, blocks), dtype=torch.int32, device=x.device))
-    _launch_products(x, weight, out, config, maxima)
+    _launch_products(x, weight, scale, out, config, maxima)
     return out, maxima
 
 
-def _unsplit(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None,
+def _unsplit(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, config: GemvConfig | None,
              caller: str) -> tuple[GemvConfig, torch.Tensor]:
     """linear's and linear_argmax's config (unsplit) and output [M, N] in x's dtype."""
-    _check(x, weight)
+    _check(x, weight, scale)
     M, K = x.shape
     N = weight.shape[0]
-    config = config or config_for("linear", N, K, x)
+    config = config or config_for("linear", N, K, x, weight.dtype)
     if config.splits(K) != 1:
         raise ValueError(f"{caller} takes an unsplit config, got {config}")
     return config, torch.empty((M, N), dtype=x.dtype, device=x.device)
 
 
-def _launch_products(x, weight, out, config: GemvConfig, maxima: kernels.BlockMaxima | None = None) -> None:
+def _launch_products(x, weight, scale, out, config: GemvConfig, maxima: kernels.BlockMaxima | None = None) -> None:
     M, K = x.shape
     N = weight.shape[0]
     grid = (_row_tiles(M), triton.cdiv(N, config.block_n), config.splits(K))
     max_v, max_i = (maxima.values, maxima.index) if maxima is not None else (out, out)
-    _gemv_kernel[grid](x, weight, out, max_v, max_i, M, N, K, x.stride(0), K_SPLIT=config.k_per_split(K),
-                       BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, PRECISION=_precision(x),
-                       ARGMAX=maxima is not None, num_warps=config.num_warps, num_stages=config.stages(M),
+    _gemv_kernel[grid](x, weight, scale if scale is not None else out, out, max_v, max_i, M, N, K, x.stride(0),
+                       K_SPLIT=config.k_per_split(K), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
+                       BLOCK_K=config.block_k, PRECISION=_precision(x), ARGMAX=maxima is not None,
+                       SCALED=scale is not None, num_warps=config.num_warps, num_stages=config.stages(M),
                        **kernels.pdl_options(x.device, M))
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
     """The MLP's first half in one kernel: x [M, K], gate|up weight [2I, K] -> silu(x gate.T) * (x up.T) [M, I]."""
-    _check(x, weight)
+    _check(x, weight, scale)
     M, K = x.shape
     I = weight.shape[0] // 2
     if weight.shape[0] != 2 * I:
         raise ValueError(f"gate|up weight needs an even number of rows, got {tuple(weight.shape)}")
-    config = config or config_for("gate_up_silu", I, K, x)
+    config = config or config_for("gate_up_silu", I, K, x, weight.dtype)
     out = torch.empty((M, I), dtype=x.dtype, device=x.device)
     grid = (_row_tiles(M), triton.cdiv(I, config.block_n))
-    _gate_up_silu_kernel[grid](x, weight, out, M, I, K, x.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
-                               BLOCK_K=config.block_k, PRECISION=_precision(x), num_warps=config.num_warps,
+    _gate_up_silu_kernel[grid](x, weight, scale if scale is not None else out, out, M, I, K, x.stride(0),
+                               BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                               PRECISION=_precision(x), SCALED=scale is not None, num_warps=config.num_warps,
                                num_stages=config.stages(M), **kernels.pdl_options(x.device, M))
     return out
 
 
-# -- configs: one per (kind, N, K, dtype, device), chosen at first use, never inside a graph capture --------------
+# -- configs: one per (kind, N, K, dtype, weight dtype, device), chosen at first use, never inside a graph capture --
 
 KINDS = ("products", "linear", "gate_up_silu")
 _chosen: dict[tuple, GemvConfig] = {}
@@ -265,37 +303,41 @@ def _split_for(N: int, K: int, block_n: int, block_k: int, programs: int) -> int
     return split
 
 
-def candidates(kind: str, N: int, K: int, device: torch.device) -> list[GemvConfig]:
+def candidates(kind: str, N: int, K: int, device: torch.device, fp8: bool = False) -> list[GemvConfig]:
     """The few configs tried for a shape; the first is the heuristic one. In the CPU interpreter a program is a
-    Python call: there the blocks are as large as the shape, so tests of real-vocabulary heads stay fast."""
+    Python call: there the blocks are as large as the shape, so tests of real-vocabulary heads stay fast.
+    fp8: for an FP8 weight, each config also with twice the reduction step (the same bytes a load as bf16's)."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     if device.type != "cuda":
         return [GemvConfig(block_n=_pow2_at_most(N, 4096), block_k=_pow2_at_most(K, 256))]
     programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    block_k = _pow2_at_most(K, 128)
     out = []
     widths = (64, 128, 32) if kind == "linear" else (64, 32, 128) if kind == "products" else (32, 16, 64)
-    for block_n in widths:
-        if kind == "products":
-            split = _split_for(N, K, block_n, block_k, programs)
-            out += [GemvConfig(block_n, block_k, s) for s in dict.fromkeys((split, max(1, split // 2),
-                                                                            max(1, split // 4)))]
-        else:
-            out.append(GemvConfig(block_n, block_k))
+    steps = (_pow2_at_most(K, 128), _pow2_at_most(K, 256)) if fp8 else (_pow2_at_most(K, 128),)
+    for block_k in dict.fromkeys(steps):
+        for block_n in widths:
+            if kind == "products":
+                split = _split_for(N, K, block_n, block_k, programs)
+                out += [GemvConfig(block_n, block_k, s) for s in dict.fromkeys((split, max(1, split // 2),
+                                                                                max(1, split // 4)))]
+            else:
+                out.append(GemvConfig(block_n, block_k))
     return out
 
 
-def config_for(kind: str, N: int, K: int, x: torch.Tensor) -> GemvConfig:
+def config_for(kind: str, N: int, K: int, x: torch.Tensor, weight_dtype: torch.dtype | None = None) -> GemvConfig:
     """The config of this shape: on CUDA, among the `candidates` within TIE_MARGIN of the fastest at 1 and 16 rows,
     the one with the fewest splits (`settle`; timed once, outside graph capture, in a CUDA graph as the decode step
-    runs them; $QASR_GEMV_TUNE=0 takes the heuristic one), elsewhere the heuristic one."""
-    key = (kind, N, K, x.dtype, x.device)
+    runs them; $QASR_GEMV_TUNE=0 takes the heuristic one), elsewhere the heuristic one. weight_dtype: x's unless
+    given (E4M3: an FP8 weight)."""
+    weight_dtype = weight_dtype or x.dtype
+    key = (kind, N, K, x.dtype, weight_dtype, x.device)
     if key not in _chosen:
-        options = candidates(kind, N, K, x.device)
+        options = candidates(kind, N, K, x.device, fp8=weight_dtype == E4M3)
         tune = (x.device.type == "cuda" and len(options) > 1 and os.environ.get(TUNE_ENV, "1") != "0"
                 and not torch.cuda.is_current_stream_capturing())
-        _chosen[key] = _fastest(kind, N, K, x, options) if tune else options[0]
+        _chosen[key] = _fastest(kind, N, K, x, weight_dtype, options) if tune else options[0]
     return _chosen[key]
 
 
@@ -304,18 +346,22 @@ def config_for(kind: str, N: int, K: int, x: torch.Tensor) -> GemvConfig:
 TUNE_WEIGHT_BYTES = 128 << 20
 
 
-def _fastest(kind: str, N: int, K: int, x: torch.Tensor, options: list[GemvConfig]) -> GemvConfig:
+def _fastest(kind: str, N: int, K: int, x: torch.Tensor, weight_dtype: torch.dtype,
+             options: list[GemvConfig]) -> GemvConfig:
     t0 = time.perf_counter()
     rows = 2 * N if kind == "gate_up_silu" else N
-    copies = max(1, min(16, -(-TUNE_WEIGHT_BYTES // (rows * K * x.element_size()))))
-    weights = [torch.randn(rows, K, device=x.device, dtype=x.dtype) for _ in range(copies)]
+    copies = max(1, min(16, -(-TUNE_WEIGHT_BYTES // (rows * K * weight_dtype.itemsize))))
+    weights = [torch.randn(rows, K, device=x.device, dtype=x.dtype).to(weight_dtype) for _ in range(copies)]
+    scale = torch.ones(rows, device=x.device) if weight_dtype == E4M3 else None
     inputs = [torch.randn(M, K, device=x.device, dtype=x.dtype) for M in (1, BLOCK_M)]
     run = {"products": partial_products, "linear": linear, "gate_up_silu": gate_up_silu}[kind]
-    timed = {config: sum(gpu_timing.per_call_ms([functools.partial(run, xs, w, config) for w in weights], runs=5)
+    timed = {config: sum(gpu_timing.per_call_ms([functools.partial(run, xs, w, config, scale) for w in weights],
+                                                runs=5)
                          for xs in inputs) for config in options}
     best = settle(timed)
-    log.info("gemv %s N=%d K=%d: %s (%s ms at 1 + %d rows; tried %d configs in %.1f s)", kind, N, K, best,
-             f"{timed[best]:.4f}", BLOCK_M, len(options), time.perf_counter() - t0)
+    log.info("gemv %s N=%d K=%d %s: %s (%s ms at 1 + %d rows; tried %d configs in %.1f s)", kind, N, K,
+             str(weight_dtype).removeprefix("torch."), best, f"{timed[best]:.4f}", BLOCK_M, len(options),
+             time.perf_counter() - t0)
     return best
 
 
@@ -337,8 +383,9 @@ def settle(timed: dict[GemvConfig, float]) -> GemvConfig:
 
 def chosen_configs() -> dict[str, str]:
     """What has been chosen so far, for benchmark reports."""
-    return {f"{kind} N={N} K={K} {str(dtype).removeprefix('torch.')}": str(c)
-            for (kind, N, K, dtype, _), c in _chosen.items()}
+    return {f"{kind} N={N} K={K} {str(dtype).removeprefix('torch.')}"
+            + (" fp8 weight" if weight_dtype == E4M3 else ""): str(c)
+            for (kind, N, K, dtype, weight_dtype, _), c in _chosen.items()}
 
 
 def forget_configs() -> None:

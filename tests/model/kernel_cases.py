@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from types import SimpleNamespace
 
-from qasr.model import conv_kernels, fp8, gemv, kernels, kv_int8
+from qasr.model import conv_kernels, fp8, fp8_weights, gemv, kernels, kv_int8
 from qasr.model.modeling import FusedLayerOps, PlainLayerOps, RMSNorm, rotate_half
 from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
@@ -506,8 +506,8 @@ def test_decode_streams_small_products_through_gemv_and_larger_ones_through_cubl
     calls = []
     for name in ("partial_products", "linear", "linear_argmax", "gate_up_silu"):
         real = getattr(gemv, name)
-        monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name: calls.append((name, x.shape[0])) or
-                            real(x, *a))
+        monkeypatch.setattr(gemv, name, lambda x, *a, real=real, name=name, **k: calls.append((name, x.shape[0]))
+                            or real(x, *a, **k))
     reqs = [DecodeRequest(audio=speech(s, seed=40 + i), max_new_tokens=5) for i, s in enumerate([0.6, 1.4, 2.0])]
     expected = [r.token_ids for r in plain.transcribe(reqs)]
     assert [r.token_ids for r in fused.transcribe(reqs)] == expected
@@ -1029,3 +1029,70 @@ def test_attaching_fp8_weights_again_keeps_the_ones_captured_graphs_read(fp8_eng
     assert fp8.attach(model) == fp8_engine.runner.fp8_products
     after = [(l.self_attn.qkv_proj.weight_fp8, l.mlp.down_proj.weight_scale) for l in model.decoder.layers]
     assert all(a is b for pair in zip(before, after) for a, b in zip(*pair))
+
+
+# -- the decoder's weights rounded to FP8 (model/fp8_weights.py) ---------------------------------------------------
+
+
+def rounded_operands(rows: int, N: int, K: int):
+    """x [rows, K] and a weight [N, K] rounded to FP8, its rows' magnitudes decades apart (scales of their own)."""
+    x = torch.randn(rows, K)
+    return x, fp8_weights.round_weight(torch.randn(N, K) * torch.logspace(-3, 1, N)[:, None])
+
+
+@pytest.mark.parametrize("config", GEMV_CONFIGS + [None], ids=str)
+def test_a_gemv_over_fp8_weights_is_the_gemv_over_their_image_bit_for_bit(config):
+    """The scale is a power of two, so scaling the sums equals summing the scaled weights, rounding included."""
+    x, r = rounded_operands(5, 96, 64)
+    got = gemv.partial_products(x, r.values, config, scale=r.scales)
+    assert torch.equal(got, gemv.partial_products(x, r.image, config))
+    assert not torch.equal(got, gemv.partial_products(x, r.values.float(), config))  # the scales were applied
+    if config is None or config.split == 1:
+        logits, maxima = gemv.linear_argmax(x, r.values, config, scale=r.scales)
+        expected_logits, expected = gemv.linear_argmax(x, r.image, config)
+        assert torch.equal(logits, expected_logits) and torch.equal(logits, gemv.linear(x, r.values, config,
+                                                                                        scale=r.scales))
+        assert torch.equal(maxima.values, expected.values) and torch.equal(maxima.index, expected.index)
+
+
+def test_gate_up_silu_over_fp8_weights_scales_gate_and_up_rows_each():
+    x, r = rounded_operands(3, 64, 48)  # gate rows 0-31 and up rows 32-63 on scales of their own
+    got = gemv.gate_up_silu(x, r.values, gemv.GemvConfig(16, 16), scale=r.scales)
+    assert torch.equal(got, gemv.gate_up_silu(x, r.image, gemv.GemvConfig(16, 16)))
+
+
+def test_an_fp8_weight_comes_with_its_scales_and_only_it_takes_them():
+    x, r = rounded_operands(2, 32, 32)
+    with pytest.raises(ValueError, match="FP8 weight needs its scales"):
+        gemv.linear(x, r.values)
+    with pytest.raises(ValueError, match="FP8 weight needs its scales"):
+        gemv.linear(x, r.image, scale=r.scales)
+    with pytest.raises(ValueError, match="float32 scales"):
+        gemv.linear(x, r.values, scale=r.scales[:-1])
+
+
+@pytest.fixture(scope="module")
+def rounded_engines(tiny_model_dir):
+    """An engine with fp8_weights, and one without on the rounded model's plain weights (fp8_weights.rounded_copy)."""
+    opts = dict(num_slots=4, max_len=256, num_retained=2, fused_kernels=True)
+    engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(**opts, fp8_weights=True))
+    copy = Engine(fp8_weights.rounded_copy(engine.model), engine.tokenizer, EngineOptions(**opts))
+    return engine, copy
+
+
+def test_an_engine_with_fp8_weights_streams_their_bytes_and_decodes_the_rounded_models_tokens(rounded_engines,
+                                                                                             monkeypatch):
+    engine, copy = rounded_engines
+    assert engine.runner.fp8_weights == len(engine.model.decoder.layers) * len(fp8_weights.PRODUCTS) + 1
+    weights = []
+    for name in ("partial_products", "linear_argmax", "gate_up_silu"):
+        real = getattr(gemv, name)
+        monkeypatch.setattr(gemv, name, lambda x, w, *a, real=real, **k: weights.append(w.dtype) or real(x, w, *a, **k))
+    clips = [speech(s, seed=70 + i) for i, s in enumerate([0.6, 1.4, 0.9])]
+    reqs = [DecodeRequest(audio=c, max_new_tokens=b) for c, b in zip(clips, [4, 7, 5])]
+    got = [r.token_ids for r in engine.transcribe(reqs)]
+    assert weights and set(weights) == {fp8_weights.E4M3}  # every small product read FP8 bytes
+    weights.clear()
+    assert got == [r.token_ids for r in copy.transcribe(reqs)]
+    assert weights and fp8_weights.E4M3 not in weights
+    assert got[1] == engine.transcribe([reqs[1]])[0].token_ids  # a row alone decodes as in the batch
