@@ -14,12 +14,13 @@ the int8 KV cache's kernels (model/kv_int8.py: the writer against kv_int8.quanti
 kernels over the dequantized cache) and times its decode attention against the bf16 one, each call reading its own
 layer's cache from memory as a step does. `fp8` checks FP8 prefill's kernels (model/fp8.py: the RMSNorm and
 SiLU*mul that quantize for the products, bit for bit against fp8.quantize_rows of the bf16 kernels' output, and the
-products against bf16's) and times a layer's prefill products with their norms, bf16 against FP8. `fp8_weights`
-checks the decoder's weights rounded to FP8 (model/fp8_weights.py): each product's FP8 GEMV against the bf16 GEMV
-over its image (bit for bit, the same config), both timed streaming from memory, then the decode step on the
-rounded weights against the step on the model's own in alternating rounds, and how often a greedy token changes.
+products against bf16's) and times a layer's prefill products with their norms, bf16 against FP8. `fp8_lm_head`
+rounds each decode-step product's weight to FP8 as model/fp8_lm_head.py rounds the lm_head's: its FP8 GEMV against
+the bf16 GEMV over its image (bit for bit, the same config), both timed streaming from memory; then the decode step
+with the lm_head rounded against the step on the model's own in alternating rounds, and how often a greedy token
+changes.
 
-`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,decode_tiles,kv_int8,fp8,fp8_weights,steps]`
+`python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,decode_tiles,kv_int8,fp8,fp8_lm_head,steps]`
 on a CUDA
 machine;
 prints one JSON object per line, a section each, as each completes (so a time limit leaves the sections that
@@ -42,7 +43,7 @@ import torch.nn.functional as F
 
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.runner import ModelRunner, capture_graph, capture_stream
-from qasr.model import fp8, fp8_weights, gemv, kernels, kv_int8
+from qasr.model import fp8, fp8_lm_head, gemv, kernels, kv_int8
 from qasr.model.conv_kernels import conv1_gelu
 from qasr.model.gpu_timing import per_call_ms, replay_ms
 from qasr.model.modeling import RMSNorm, rotate_half
@@ -51,7 +52,7 @@ from qasr.model.testmodel import make_test_model
 from .cli import OFFLINE_MAX_LEN
 from .offline import kernels_per_step, profiled
 
-SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "kv_int8", "fp8", "fp8_weights", "steps")
+SECTIONS = ("pdl", "kernels", "gemv", "decode_tiles", "kv_int8", "fp8", "fp8_lm_head", "steps")
 KV_INT8_TILES = tuple(dict.fromkeys((kv_int8.DECODE_TILE, (128, 4, 2), (32, 4, 3), (32, 4, 2), (64, 4, 2), (256, 4, 1),
                                      (256, 8, 1), (128, 4, 1), (16, 4, 3))))
 KV_INT8_PREFILL_TILES = tuple(dict.fromkeys((kv_int8.PREFILL_TILE, (64, 4, 3), (64, 4, 2), (128, 4, 1), (128, 8, 1),
@@ -483,12 +484,12 @@ def fp8_weight_products(cfg, device, rows=(1, 16, 32)) -> dict:
     out = {}
     for name, (kind, N, K) in shapes.items():
         copies = max(1, min(16, -(-gemv.TUNE_WEIGHT_BYTES // (N * K))))  # FP8 bytes past L2 (bf16's twice that)
-        weights = [fp8_weights.round_weight((torch.randn(N, K, device=device) / K ** 0.5).to(bf))
+        weights = [fp8_lm_head.round_weight((torch.randn(N, K, device=device) / K ** 0.5).to(bf))
                    for _ in range(copies)]
         x = torch.randn(max(rows), K, device=device, dtype=bf)
         width = N // 2 if kind == "gate_up_silu" else N
         bf16_config = gemv.config_for(kind, width, K, x)
-        fp8_config = gemv.config_for(kind, width, K, x, fp8_weights.E4M3)
+        fp8_config = gemv.config_for(kind, width, K, x, fp8_lm_head.E4M3)
         w = weights[0]
         same = all(torch.equal(run[kind](x[:M], w.values, bf16_config, scale=w.scales),
                                run[kind](x[:M], w.image, bf16_config)) for M in rows)
@@ -506,15 +507,15 @@ def fp8_weight_products(cfg, device, rows=(1, 16, 32)) -> dict:
     return out
 
 
-def fp8_weight_steps(model, device, buckets=(1, 8, 16, 32, 64, 256), context: int = 200, rounds: int = 3) -> dict:
-    """The graphed decode step on the model's own weights and on them rounded to FP8 (two runners, each with its
+def fp8_lm_head_steps(model, device, buckets=(1, 8, 16, 32, 64, 256), context: int = 200, rounds: int = 3) -> dict:
+    """The graphed decode step on the model's own lm_head and on it rounded to FP8 (two runners, each with its
     cache, filled alike): ms a replay at each bucket over alternating rounds, and the share of the rows (all live at
     `context`, the same tokens) whose greedy token the rounding changed."""
     S = max(buckets)
     runners = {}
-    for label, rounded in (("bf16", False), ("fp8_weights", True)):
+    for label, rounded in (("bf16", False), ("fp8_lm_head", True)):
         runners[label] = ModelRunner(model, num_slots=S, max_len=OFFLINE_MAX_LEN, fused_kernels=True,
-                                     buckets=tuple(b for b in buckets if b < S), fp8_weights=rounded)
+                                     buckets=tuple(b for b in buckets if b < S), fp8_lm_head=rounded)
     tokens = torch.randint(0, model.cfg.text.vocab_size, (S,), device=device,
                            generator=torch.Generator(device=device).manual_seed(6))
     for runner in runners.values():
@@ -535,7 +536,7 @@ def fp8_weight_steps(model, device, buckets=(1, 8, 16, 32, 64, 256), context: in
             runner.graphs[B].replay()
             made[label] = runner.out[0, :B].clone()
             runner.positions.fill_(-1)
-        out["token_agreement"][B] = float((made["bf16"] == made["fp8_weights"]).float().mean())
+        out["token_agreement"][B] = float((made["bf16"] == made["fp8_lm_head"]).float().mean())
     out["kernels_per_step"] = {label: kernels_per_step(runner, 1, context) for label, runner in runners.items()}
     del runners
     return out
@@ -684,11 +685,11 @@ def main(argv=None) -> None:
         t = time.perf_counter()
         emit("fp8_prefill", fp8_cases(model, device))
         emit("fp8_s", time.perf_counter() - t)
-    if "fp8_weights" in sections:
+    if "fp8_lm_head" in sections:
         t = time.perf_counter()
         emit("fp8_weight_products", fp8_weight_products(model.cfg.text, device))
-        emit("fp8_weight_steps", fp8_weight_steps(model, device))
-        emit("fp8_weights_s", time.perf_counter() - t)
+        emit("fp8_lm_head_steps", fp8_lm_head_steps(model, device))
+        emit("fp8_lm_head_s", time.perf_counter() - t)
     if "steps" not in sections:
         return
     for name, fused, rows in (("fused_gemv", True, gemv.max_rows()), ("fused_cublas", True, 0), ("pytorch", False, 0)):

@@ -25,7 +25,7 @@ from qasr.engine.gc_pauses import GcPauses, freeze_loaded_heap, thaw
 from qasr.engine.engine import Engine, EngineOptions
 from qasr.engine.options import NUMBER_FORMATS, OFFLINE_DECODE_RUN_AHEAD, OFFLINE_DECODE_STEPS_AHEAD, number_formats
 from qasr.engine.request import DecodeRequest
-from qasr.model import fp8_weights, gemv
+from qasr.model import fp8_lm_head, gemv
 
 from .synthetic import speech_like
 
@@ -335,8 +335,8 @@ def correctness(engine: Engine, args) -> dict:
     res["batch_independence_exact_match"] = f"{same}/{n}"
     res["batch_independence_token_agreement"] = tok_same / max(1, tok_total)
     # agreement with the eager batch-1 path: a fresh engine on the same model in plain PyTorch (no graphs, no fused
-    # kernels), the reference the fast path must reproduce; with fp8_weights, on the rounded model's plain weights
-    reference = fp8_weights.rounded_copy(engine.model) if engine.options.fp8_weights else engine.model
+    # kernels), the reference the fast path must reproduce; with fp8_lm_head, on the rounded model's plain weights
+    reference = fp8_lm_head.rounded_copy(engine.model) if engine.options.fp8_lm_head else engine.model
     eager = Engine(reference, engine.tokenizer, EngineOptions(num_slots=1, max_len=engine.options.max_len,
                                                                num_retained=0, ignore_eos=True, repetition_window=0,
                                                                cuda_graphs=False, fused_kernels=False,

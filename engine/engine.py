@@ -114,7 +114,7 @@ class Engine:
             kv_int8=options.kv_int8,
             fp8_prefill=options.fp8_prefill,
             fp8_encoder=options.fp8_encoder,
-            fp8_weights=options.fp8_weights,
+            fp8_lm_head=options.fp8_lm_head,
         )
         self.scheduler = Scheduler(options.num_slots)
         self.aligner = (AlignerRunner(aligner, max_batch=options.aligner_max_batch, min_batch=options.aligner_min_batch,

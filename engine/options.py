@@ -67,10 +67,9 @@ class EngineOptions:
     # Hopper). Tokens are not bit for bit bf16's: docs/benchmarks.md has the speed and the agreement measured
     fp8_encoder: bool = False  # the audio encoder's q/k/v, fc1 and fc2 products in FP8 the same way, their inputs
     # quantized by its LayerNorms and GELU (fp8.attach_encoder); the same needs and caveat as fp8_prefill
-    fp8_weights: bool = False  # the decoder's products and lm_head on weights rounded to FP8 (model/fp8_weights.py):
-    # the decode step's small products stream half the bytes (batch-1 latency), every other product multiplies the
-    # same rounded numbers in bf16. Needs the fused kernels; not with fp8_prefill (that quantizes the unrounded
-    # weights). Tokens are not bit for bit bf16's: docs/benchmarks.md has the speed and the agreement measured
+    fp8_lm_head: bool = False  # the lm_head's weight rounded to FP8 (model/fp8_lm_head.py): a small decode step's
+    # lm_head streams half its bytes (batch-1 latency), the larger ones multiply the same rounded numbers in bf16.
+    # Needs the fused kernels. Tokens are not bit for bit bf16's: docs/benchmarks.md has the speed and the agreement
     stream_priorities: bool = True  # decode steps and admissions on a high-priority CUDA stream, the aligner's forward
     # on the lowest (qasr.engine.streams), so that finals without words keep their pace; False: decoding on the
     # thread's default stream, as before (benchmarks compare)
@@ -79,9 +78,6 @@ class EngineOptions:
         for name, least in MINIMUMS.items():
             if getattr(self, name) < least:
                 raise ValueError(f"invalid engine options: {name} must be >= {least}, got {getattr(self, name):g}")
-        if self.fp8_weights and self.fp8_prefill:
-            raise ValueError("invalid engine options: fp8_weights and fp8_prefill do not combine (FP8 prefill "
-                             "quantizes the decoder's own weights, not the rounded ones); choose one")
 
 
 # the opt-in number formats (EngineOptions fields, all off by default) and what each command line's flag says of them
@@ -91,8 +87,8 @@ NUMBER_FORMATS = {
     "fp8_prefill": "run every prefill's qkv, gate_up and down products in FP8 (GPUs with FP8 tensor cores: Ada, "
                    "Hopper); decode steps stay bf16",
     "fp8_encoder": "run the audio encoder's q/k/v, fc1 and fc2 products in FP8 the same way",
-    "fp8_weights": "round the decoder's weights to FP8: small decode steps stream half the bytes (lower latency a "
-                   "request); not with --fp8-prefill",
+    "fp8_lm_head": "round the lm_head's weight to FP8: small decode steps stream half its bytes (a request's "
+                   "latency)",
 }
 
 

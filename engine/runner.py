@@ -20,7 +20,7 @@ import torch
 
 from qasr.model import audio as qaudio
 from qasr.model import conv_kernels, fp8, kernels
-from qasr.model.fp8_weights import attach as round_weights_to_fp8
+from qasr.model.fp8_lm_head import attach as round_lm_head
 from qasr.model.modeling import (FusedLayerOps, PlainLayerOps, Qwen3ASR, host_to_device, prefill_keys, ranges,
                                  window_lengths)
 from qasr.model.prompt import Prompt
@@ -269,7 +269,7 @@ class ModelRunner:
         kv_int8: bool = False,
         fp8_prefill: bool = False,
         fp8_encoder: bool = False,
-        fp8_weights: bool = False,
+        fp8_lm_head: bool = False,
     ):
         self.model = model
         self.device = model.device
@@ -315,18 +315,19 @@ class ModelRunner:
         # the decoder's layer ops, chosen once: every decode step (and so every graph) runs on them, and every prefill
         # on prefill_ops, the same but for FP8 products where asked (model/fp8.py: its quantizing norms are kernels)
         for asked, products in ((fp8_prefill, "FP8 prefill products"), (fp8_encoder, "FP8 encoder products"),
-                                (fp8_weights, "FP8 decoder weights")):
+                                (fp8_lm_head, "FP8 lm_head weights")):
             if asked and not self.fused_kernels:
                 raise ValueError(f"{products} need the fused kernels (Triton and a CUDA device)")
-        if fp8_weights and fp8_prefill:
-            raise ValueError("FP8 decoder weights and FP8 prefill products do not combine: choose one")
         self.fp8_products = fp8.attach(model) if fp8_prefill else 0
         self.fp8_encoder_products = fp8.attach_encoder(model) if fp8_encoder else 0
         self.fp8_encoder = fp8_encoder  # every encoder run takes them
-        self.fp8_weights = round_weights_to_fp8(model) if fp8_weights else 0  # the weights rounded
+        if fp8_lm_head:
+            round_lm_head(model)
         rope = model.decoder.rope_table(self.cache.length) if self.fused_kernels else None
-        self.layer_ops = FusedLayerOps(rope, fp8_weights=fp8_weights) if self.fused_kernels else PlainLayerOps()
-        self.prefill_ops = FusedLayerOps(rope, fp8_products=True) if fp8_prefill else self.layer_ops
+        self.fp8_lm_head = fp8_lm_head
+        self.layer_ops = FusedLayerOps(rope, fp8_lm_head=fp8_lm_head) if self.fused_kernels else PlainLayerOps()
+        self.prefill_ops = (FusedLayerOps(rope, fp8_products=True, fp8_lm_head=fp8_lm_head) if fp8_prefill
+                            else self.layer_ops)
         use_graphs = self.device.type == "cuda" if cuda_graphs is None else cuda_graphs
         self.prefill_buckets: dict[tuple[int, int], PrefillBucket] = {}
         self.prefill_lengths = prefill_length_buckets(max_len)  # the graphed prefill's padded lengths

@@ -179,7 +179,7 @@ class Transcriber:
                         max_batch: int = 32, max_piece_seconds: float = qaudio.DEFAULT_MAX_SECONDS,
                         max_new_tokens: int | None = None, options=None, aligner: str | None = None,
                         kv_int8: bool = False, fp8_prefill: bool = False, fp8_encoder: bool = False,
-                        fp8_weights: bool = False) -> "Transcriber":
+                        fp8_lm_head: bool = False) -> "Transcriber":
         """Load `model` (a checkpoint directory or a Hugging Face id).
 
         device/dtype: "auto" = the GPU in bf16 when there is one, else the CPU in fp32.
@@ -187,7 +187,7 @@ class Transcriber:
         max_piece_seconds, max_new_tokens: see __init__.
         options: a full `EngineOptions` instead of the defaults derived from max_batch (max_batch is then ignored).
         aligner: a Qwen3-ForcedAligner checkpoint (directory or Hugging Face id) for `transcribe(words=True)`.
-        kv_int8, fp8_prefill, fp8_encoder, fp8_weights: EngineOptions' (set on `options` too when given).
+        kv_int8, fp8_prefill, fp8_encoder, fp8_lm_head: EngineOptions' (set on `options` too when given).
         Raises CheckpointError (a ValueError) when the model cannot be found or does not load.
         """
         if options is None:
@@ -201,7 +201,7 @@ class Transcriber:
         if aligner is not None:
             options = dataclasses.replace(options, aligner=str(aligner))
         asked = {"kv_int8": kv_int8, "fp8_prefill": fp8_prefill, "fp8_encoder": fp8_encoder,
-                 "fp8_weights": fp8_weights}
+                 "fp8_lm_head": fp8_lm_head}
         options = dataclasses.replace(options, **{field: True for field, on in asked.items() if on})
         engine = Engine.from_pretrained(str(model), device=device, dtype=dtype, options=options)
         return cls(engine, max_piece_seconds=max_piece_seconds, max_new_tokens=max_new_tokens)

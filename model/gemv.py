@@ -10,7 +10,7 @@ Split-K partial sums are not reduced here (that would be one more launch): `part
 [S, M, N] and the kernel that consumes the product (add+RMSNorm, q/k-norm+RoPE in kernels.py) sums them in a fixed
 order and rounds to the activation dtype, as nn.Linear's output would be rounded.
 
-FP8 weights (model/fp8_weights.py): a weight may be e4m3 with a float32 power-of-two scale per output column. The
+FP8 weights (model/fp8_lm_head.py): a weight may be e4m3 with a float32 power-of-two scale per output column. The
 kernels widen its bytes to the activations' dtype on the way to the MMA and scale each column's sums at the end. A
 power-of-two scale commutes with every rounding, so the result is that of the same kernel over the bf16 weight
 `values * scale` bit for bit, in half the weight bytes.
@@ -172,7 +172,7 @@ if triton is not None:
         tl.store(OUT + rows[None, :] * I + cols[:, None], out, mask=cmask[:, None] & rmask[None, :])
 
 
-E4M3 = torch.float8_e4m3fn  # an FP8 weight's dtype (model/fp8_weights.py)
+E4M3 = torch.float8_e4m3fn  # an FP8 weight's dtype (model/fp8_lm_head.py)
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:

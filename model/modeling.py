@@ -590,20 +590,21 @@ class FusedLayerOps:
     """
 
     def __init__(self, rope_table: tuple[torch.Tensor, torch.Tensor], gemv_rows: int | None = None,
-                 fp8_products: bool = False, fp8_weights: bool = False):
+                 fp8_products: bool = False, fp8_lm_head: bool = False):
         self.cos, self.sin = rope_table
         self.gemv_rows = gemv.max_rows() if gemv_rows is None else gemv_rows
         self.fp8_products = fp8_products  # the products fp8.attach prepared multiply in FP8, their RMSNorm or
         # SiLU*mul quantizing for them (the runner's prefill ops, with EngineOptions.fp8_prefill)
-        self.fp8_weights = fp8_weights  # every product on the weights fp8_weights.attach rounded: gemv.py reads
-        # their FP8 bytes, cuBLAS their exact image (EngineOptions.fp8_weights)
+        self.fp8_lm_head = fp8_lm_head  # the lm_head on the weight fp8_lm_head.attach rounded: gemv.py reads its
+        # FP8 bytes, cuBLAS its exact image (EngineOptions.fp8_lm_head)
 
     def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.shape[0] <= self.gemv_rows and gemv.supports(x, weight)
 
     def _weights(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(the weight gemv.py streams, its FP8 scales or None, the weight cuBLAS multiplies) of a product."""
-        rounded = linear.rounded if self.fp8_weights else None
+        """(the weight gemv.py streams, its FP8 scales or None, the weight cuBLAS multiplies) of a product (only a
+        rounded one, the lm_head with fp8_lm_head, has FP8 bytes)."""
+        rounded = getattr(linear, "rounded", None) if self.fp8_lm_head else None
         return (rounded.values, rounded.scales, rounded.image) if rounded else (linear.weight, None, linear.weight)
 
     def _product(self, linear: nn.Linear, x: torch.Tensor, gemv_product):

@@ -259,7 +259,6 @@ def check_engine_flags(args: argparse.Namespace) -> None:
         value, least = getattr(args, flag[2:].replace("-", "_")), MINIMUMS[option]
         if value is not None and value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value:g}")
-    EngineOptions(**number_formats(args))  # number formats that do not combine (--fp8-weights, --fp8-prefill)
 
 
 def engine_factory(args: argparse.Namespace, **serving):

@@ -282,7 +282,7 @@ def test_cli_kv_int8_transcribes_from_an_int8_cache(tiny_model_dir, audio_files,
 
 
 @pytest.mark.parametrize("flag, products", [("--fp8-prefill", "FP8 prefill"), ("--fp8-encoder", "FP8 encoder"),
-                                            ("--fp8-weights", "FP8 decoder weights")])
+                                            ("--fp8-lm-head", "FP8 lm_head weights")])
 def test_cli_fp8_where_it_cannot_run_is_one_line(tiny_model_dir, audio_files, capsys, flag, products):
     # the CPU: no fused kernels here, and FP8 products need them
     assert cli(str(audio_files["a.wav"]), "--model", str(tiny_model_dir), "--device", "cpu", flag) == 1

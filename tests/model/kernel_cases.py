@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from types import SimpleNamespace
 
-from qasr.model import conv_kernels, fp8, fp8_weights, gemv, kernels, kv_int8
+from qasr.model import conv_kernels, fp8, fp8_lm_head, gemv, kernels, kv_int8
 from qasr.model.modeling import FusedLayerOps, PlainLayerOps, RMSNorm, rotate_half
 from qasr.engine import runner as runner_module
 from qasr.engine.engine import Engine, EngineOptions
@@ -1031,13 +1031,13 @@ def test_attaching_fp8_weights_again_keeps_the_ones_captured_graphs_read(fp8_eng
     assert all(a is b for pair in zip(before, after) for a, b in zip(*pair))
 
 
-# -- the decoder's weights rounded to FP8 (model/fp8_weights.py) ---------------------------------------------------
+# -- FP8 weights in the GEMVs; the lm_head rounded to FP8 (model/fp8_lm_head.py) ------------------------------------
 
 
 def rounded_operands(rows: int, N: int, K: int):
     """x [rows, K] and a weight [N, K] rounded to FP8, its rows' magnitudes decades apart (scales of their own)."""
     x = torch.randn(rows, K)
-    return x, fp8_weights.round_weight(torch.randn(N, K) * torch.logspace(-3, 1, N)[:, None])
+    return x, fp8_lm_head.round_weight(torch.randn(N, K) * torch.logspace(-3, 1, N)[:, None])
 
 
 @pytest.mark.parametrize("config", GEMV_CONFIGS + [None], ids=str)
@@ -1073,26 +1073,28 @@ def test_an_fp8_weight_comes_with_its_scales_and_only_it_takes_them():
 
 @pytest.fixture(scope="module")
 def rounded_engines(tiny_model_dir):
-    """An engine with fp8_weights, and one without on the rounded model's plain weights (fp8_weights.rounded_copy)."""
+    """An engine with fp8_lm_head, and one without on the rounded model's plain weights (fp8_lm_head.rounded_copy)."""
     opts = dict(num_slots=4, max_len=256, num_retained=2, fused_kernels=True)
-    engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(**opts, fp8_weights=True))
-    copy = Engine(fp8_weights.rounded_copy(engine.model), engine.tokenizer, EngineOptions(**opts))
+    engine = Engine.from_pretrained(str(tiny_model_dir), device="cpu", options=EngineOptions(**opts, fp8_lm_head=True))
+    copy = Engine(fp8_lm_head.rounded_copy(engine.model), engine.tokenizer, EngineOptions(**opts))
     return engine, copy
 
 
-def test_an_engine_with_fp8_weights_streams_their_bytes_and_decodes_the_rounded_models_tokens(rounded_engines,
-                                                                                             monkeypatch):
+def test_an_engine_with_an_fp8_lm_head_streams_its_bytes_and_decodes_the_rounded_models_tokens(rounded_engines,
+                                                                                              monkeypatch):
     engine, copy = rounded_engines
-    assert engine.runner.fp8_weights == len(engine.model.decoder.layers) * len(fp8_weights.PRODUCTS) + 1
-    weights = []
+    weights = {}
     for name in ("partial_products", "linear_argmax", "gate_up_silu"):
         real = getattr(gemv, name)
-        monkeypatch.setattr(gemv, name, lambda x, w, *a, real=real, **k: weights.append(w.dtype) or real(x, w, *a, **k))
+        monkeypatch.setattr(gemv, name, lambda x, w, *a, real=real, name=name, **k:
+                            weights.setdefault(name, set()).add(w.dtype) or real(x, w, *a, **k))
     clips = [speech(s, seed=70 + i) for i, s in enumerate([0.6, 1.4, 0.9])]
     reqs = [DecodeRequest(audio=c, max_new_tokens=b) for c, b in zip(clips, [4, 7, 5])]
     got = [r.token_ids for r in engine.transcribe(reqs)]
-    assert weights and set(weights) == {fp8_weights.E4M3}  # every small product read FP8 bytes
+    # the lm_head read FP8 bytes, the layers' products their bf16 (here float32) weights
+    assert weights["linear_argmax"] == {fp8_lm_head.E4M3}
+    assert fp8_lm_head.E4M3 not in weights["partial_products"] | weights["gate_up_silu"]
     weights.clear()
     assert got == [r.token_ids for r in copy.transcribe(reqs)]
-    assert weights and fp8_weights.E4M3 not in weights
+    assert fp8_lm_head.E4M3 not in set().union(*weights.values())
     assert got[1] == engine.transcribe([reqs[1]])[0].token_ids  # a row alone decodes as in the batch

@@ -55,15 +55,8 @@ def test_prefill_products_are_fp8_only_when_asked():
     assert engine_options("--fp8-prefill").fp8_prefill is True
     assert engine_options().fp8_encoder is False
     assert engine_options("--fp8-encoder").fp8_encoder is True
-    assert engine_options().fp8_weights is False
-    assert engine_options("--fp8-weights").fp8_weights is True
-
-
-def test_fp8_weights_beside_fp8_prefill_is_a_usage_error(capsys):
-    with pytest.raises(SystemExit) as caught:
-        cli.main(["--model", "m", "--fp8-weights", "--fp8-prefill"])
-    assert caught.value.code == 2
-    assert "fp8_weights and fp8_prefill do not combine" in capsys.readouterr().err
+    assert engine_options().fp8_lm_head is False
+    assert engine_options("--fp8-lm-head", "--fp8-prefill").fp8_lm_head is True
 
 
 @pytest.mark.parametrize("argv", [
