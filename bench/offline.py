@@ -306,7 +306,11 @@ def step_floors(engine: Engine, args, bandwidth: float) -> dict[int, float]:
     c = dec.cfg
     vector = c.head_dim + 4 if engine.options.kv_int8 else c.head_dim * elem  # int8 values and a float32 scale
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * vector
-    return {B: (weights + B * args.context * kv_per_token) / bandwidth * 1e3 for B in engine.runner.buckets}
+    # with fp8_lm_head the small steps' lm_head streams one byte a weight (and a float32 scale a row)
+    fp8_rows = getattr(engine.runner.layer_ops, "gemv_rows", 0) if engine.options.fp8_lm_head else 0
+    saved = dec.lm_head.weight.numel() * (elem - 1) - dec.lm_head.weight.shape[0] * 4
+    return {B: (weights - (saved if B <= fp8_rows else 0) + B * args.context * kv_per_token) / bandwidth * 1e3
+            for B in engine.runner.buckets}
 
 
 def correctness(engine: Engine, args) -> dict:

@@ -95,3 +95,25 @@ def test_the_offline_bench_freezes_the_loaded_heap_unless_told_not_to():
 
     assert offline_parser().parse_args([]).freeze_heap is True
     assert offline_parser().parse_args(["--no-freeze-heap"]).freeze_heap is False
+
+
+def test_the_step_floor_counts_an_fp8_lm_heads_bytes_only_where_the_gemv_streams_them():
+    import torch
+    from torch import nn
+
+    from qasr.bench.offline import step_floors
+
+    lm_head = nn.Linear(8, 100, bias=False, dtype=torch.bfloat16)  # 1,600 bytes in bf16, 800 + 400 of scales in FP8
+    decoder = SimpleNamespace(lm_head=lm_head, embed_tokens=nn.Embedding(100, 8),
+                              named_parameters=lambda: [("lm_head.weight", lm_head.weight)],
+                              cfg=SimpleNamespace(head_dim=4, num_hidden_layers=1, num_key_value_heads=1))
+    runner = SimpleNamespace(buckets=(1, 64), layer_ops=SimpleNamespace(gemv_rows=32))
+    args = SimpleNamespace(context=0)
+
+    def floors(fp8_lm_head: bool) -> dict:
+        engine = SimpleNamespace(model=SimpleNamespace(decoder=decoder), runner=runner,
+                                 options=SimpleNamespace(kv_int8=False, fp8_lm_head=fp8_lm_head))
+        return step_floors(engine, args, bandwidth=1e3)  # bytes per ms: the floor in ms is bytes / 1e3 * 1e3
+
+    assert floors(False) == {1: 1600.0, 64: 1600.0}
+    assert floors(True) == {1: 1200.0, 64: 1600.0}  # 64 rows multiply the bf16 image on cuBLAS
