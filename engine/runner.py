@@ -38,6 +38,11 @@ ENCODER_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 # Its positions past n are never read by its real ones: their keys are masked, and positions are added per chunk
 # before the encoder (the encoder is block-diagonal per window, per-position elsewhere)
 ENCODER_LENGTH_BUCKETS = (32, 56, 104)  # multiples of 8 (aligned attention masks); 13 k + 1 -> 32 or 56
+# a call of at most this many windows runs them all in one run, at the longest length bucket any of them needs: at so
+# few positions a run of the encoder's 18 (24) layers costs its launches' fixed time whatever its length, so one run
+# per length bucket only adds a chain of them (a 10.9 s clip's windows of 104 and 39 positions: two runs of ~0.9 ms
+# of GPU time each at batch 1, H200 profile, session 37)
+ENCODER_MERGED_WINDOWS = 4
 # chunks (100 mel frames) per graphed run of the encoder's conv front end; more replay the largest graph several times.
 # Eagerly every new chunk count is a new shape to cuDNN, whose plan search held the engine thread 18% of its samples
 # in a (perturbed) native py-spy run at 1,000 streams (session 10: get_configs_from_heuristics under conv2d)
@@ -121,11 +126,14 @@ def prefill_batch_buckets() -> tuple[int, ...]:
     return buckets
 
 
-def encoder_replays(sizes: list[int], length_buckets: tuple[int, ...], window_buckets: tuple[int, ...] | None
-                    ) -> list[tuple[int, list[int], int]]:
+def encoder_replays(sizes: list[int], length_buckets: tuple[int, ...], window_buckets: tuple[int, ...] | None,
+                    merged_windows: int = 0) -> list[tuple[int, list[int], int]]:
     """How an encoder call over windows of these real positions runs: grouped by length bucket, each group in
     pieces of at most the largest window bucket -> per run (its length, its windows' indices, the windows it runs:
-    a window bucket, or without window_buckets (eagerly) the windows themselves)."""
+    a window bucket, or without window_buckets (eagerly) the windows themselves). A call of at most
+    `merged_windows` windows is one group, at the longest length bucket any of them needs."""
+    if 0 < len(sizes) <= merged_windows:
+        length_buckets = (bucket_of(max(sizes), length_buckets),)
     runs = []
     for length in length_buckets:
         group = [w for w, n in enumerate(sizes) if bucket_of(n, length_buckets) == length]
@@ -671,10 +679,12 @@ class ModelRunner:
                        ) -> torch.Tensor:
         """The encoder's transformer over packed windows [W, window_tokens, D] of lengths [W] real positions
         -> [W, window_tokens, out]: window w's output is its first sizes[w] positions (past them: its padding's up to
-        its length bucket, zeros after).
+        the length it ran at, zeros after).
 
         sizes: the host's copy of `lengths` (reading the device's would wait for it). With it, each window runs at its
-        length bucket (self.encoder_lengths), the windows of a bucket together; without it, every window runs whole.
+        length bucket (self.encoder_lengths), the windows of a bucket together (a call of at most
+        ENCODER_MERGED_WINDOWS windows: all together, at the longest bucket any needs); without it, every window runs
+        whole.
         A window's output does not depend on its padding: its real positions never read the others.
         On CUDA each run replays a captured graph per (length, windows) bucket: eagerly, the encoder's ~200 small
         launches per call cost more CPU time than its GPU work at a few windows.
@@ -682,7 +692,7 @@ class ModelRunner:
         W, T = windows.shape[:2]
         graphs = ENCODER_BUCKETS if self.encoder_graphs else None
         runs = encoder_replays([T] * W if sizes is None else sizes,
-                               self.encoder_lengths if sizes is not None else (T,), graphs)
+                               self.encoder_lengths if sizes is not None else (T,), graphs, ENCODER_MERGED_WINDOWS)
         if graphs is None and len(runs) == 1 and runs[0][0] == T:  # every window whole, in order: as it is
             self.encoder_positions_run += W * T
             return self.model.encoder.encode_windows(windows, lengths, self.fp8_encoder)

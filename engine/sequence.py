@@ -34,7 +34,8 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     finish_reason: str = ""
     t_submit: float = field(default_factory=time.perf_counter)
-    t_decode: float = 0.0  # when its first token was made (end of prefill)
+    t_decode: float = 0.0  # when its row was put into decode (end of prefill; with nothing else decoding on CUDA,
+    # its prefill may still be running then: the decode stream waits for it on the device)
     first_launch: int | None = None  # the first decode launch its row is in (None: not started); outputs of
     # launches before it (queued ahead, while the slot was another row's or idle) are not its own
     timings: dict[str, float] = field(default_factory=dict)

@@ -104,6 +104,23 @@ def test_encoder_windows_are_grouped_by_length_bucket_and_each_group_padded_to_a
     assert bucket_of(57, lengths) == 104 and bucket_of(56, lengths) == 56
 
 
+def test_a_call_of_at_most_the_merged_windows_is_one_run_at_the_longest_bucket_any_needs():
+    lengths, windows = (32, 56, 104), (1, 2, 3, 4, 6, 8)
+    assert encoder_replays([104, 39], lengths, windows, merged_windows=4) == [(104, [0, 1], 2)]  # a 10.9 s clip
+    assert encoder_replays([104, 39], lengths, None, merged_windows=4) == [(104, [0, 1], 2)]
+    assert encoder_replays([104, 39], lengths, windows) == [(56, [1], 1), (104, [0], 1)]  # no merging: two runs
+    assert encoder_replays([14, 40, 27], lengths, windows, merged_windows=4) == [(56, [0, 1, 2], 3)]
+    assert encoder_replays([5, 30, 33, 10], lengths, windows, merged_windows=4) == [(56, [0, 1, 2, 3], 4)]
+    assert encoder_replays([7], lengths, windows, merged_windows=4) == [(32, [0], 1)]
+    # more windows than that: grouped by length bucket, as without merging
+    assert encoder_replays([5, 30, 33, 10, 1], lengths, windows, merged_windows=4) == [
+        (32, [0, 1, 3, 4], 4), (56, [2], 1)]
+    assert encoder_replays([14, 40, 27], lengths, windows, merged_windows=2) == [(32, [0, 2], 2), (56, [1], 1)]
+    sizes = [14, 104, 27, 40, 53, 104, 79, 13, 32, 33]
+    assert encoder_replays(sizes, lengths, windows, merged_windows=4) == encoder_replays(sizes, lengths, windows)
+    assert encoder_replays([], lengths, windows, merged_windows=4) == []
+
+
 def test_the_runners_encoder_lengths_end_with_its_window(runner):
     assert runner.encoder_lengths == runner_module.ENCODER_LENGTH_BUCKETS == (32, 56, runner.window_tokens)
 
@@ -157,7 +174,48 @@ def test_each_clips_encoder_output_is_one_view_of_its_windows_in_order(runner):
 
 
 @torch.inference_mode()
-def test_graphed_encoder_runs_each_length_group_through_its_graphs(runner, monkeypatch):
+def test_a_call_of_few_windows_runs_once_and_gives_each_window_its_own_outputs(runner, monkeypatch):
+    """Clips of at most ENCODER_MERGED_WINDOWS windows in all run in one run at the longest length bucket any of
+    them needs (a 10.9 s clip's windows of 104 and 39 positions: one run, not two); each clip's outputs are those of
+    one run per length bucket and of every window run whole, up to the rounding of other shapes."""
+    encoder = runner.model.encoder
+    T, D = runner.window_tokens, encoder.cfg.d_model
+    plain_encode_windows = type(encoder).encode_windows
+    runs = []  # (windows, length) of each of the encoder's runs
+
+    def counted(self, windows, lengths, *args, **kwargs):
+        runs.append(tuple(windows.shape[:2]))
+        return plain_encode_windows(self, windows, lengths, *args, **kwargs)
+
+    monkeypatch.setattr(type(encoder), "encode_windows", counted)
+    assert runner_module.ENCODER_MERGED_WINDOWS == 4
+    cases = [  # clips' conv tokens -> the runs merged, and one per length bucket
+        ((T + 39,), [(2, T)], [(1, 56), (1, T)]),
+        ((14, 40, 27), [(3, 56)], [(2, 32), (1, 56)]),
+        ((5, T + 20), [(3, T)], [(2, 32), (1, T)]),
+        ((14, 40, 27, T + 9), [(3, 32), (1, 56), (1, T)], [(3, 32), (1, 56), (1, T)]),  # 5 windows: not merged
+    ]
+    torch.manual_seed(3)
+    for sizes, merged_runs, bucket_runs in cases:
+        clips = [torch.randn(n, D) for n in sizes]
+        windows, lengths, owners = encoder.pack_windows(clips)
+        whole = encoder.unpack_windows(plain_encode_windows(encoder, windows, lengths), lengths, owners, len(clips))
+        got = {}
+        for merged in (4, 0):
+            monkeypatch.setattr(runner_module, "ENCODER_MERGED_WINDOWS", merged)
+            runs.clear()
+            before = runner.encoder_positions_run
+            got[merged] = runner.encode(clips)
+            assert runs == (merged_runs if merged else bucket_runs), (sizes, merged)
+            assert runner.encoder_positions_run - before == sum(w * n for w, n in runs)
+        for one_run, per_bucket, reference in zip(got[4], got[0], whole):
+            torch.testing.assert_close(one_run, per_bucket, rtol=0, atol=1e-5)
+            torch.testing.assert_close(one_run, reference, rtol=0, atol=1e-5)
+
+
+def stand_in_encoder_graphs(runner, monkeypatch) -> list[tuple[int, int]]:
+    """The runner's encoder graphs (of 1, 2 and 4 windows at each length) replaced by stand-ins that run what
+    capture would have recorded, the encoder on the static buffers' first W windows -> their replays, as they come."""
     encoder = runner.model.encoder
     cfg = encoder.cfg
     monkeypatch.setattr(runner_module, "ENCODER_BUCKETS", (1, 2, 4))
@@ -178,6 +236,13 @@ def test_graphed_encoder_runs_each_length_group_through_its_graphs(runner, monke
 
     graphs = {(n, W): StandInGraph(n, W) for n in runner.encoder_lengths for W in (1, 2, 4)}
     monkeypatch.setattr(runner, "encoder_graphs", {key: (g, g.out) for key, g in graphs.items()})
+    return replays
+
+
+@torch.inference_mode()
+def test_graphed_encoder_runs_each_length_group_through_its_graphs(runner, monkeypatch):
+    encoder = runner.model.encoder
+    replays = stand_in_encoder_graphs(runner, monkeypatch)
     sizes = [104] * 6 + [9, 40, 20]
     windows, lengths = random_windows(runner, sizes, seed=1)
     got = runner.encode_windows(windows, lengths, sizes)
@@ -188,6 +253,22 @@ def test_graphed_encoder_runs_each_length_group_through_its_graphs(runner, monke
     for w, n in enumerate(sizes):
         torch.testing.assert_close(got[w, :n], expected[w, :n], rtol=0, atol=1e-5)
     assert runner._enc_lengths[104][:2].tolist() == [104, 104] and runner._enc_lengths[56][1:].tolist() == [1, 1, 1]
+
+
+@torch.inference_mode()
+def test_graphed_encoder_runs_a_call_of_few_windows_in_one_replay(runner, monkeypatch):
+    """A 10.9 s clip's windows (104 and 39 positions) and three short ones: one replay each, at the longest length
+    bucket the call needs, each window's real outputs those of its whole window whatever its padding holds."""
+    encoder = runner.model.encoder
+    replays = stand_in_encoder_graphs(runner, monkeypatch)
+    for sizes, expected_replays in (([104, 39], [(104, 2)]), ([14, 40, 27], [(56, 4)])):
+        replays.clear()
+        windows, lengths = random_windows(runner, sizes, seed=2)
+        got = runner.encode_windows(windows, lengths, sizes)
+        expected = encoder.encode_windows(windows, lengths)
+        assert replays == expected_replays
+        for w, n in enumerate(sizes):
+            torch.testing.assert_close(got[w, :n], expected[w, :n], rtol=0, atol=1e-5)
 
 
 @torch.inference_mode()

@@ -97,12 +97,15 @@ def test_a_clip_without_state_is_computed_whole(engine):
 
 
 def test_the_encoder_counts_its_real_positions_and_those_it_computed(engine, monkeypatch):
-    audio = speech_like(17.0, seed=3)  # windows of 8, 8 and 1 s: the last one runs at its length bucket
+    audio = speech_like(17.0, seed=3)  # windows of 8, 8 and 1 s: three, so one run at the whole window's length
     _, _, work = embed(engine, audio, None)
     runner, T, D = engine.runner, engine.runner.window_tokens, engine.model.encoder.cfg.d_model
     real = qaudio.num_audio_tokens(qaudio.num_frames(audio.size))
     last = real - 2 * T
     assert work["encoder_tokens"] == real and last < runner.encoder_lengths[0] < T
+    assert work["encoder_computed_tokens"] == 3 * T
+    monkeypatch.setattr(runner_module, "ENCODER_MERGED_WINDOWS", 2)  # a call of three: the last at its length bucket
+    _, _, work = embed(engine, audio, None)
     assert work["encoder_computed_tokens"] == 2 * T + runner.encoder_lengths[0]
     # without graphs (the CPU) the conv runs the clip's chunks as they are: 17 s, 1,700 frames, 17 chunks
     assert work["conv_computed_chunks"] == work["conv_chunks"] == -(-qaudio.num_frames(audio.size) // qaudio.CHUNK_FRAMES)
@@ -122,7 +125,8 @@ def test_the_encoder_counts_its_real_positions_and_those_it_computed(engine, mon
         before = runner.encoder_positions_run
         runner.encode_windows(torch.zeros(len(sizes), T, D), torch.tensor(sizes), sizes)
         computed.append(runner.encoder_positions_run - before)
-    # 5 and 7 whole windows: replays of 4 and 1, of 4 and 4; the mixed call: three short ones in the 4-window graph
+    # 5 and 7 whole windows: replays of 4 and 1, of 4 and 4; the mixed call (past the merge's limit, 2 here): three
+    # short ones in the 4-window graph
     assert computed == [T, 4 * T, 5 * T, 8 * T, 4 * short + middle + T]
 
 
