@@ -69,7 +69,7 @@ class EngineOptions:
     # quantized by its LayerNorms and GELU (fp8.attach_encoder); the same needs and caveat as fp8_prefill
     fp8_lm_head: bool = False  # the lm_head's weight rounded to FP8 (model/fp8_lm_head.py): a small decode step's
     # lm_head streams half its bytes (batch-1 latency), the larger ones multiply the same rounded numbers in bf16.
-    # Needs the fused kernels. Tokens are not bit for bit bf16's: docs/benchmarks.md has the speed and the agreement
+    # Needs the fused kernels. Tokens are not bit for bit bf16's: docs/benchmarks.md has what was measured (session 38)
     stream_priorities: bool = True  # decode steps and admissions on a high-priority CUDA stream, the aligner's forward
     # on the lowest (qasr.engine.streams), so that finals without words keep their pace; False: decoding on the
     # thread's default stream, as before (benchmarks compare)

@@ -332,7 +332,6 @@ class ModelRunner:
         if fp8_lm_head:
             round_lm_head(model)
         rope = model.decoder.rope_table(self.cache.length) if self.fused_kernels else None
-        self.fp8_lm_head = fp8_lm_head
         self.layer_ops = FusedLayerOps(rope, fp8_lm_head=fp8_lm_head) if self.fused_kernels else PlainLayerOps()
         self.prefill_ops = (FusedLayerOps(rope, fp8_products=True, fp8_lm_head=fp8_lm_head) if fp8_prefill
                             else self.layer_ops)

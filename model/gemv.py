@@ -13,7 +13,8 @@ order and rounds to the activation dtype, as nn.Linear's output would be rounded
 FP8 weights (model/fp8_lm_head.py): a weight may be e4m3 with a float32 power-of-two scale per output column. The
 kernels widen its bytes to the activations' dtype on the way to the MMA and scale each column's sums at the end. A
 power-of-two scale commutes with every rounding, so the result is that of the same kernel over the bf16 weight
-`values * scale` bit for bit, in half the weight bytes.
+`values * scale`, in half the weight bytes: bit for bit in Triton's interpreter and, on an H100, for _gemv_kernel
+(the lm_head's); not for _gate_up_silu_kernel there (session 38), whose FP8 dot Triton may lower to another MMA form.
 
 The lm_head's product can also take each row's argmax (linear_argmax): every program leaves its column block's
 largest logit and that logit's first column, and kernels.advance_rows reduces those in the launch it makes anyway.
