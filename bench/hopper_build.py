@@ -65,9 +65,9 @@ KERNELS = {
                             "MAX_I": "*i32", "M": "i32", "N": "i32", "K": "i32", "stride_xm": "i32"},  # the lm_head's
                      {"K_SPLIT": 1024, "BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "PRECISION": None,
                       "ARGMAX": True, "SCALED": False}),  # with its block maxima
-    "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "SCALE": "*fp32", "OUT": "*bf16", "M": "i32",
-                                    "I": "i32", "K": "i32", "stride_xm": "i32"},
-                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None, "SCALED": False}),
+    "_gate_up_silu_kernel": (gemv, {"X": "*bf16", "W": "*bf16", "OUT": "*bf16", "M": "i32", "I": "i32", "K": "i32",
+                                    "stride_xm": "i32"},
+                             {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "PRECISION": None}),
     # the audio encoder's (FP8 encoder products), at the 0.6B encoder's widths: 896, and 3,584 for the GELU
     "_layer_norm_kernel": (kernels, {"X": "*bf16", "W": "*bf16", "B": "*bf16", "Y": "*bf16", "S": "*bf16", "D": "i32",
                                      "eps": "fp32"}, {"FP8": False, "BLOCK": 1024}),
@@ -85,8 +85,7 @@ VARIANTS = {"_qk_norm_rope_store_kernel (int8 cache)": ("_qk_norm_rope_store_ker
     "_gemv_kernel (fp8 weight)": ("_gemv_kernel", {"W": "*fp8e4nv"}, {"SCALED": True})}
 DEVICE_FUNCTIONS = {"_await_inputs", "_load_input", "_round_to_e4m3", "_store_e4m3", "_norm_store", "_norm_rope",
                     "_first_max", "_block_argmax", "_store_int8", "_quarters", "_exact_byte", "_scores",
-                    "_load_quarters", "_attend", "_store_quarters", "_prefill_tile", "_weight_tile",
-                    "_scaled"}  # called, not launched
+                    "_load_quarters", "_attend", "_store_quarters", "_prefill_tile"}  # called, not launched
 CONVERSIONS = ("I2F", "F2I", "F2F", "I2I")  # SASS conversion opcodes (a conversion unit's, not the ALU's, rate)
 SASS_LINE = re.compile(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 

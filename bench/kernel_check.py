@@ -15,10 +15,10 @@ kernels over the dequantized cache) and times its decode attention against the b
 layer's cache from memory as a step does. `fp8` checks FP8 prefill's kernels (model/fp8.py: the RMSNorm and
 SiLU*mul that quantize for the products, bit for bit against fp8.quantize_rows of the bf16 kernels' output, and the
 products against bf16's) and times a layer's prefill products with their norms, bf16 against FP8. `fp8_lm_head`
-rounds each decode-step product's weight to FP8 as model/fp8_lm_head.py rounds the lm_head's: its FP8 GEMV against
-the bf16 GEMV over its image (bit for bit, the same config), both timed streaming from memory; then the decode step
-with the lm_head rounded against the step on the model's own in alternating rounds, and how often a greedy token
-changes.
+rounds the decode-step products' weights that _gemv_kernel multiplies (qkv, o_proj, down, the lm_head) to FP8 as
+model/fp8_lm_head.py rounds the lm_head's: each FP8 GEMV against the bf16 GEMV over its image (bit for bit, the same
+config), both timed streaming from memory; then the decode step with the lm_head rounded against the step on the
+model's own in alternating rounds, and how often a greedy token changes.
 
 `python -m qasr.bench.kernel_check [0.6B|1.7B] [--sections pdl,kernels,gemv,decode_tiles,kv_int8,fp8,fp8_lm_head,steps]`
 on a CUDA
@@ -470,7 +470,7 @@ def fp8_cases(model, device, rows=FP8_ROWS) -> dict:
 
 
 def fp8_weight_products(cfg, device, rows=(1, 16, 32)) -> dict:
-    """Each decode-step product's weight rounded to FP8: its FP8 GEMV against the bf16 GEMV over the rounded image
+    """Each _gemv_kernel product's weight rounded to FP8: its FP8 GEMV against the bf16 GEMV over the rounded image
     with the same config (bit for bit), and us a call of both (FP8's own tuned config too), each call streaming its
     weight from memory (copies past L2, as gemv's tuner times)."""
     torch.manual_seed(3)
@@ -478,18 +478,16 @@ def fp8_weight_products(cfg, device, rows=(1, 16, 32)) -> dict:
     D, I = cfg.hidden_size, cfg.intermediate_size
     q_out = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     shapes = {"qkv": ("products", q_out, D), "o_proj": ("products", D, cfg.num_attention_heads * cfg.head_dim),
-              "gate_up_silu": ("gate_up_silu", 2 * I, D), "down": ("products", D, I),
-              "lm_head": ("linear", cfg.vocab_size, D)}
-    run = {"products": gemv.partial_products, "linear": gemv.linear, "gate_up_silu": gemv.gate_up_silu}
+              "down": ("products", D, I), "lm_head": ("linear", cfg.vocab_size, D)}
+    run = {"products": gemv.partial_products, "linear": gemv.linear}
     out = {}
     for name, (kind, N, K) in shapes.items():
         copies = max(1, min(16, -(-gemv.TUNE_WEIGHT_BYTES // (N * K))))  # FP8 bytes past L2 (bf16's twice that)
         weights = [fp8_lm_head.round_weight((torch.randn(N, K, device=device) / K ** 0.5).to(bf))
                    for _ in range(copies)]
         x = torch.randn(max(rows), K, device=device, dtype=bf)
-        width = N // 2 if kind == "gate_up_silu" else N
-        bf16_config = gemv.config_for(kind, width, K, x)
-        fp8_config = gemv.config_for(kind, width, K, x, fp8_lm_head.E4M3)
+        bf16_config = gemv.config_for(kind, N, K, x)
+        fp8_config = gemv.config_for(kind, N, K, x, fp8_lm_head.E4M3)
         w = weights[0]
         same = all(torch.equal(run[kind](x[:M], w.values, bf16_config, scale=w.scales),
                                run[kind](x[:M], w.image, bf16_config)) for M in rows)

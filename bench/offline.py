@@ -196,10 +196,10 @@ def engine_step_ms(engine: Engine, clip: np.ndarray, tokens: int, runs: int = 3)
     before the next is launched and with run-ahead, in this one process (so both run the same kernels). Against the
     graph's own replay time (decode_step_ms) the difference is what the loop adds. The rows start after their
     prefill, as the host's wait starts them: a lone admission's rows otherwise start on a device wait
-    (Engine._starts_on_device_wait), and their decode_ms would hold the prefill's last milliseconds."""
+    (Engine.lone_admission_waits_on_device), and their decode_ms would hold the prefill's last milliseconds."""
     out = {}
-    ahead = engine.run_ahead
-    engine._starts_on_device_wait = lambda: False  # this instance only, until the finally below
+    ahead, on_device = engine.run_ahead, engine.lone_admission_waits_on_device
+    engine.lone_admission_waits_on_device = False
     try:
         for mode, run_ahead in (("read_each", False), ("run_ahead", True)):
             engine.run_ahead = run_ahead
@@ -211,8 +211,7 @@ def engine_step_ms(engine: Engine, clip: np.ndarray, tokens: int, runs: int = 3)
                     per_step += [r.timings["decode_ms"] / (tokens - 1) for r in results]
                 out[mode][rows] = statistics.median(per_step)
     finally:
-        engine.run_ahead = ahead
-        del engine._starts_on_device_wait
+        engine.run_ahead, engine.lone_admission_waits_on_device = ahead, on_device
     return out
 
 

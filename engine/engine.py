@@ -130,6 +130,9 @@ class Engine:
         # its launches (and the wait for its mel's extremes, on that stream) overlap the step instead of leaving the
         # GPU without a step meanwhile. Without one the mel's read would wait for the step: after the read, as before
         self.admit_during_step = self.admission_stream is not None
+        # a lone admission's rows may start at once, the decode stream waiting for its prefill on the device
+        # (_starts_on_device_wait; benchmarks that time the steps alone turn it off)
+        self.lone_admission_waits_on_device = True
         self.streams = StreamCache(range(options.num_slots, options.num_slots + options.num_retained))
         self._lock = threading.Lock()  # guards the stream cache's release from other threads
         self._released: list[str] = []
@@ -458,9 +461,10 @@ class Engine:
         """May the rows of admissions whose device work is not done start at once, the decode stream waiting for
         their events on the device instead of the host? Only where nothing else decodes (the host would wait for
         them: a host wait left the GPU idle through start_rows' and the first step's launches after it, 1.6 ms
-        between the prefill's end and the first decode kernel in session 37's batch-1 trace) and only with an
-        admission stream: off CUDA there is none, nor a stream to wait on, and the host waits as it always did."""
-        return self.admission_stream is not None and not self._decoding()
+        between the prefill's end and the first decode kernel in session 37's batch-1 trace), only with an
+        admission stream (off CUDA there is none, nor a stream to wait on, and the host waits as it always did), and
+        where lone_admission_waits_on_device."""
+        return self.lone_admission_waits_on_device and self.admission_stream is not None and not self._decoding()
 
     def _start_admitted(self, wait: bool) -> None:
         """Put the rows of every admission whose device work is done into decode, on the decode stream (wait: all of

@@ -10,11 +10,11 @@ Split-K partial sums are not reduced here (that would be one more launch): `part
 [S, M, N] and the kernel that consumes the product (add+RMSNorm, q/k-norm+RoPE in kernels.py) sums them in a fixed
 order and rounds to the activation dtype, as nn.Linear's output would be rounded.
 
-FP8 weights (model/fp8_lm_head.py): a weight may be e4m3 with a float32 power-of-two scale per output column. The
-kernels widen its bytes to the activations' dtype on the way to the MMA and scale each column's sums at the end. A
-power-of-two scale commutes with every rounding, so the result is that of the same kernel over the bf16 weight
-`values * scale`, in half the weight bytes: bit for bit in Triton's interpreter and, on an H100, for _gemv_kernel
-(the lm_head's); not for _gate_up_silu_kernel there (session 38), whose FP8 dot Triton may lower to another MMA form.
+FP8 weights (model/fp8_lm_head.py): _gemv_kernel's weight may be e4m3 with a float32 power-of-two scale per output
+column. It widens the bytes to the activations' dtype on the way to the MMA and scales each column's sums at the end.
+A power-of-two scale commutes with every rounding, so the result is that of the same kernel over the bf16 weight
+`values * scale`, bit for bit (in Triton's interpreter and on an H100), in half the weight bytes. (gate_up_silu took
+FP8 weights too in session 38: slower, and not bit for bit on the H100; removed.)
 
 The lm_head's product can also take each row's argmax (linear_argmax): every program leaves its column block's
 largest logit and that logit's first column, and kernels.advance_rows reduces those in the launch it makes anyway.
@@ -103,18 +103,6 @@ if triton is not None:
         tl.store(MAX_I + at, tl.where(has_nan, nan_col, first), mask=rmask)
 
     @triton.jit
-    def _weight_tile(W, at, mask, X):
-        # a weight tile in X's dtype: FP8 bytes widened (exactly) for the MMA, other weights as they are
-        return tl.load(W + at, mask=mask, other=0.0).to(X.dtype.element_ty)
-
-    @triton.jit
-    def _scaled(acc, SCALE, cols, cmask, SCALED: tl.constexpr):
-        # an FP8 weight's column sums times its columns' power-of-two scales (exact: see the module's docstring)
-        if SCALED:
-            acc = acc * tl.load(SCALE + cols, mask=cmask, other=1.0)[:, None]
-        return acc
-
-    @triton.jit
     def _gemv_kernel(X, W, SCALE, OUT, MAX_V, MAX_I, M, N, K, stride_xm, K_SPLIT: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, ARGMAX: tl.constexpr,
                      SCALED: tl.constexpr, PDL: tl.constexpr):
@@ -132,10 +120,12 @@ if triton is not None:
         for k0 in range(k_start, k_start + K_SPLIT, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
-            w = _weight_tile(W, cols[:, None].to(tl.int64) * K + k[None, :], cmask[:, None] & kmask[None, :], X)
+            w = tl.load(W + cols[:, None].to(tl.int64) * K + k[None, :], mask=cmask[:, None] & kmask[None, :],
+                        other=0.0).to(X.dtype.element_ty)  # FP8 bytes widened (exactly) for the MMA
             x = tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             acc = tl.dot(w, tl.trans(x), acc, input_precision=PRECISION)
-        acc = _scaled(acc, SCALE, cols, cmask, SCALED)
+        if SCALED:  # the column sums times their power-of-two scales (exact: see the module's docstring)
+            acc = acc * tl.load(SCALE + cols, mask=cmask, other=1.0)[:, None]
         out = OUT + split.to(tl.int64) * M * N + rows[None, :] * N + cols[:, None]
         rounded = acc.to(OUT.dtype.element_ty)
         tl.store(out, rounded, mask=cmask[:, None] & rmask[None, :])
@@ -143,12 +133,10 @@ if triton is not None:
             _block_argmax(rounded.to(tl.float32), rows, rmask, cols, cmask, MAX_V, MAX_I)
 
     @triton.jit
-    def _gate_up_silu_kernel(X, W, SCALE, OUT, M, I, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALED: tl.constexpr,
-                             PDL: tl.constexpr):
+    def _gate_up_silu_kernel(X, W, OUT, M, I, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         # program (row tile, column block): OUT[m, n] = silu(gate) * up for gate = X W[n].T and up = X W[I + n].T,
-        # each rounded where F.silu(gate) * up of nn.Linear's outputs rounds (as kernels.silu_mul does); SCALED: W is
-        # FP8, its row n scaled by SCALE[n]
+        # each rounded where F.silu(gate) * up of nn.Linear's outputs rounds (as kernels.silu_mul does)
         _await_inputs(PDL)
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,10 +150,8 @@ if triton is not None:
             at = cols[:, None].to(tl.int64) * K + k[None, :]
             x = tl.trans(tl.load(X + rows[:, None] * stride_xm + k[None, :], mask=rmask[:, None] & kmask[None, :],
                                  other=0.0))
-            gate = tl.dot(_weight_tile(W, at, wmask, X), x, gate, input_precision=PRECISION)
-            up = tl.dot(_weight_tile(W + I * K, at, wmask, X), x, up, input_precision=PRECISION)
-        gate = _scaled(gate, SCALE, cols, cmask, SCALED)
-        up = _scaled(up, SCALE + I, cols, cmask, SCALED)
+            gate = tl.dot(tl.load(W + at, mask=wmask, other=0.0), x, gate, input_precision=PRECISION)
+            up = tl.dot(tl.load(W + I * K + at, mask=wmask, other=0.0), x, up, input_precision=PRECISION)
         dt = OUT.dtype.element_ty
         g = gate.to(dt).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
@@ -265,20 +251,21 @@ def _launch_products(x, weight, scale, out, config: GemvConfig, maxima: kernels.
                        **kernels.pdl_options(x.device, M))
 
 
-def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None,
-                 scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The MLP's first half in one kernel: x [M, K], gate|up weight [2I, K] -> silu(x gate.T) * (x up.T) [M, I]."""
-    _check(x, weight, scale)
+def gate_up_silu(x: torch.Tensor, weight: torch.Tensor, config: GemvConfig | None = None) -> torch.Tensor:
+    """The MLP's first half in one kernel: x [M, K], gate|up weight [2I, K] (of x's dtype) -> silu(x gate.T) * (x
+    up.T) [M, I]."""
+    _check(x, weight, None)
+    if weight.dtype != x.dtype:
+        raise ValueError(f"gate_up_silu takes a weight of x's dtype ({x.dtype}), got {weight.dtype}")
     M, K = x.shape
     I = weight.shape[0] // 2
     if weight.shape[0] != 2 * I:
         raise ValueError(f"gate|up weight needs an even number of rows, got {tuple(weight.shape)}")
-    config = config or config_for("gate_up_silu", I, K, x, weight.dtype)
+    config = config or config_for("gate_up_silu", I, K, x)
     out = torch.empty((M, I), dtype=x.dtype, device=x.device)
     grid = (_row_tiles(M), triton.cdiv(I, config.block_n))
-    _gate_up_silu_kernel[grid](x, weight, scale if scale is not None else out, out, M, I, K, x.stride(0),
-                               BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                               PRECISION=_precision(x), SCALED=scale is not None, num_warps=config.num_warps,
+    _gate_up_silu_kernel[grid](x, weight, out, M, I, K, x.stride(0), BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
+                               BLOCK_K=config.block_k, PRECISION=_precision(x), num_warps=config.num_warps,
                                num_stages=config.stages(M), **kernels.pdl_options(x.device, M))
     return out
 
@@ -353,10 +340,10 @@ def _fastest(kind: str, N: int, K: int, x: torch.Tensor, weight_dtype: torch.dty
     rows = 2 * N if kind == "gate_up_silu" else N
     copies = max(1, min(16, -(-TUNE_WEIGHT_BYTES // (rows * K * weight_dtype.itemsize))))
     weights = [torch.randn(rows, K, device=x.device, dtype=x.dtype).to(weight_dtype) for _ in range(copies)]
-    scale = torch.ones(rows, device=x.device) if weight_dtype == E4M3 else None
     inputs = [torch.randn(M, K, device=x.device, dtype=x.dtype) for M in (1, BLOCK_M)]
     run = {"products": partial_products, "linear": linear, "gate_up_silu": gate_up_silu}[kind]
-    timed = {config: sum(gpu_timing.per_call_ms([functools.partial(run, xs, w, config, scale) for w in weights],
+    scaled = {"scale": torch.ones(rows, device=x.device)} if weight_dtype == E4M3 else {}
+    timed = {config: sum(gpu_timing.per_call_ms([functools.partial(run, xs, w, config, **scaled) for w in weights],
                                                 runs=5)
                          for xs in inputs) for config in options}
     best = settle(timed)

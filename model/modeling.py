@@ -601,18 +601,12 @@ class FusedLayerOps:
     def _small(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.shape[0] <= self.gemv_rows and gemv.supports(x, weight)
 
-    def _weights(self, linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """(the weight gemv.py streams, its FP8 scales or None, the weight cuBLAS multiplies) of a product (only a
-        rounded one, the lm_head with fp8_lm_head, has FP8 bytes)."""
-        rounded = getattr(linear, "rounded", None) if self.fp8_lm_head else None
-        return (rounded.values, rounded.scales, rounded.image) if rounded else (linear.weight, None, linear.weight)
-
-    def _product(self, linear: nn.Linear, x: torch.Tensor, gemv_product):
-        """x's product with linear's weight: gemv_product(x, weight, scale=...) for a few rows, cuBLAS's otherwise."""
-        weight, scale, dense = self._weights(linear)
-        if self._small(x, weight):
-            return gemv_product(x, weight, scale=scale)
-        return F.linear(x, dense, linear.bias)
+    def _lm_head_weights(self, lm_head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(the weight gemv.py streams, its FP8 scales or None, the weight cuBLAS multiplies) of the lm_head."""
+        if self.fp8_lm_head:
+            rounded = lm_head.rounded
+            return rounded.values, rounded.scales, rounded.image
+        return lm_head.weight, None, lm_head.weight
 
     def _norm(self, x: torch.Tensor, norm: RMSNorm, residual: torch.Tensor | None) -> torch.Tensor | fp8.Rows:
         if self.fp8_products and norm.feeds_fp8:
@@ -633,19 +627,20 @@ class FusedLayerOps:
         float32 [S, N, out]."""
         if isinstance(x, fp8.Rows):
             return fp8.linear(x, linear)
-        return self._product(linear, x, gemv.partial_products)
+        return gemv.partial_products(x, linear.weight) if self._small(x, linear.weight) else linear(x)
 
     def logits(self, lm_head: nn.Linear, h: torch.Tensor) -> torch.Tensor:
-        return self._product(lm_head, h, gemv.linear)
+        weight, scale, dense = self._lm_head_weights(lm_head)
+        return gemv.linear(h, weight, scale=scale) if self._small(h, weight) else F.linear(h, dense, lm_head.bias)
 
     def greedy(self, lm_head: nn.Linear,
                h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | kernels.BlockMaxima]:
         """-> (logits, their argmax): [B] long, or the GEMV lm_head's kernels.BlockMaxima (kernels.advance_rows
         finishes that argmax in its own launch, bit for bit torch.argmax's)."""
-        weight, scale, dense = self._weights(lm_head)
+        weight, scale, _ = self._lm_head_weights(lm_head)
         if self._small(h, weight):
             return gemv.linear_argmax(h, weight, scale=scale)
-        logits = F.linear(h, dense, lm_head.bias)
+        logits = self.logits(lm_head, h)
         return logits, logits.argmax(dim=-1)
 
     def decode_start(self, decoder: TextDecoder, tokens, positions, cache: KVCache):
@@ -666,12 +661,9 @@ class FusedLayerOps:
         if isinstance(h, fp8.Rows):
             act = kernels.silu_mul(fp8.linear(h, mlp.gate_up_proj), fp8=True)
             return fp8.linear(fp8.Rows(*act), mlp.down_proj)
-        weight, scale, dense = self._weights(mlp.gate_up_proj)
-        if self._small(h, weight):
-            act = gemv.gate_up_silu(h, weight, scale=scale)
-        else:
-            act = kernels.silu_mul(F.linear(h, dense, mlp.gate_up_proj.bias))
-        return self._product(mlp.down_proj, act, gemv.partial_products)
+        if self._small(h, mlp.gate_up_proj.weight):
+            return gemv.partial_products(gemv.gate_up_silu(h, mlp.gate_up_proj.weight), mlp.down_proj.weight)
+        return mlp.down_proj(kernels.silu_mul(mlp.gate_up_proj(h)))
 
     def prefill_attention(self, decoder: TextDecoder, x, positions, slots, starts, lengths, write_pos,
                           cache: KVCache, num_keys: int | None):

@@ -1055,12 +1055,6 @@ def test_a_gemv_over_fp8_weights_is_the_gemv_over_their_image_bit_for_bit(config
         assert torch.equal(maxima.values, expected.values) and torch.equal(maxima.index, expected.index)
 
 
-def test_gate_up_silu_over_fp8_weights_scales_gate_and_up_rows_each():
-    x, r = rounded_operands(3, 64, 48)  # gate rows 0-31 and up rows 32-63 on scales of their own
-    got = gemv.gate_up_silu(x, r.values, gemv.GemvConfig(16, 16), scale=r.scales)
-    assert torch.equal(got, gemv.gate_up_silu(x, r.image, gemv.GemvConfig(16, 16)))
-
-
 def test_an_fp8_weight_comes_with_its_scales_and_only_it_takes_them():
     x, r = rounded_operands(2, 32, 32)
     with pytest.raises(ValueError, match="FP8 weight needs its scales"):
